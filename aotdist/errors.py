@@ -1,0 +1,59 @@
+"""Exception types raised by aotdist.
+
+Every user error is an exception whose message says what is wrong, the observed
+value, and how to fix it. Distributed failures name the rank.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AOTDistError",
+    "ConfigError",
+    "OrderingError",
+    "RegionCaptureError",
+    "RegionCompileWarning",
+]
+
+
+class AOTDistError(Exception):
+    """Base class of every error aotdist raises on purpose."""
+
+
+class ConfigError(AOTDistError, ValueError):
+    """A configuration value, selection pattern or argument is invalid.
+
+    The message lists every problem found, each with the key and the fix.
+    """
+
+
+class OrderingError(AOTDistError, RuntimeError):
+    """Transformations were applied in an order aotdist cannot build on.
+
+    For example a model already wrapped by ``torch.compile`` handed to
+    ``compile_regions``, or regions compiled twice.
+    """
+
+
+class RegionCompileWarning(UserWarning):
+    """A region could not be compiled as one reusable subgraph and was handled another way.
+
+    The message names the region and the reason, and says what aotdist did instead.
+    """
+
+
+class RegionCaptureError(AOTDistError, RuntimeError):
+    """The compile backend failed on a region's ``invoke_subgraph``.
+
+    Raised by aotdist's recording backend with the names of the failing regions, so that
+    the compiled model can fix or demote exactly those regions. Users see it only when
+    the failure cannot be handled.
+
+    Attributes:
+        regions: Names of the regions whose subgraphs the backend rejected.
+        reason: The backend's own explanation, first line.
+    """
+
+    def __init__(self, regions: list[str], reason: str):
+        super().__init__(f"regions {regions} failed to compile: {reason}")
+        self.regions = list(regions)
+        self.reason = reason

@@ -1,0 +1,326 @@
+"""Compile metrics: time by phase, graphs, graph breaks, recompiles, region reuse.
+
+Two sources, both read without changing any compiler setting:
+
+* ``torch._dynamo.utils.get_compilation_metrics()``: one record per Dynamo frame
+  compile (and per lazily compiled backward) with cumulative times for Dynamo,
+  AOTAutograd and Inductor, the recompile reason and the failure, if any;
+  ``torch._dynamo.utils.counters["graph_break"]`` for graph-break reasons.
+* :class:`RecordingBackend`, the backend wrapper :func:`aotdist.compile_regions`
+  installs: it sees every FX graph Dynamo hands over, counts the ``invoke_subgraph``
+  call sites and distinct subgraphs of each region, then delegates to the real backend.
+
+Use :func:`track` around the first training step(s)::
+
+    with aotdist.metrics.track(model) as m:
+        loss = model(x).sum(); loss.backward()
+    print(m.summary())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from aotdist.errors import RegionCaptureError
+
+__all__ = ["CompileMetrics", "GraphRecord", "RecordingBackend", "RegionStats", "track"]
+
+# Every RecordingBackend appends here, so track() can see graphs compiled in its window.
+_GRAPH_LOG: list[GraphRecord] = []
+_MAX_LOG = 10_000
+
+
+@dataclass
+class GraphRecord:
+    """One FX graph Dynamo handed to the backend."""
+
+    index: int
+    model_id: int
+    num_ops: int
+    backend_seconds: float
+    # region name -> instance fqns that call its subgraph, and the subgraph identifiers
+    call_sites: dict[str, list[str]] = field(default_factory=dict)
+    subgraphs: dict[str, set[str]] = field(default_factory=dict)
+    # region name -> instance fqns whose ops were inlined into this graph
+    inlined: dict[str, set[str]] = field(default_factory=dict)
+    gm: Any = None
+
+
+@dataclass
+class RegionStats:
+    """Reuse of one region: the goal is ``subgraphs == 1`` and ``call_sites == instances``."""
+
+    instances: int
+    call_sites: int = 0
+    subgraphs: int = 0
+    inlined: int = 0
+
+
+@dataclass
+class CompileMetrics:
+    """What compiling cost and produced within one :func:`track` window (seconds)."""
+
+    compile_seconds: float = 0.0
+    dynamo_seconds: float = 0.0
+    aot_autograd_seconds: float = 0.0
+    backend_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    frames_compiled: int = 0
+    graphs: int = 0
+    graph_breaks: dict[str, int] = field(default_factory=dict)
+    recompiles: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    regions: dict[str, RegionStats] = field(default_factory=dict)
+    fixes: dict[str, str] = field(default_factory=dict)
+    demoted: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_graph_breaks(self) -> int:
+        return sum(self.graph_breaks.values())
+
+    def to_dict(self) -> dict:
+        """JSON-able copy."""
+        d = asdict(self)
+        d["num_graph_breaks"] = self.num_graph_breaks
+        return d
+
+    def summary(self) -> str:
+        """A compact multi-line text report."""
+        lines = [
+            f"compile {self.compile_seconds:.2f}s (dynamo {self.dynamo_seconds:.2f}s, "
+            f"aot_autograd {self.aot_autograd_seconds:.2f}s, backend {self.backend_seconds:.2f}s)"
+            f" | frames {self.frames_compiled} | graphs {self.graphs} | "
+            f"graph breaks {self.num_graph_breaks} | recompiles {len(self.recompiles)}",
+        ]
+        for name, st in self.regions.items():
+            extra = f", {st.inlined} inlined" if st.inlined else ""
+            lines.append(
+                f"  region {name}: {st.instances} instances, {st.call_sites} call sites, "
+                f"{st.subgraphs} distinct subgraph(s){extra}"
+            )
+        for reason, n in self.graph_breaks.items():
+            lines.append(f"  graph break x{n}: {reason.splitlines()[0][:160]}")
+        for reason in self.recompiles:
+            lines.append(f"  recompile: {reason.splitlines()[0][:160]}")
+        for name, fix in self.fixes.items():
+            lines.append(f"  region {name} fixed: {fix}")
+        for name, why in self.demoted.items():
+            lines.append(f"  region {name} compiled inline: {why[:160]}")
+        return "\n".join(lines)
+
+
+_PATH_TOKEN = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]|\.(\w+)")
+
+
+def module_path_to_fqn(path: str) -> str:
+    """``L['self'].blocks.1`` / ``L['self']._modules['blocks']._modules['1']`` -> ``blocks.1``."""
+    path = re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", path.strip())
+    path = re.sub(r"getattr\((.*?), ['\"]([^'\"]+)['\"]\)", r"\1.\2", path)
+    parts = [next(g for g in m.groups() if g is not None) for m in _PATH_TOKEN.finditer(path)]
+    return ".".join(parts)
+
+
+def _stack_fqns(node: torch.fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return [module_path_to_fqn(v[0]) for v in stack.values() if isinstance(v, tuple)]
+
+
+class RecordingBackend:
+    """A ``torch.compile`` backend that records each graph's region reuse, then delegates.
+
+    Attributes the wrapped backend exposes (``compiler_name``, ``get_compiler_config``...)
+    are forwarded, so Dynamo treats it as the backend it wraps.
+    """
+
+    def __init__(self, inner: Callable, *, model: nn.Module | None = None, plan=None,
+                 keep_graphs: bool = False):
+        self.inner = inner
+        self.plan = plan
+        self.keep_graphs = keep_graphs
+        self._model_id = id(model) if model is not None else 0
+        self._fqn_to_region = {f: r.name for r in plan for f in r.fqns} if plan else {}
+        self.records: list[GraphRecord] = []
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not yet set (during unpickling): avoid recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        record = GraphRecord(
+            index=len(_GRAPH_LOG), model_id=self._model_id,
+            num_ops=sum(1 for n in gm.graph.nodes if n.op == "call_function"),
+            backend_seconds=0.0, gm=gm if self.keep_graphs else None,
+        )
+        node_regions = self._analyse(gm, record)
+        start = time.perf_counter()
+        try:
+            compiled = self.inner(gm, example_inputs)
+        except Exception as exc:
+            failing = _regions_named_in(exc, node_regions)
+            if failing:
+                raise RegionCaptureError(failing, _first_error_line(exc)) from exc
+            raise
+        record.backend_seconds = time.perf_counter() - start
+        self.records.append(record)
+        _GRAPH_LOG.append(record)
+        del _GRAPH_LOG[:-_MAX_LOG]
+        return compiled
+
+    def _analyse(self, gm: torch.fx.GraphModule, record: GraphRecord) -> dict[str, str]:
+        """Fills ``record``; returns invoke_subgraph node name -> region name."""
+        invoke = torch.ops.higher_order.invoke_subgraph
+        node_regions: dict[str, str] = {}
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is operator.getitem and getattr(node.args[0], "target", None) is invoke:
+                continue  # unpacking a region's outputs is not an inlined op
+            fqns = [f for f in _stack_fqns(node) if f in self._fqn_to_region]
+            if node.target is invoke:
+                ident = str(node.args[1])
+                fqn = fqns[-1] if fqns else None
+                region = self._fqn_to_region.get(fqn) if fqn else None
+                if region is None:
+                    region = "<unknown>"
+                record.call_sites.setdefault(region, []).append(fqn or "?")
+                record.subgraphs.setdefault(region, set()).add(f"{record.index}:{ident}")
+                node_regions[node.name] = region
+            elif fqns:
+                region = self._fqn_to_region[fqns[-1]]
+                record.inlined.setdefault(region, set()).add(fqns[-1])
+        return node_regions
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    seen = 0
+    while exc is not None and seen < 8:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+
+
+def _regions_named_in(exc: BaseException, node_regions: dict[str, str]) -> list[str]:
+    """Regions whose invoke_subgraph node the backend's error names ("While executing %x")."""
+    found: list[str] = []
+    for e in _chain(exc):
+        for name in re.findall(r"While executing %(\w+)", str(e)):
+            region = node_regions.get(name)
+            if region and region != "<unknown>" and region not in found:
+                found.append(region)
+    return found
+
+
+def _first_error_line(exc: BaseException) -> str:
+    """The innermost error's first meaningful line, without Dynamo's wrapper text."""
+    for e in reversed(list(_chain(exc))):
+        for line in str(e).splitlines():
+            line = line.strip()
+            if line and not line.startswith(("backend=", "While executing")):
+                return f"{type(e).__name__}: {line}"[:300]
+    return type(exc).__name__
+
+
+def _us(cm, name: str) -> float:
+    return (getattr(cm, name, None) or 0) / 1e6
+
+
+@contextlib.contextmanager
+def track(model: nn.Module | None = None) -> Iterator[CompileMetrics]:
+    """Collects :class:`CompileMetrics` for the compiles that happen inside the block.
+
+    Args:
+        model: A model compiled by :func:`aotdist.compile_regions`; its region reuse is
+            reported. Without it, region stats cover every aotdist model compiled.
+
+    Yields:
+        A :class:`CompileMetrics`, filled in when the block exits.
+    """
+    from torch._dynamo.utils import counters, get_compilation_metrics
+
+    before_ids = {id(m) for m in get_compilation_metrics()}
+    breaks_before = Counter(counters["graph_break"])
+    log_start = len(_GRAPH_LOG)
+    log_tail = _GRAPH_LOG[-1] if _GRAPH_LOG else None
+    metrics = CompileMetrics()
+    start = time.perf_counter()
+    try:
+        yield metrics
+    finally:
+        metrics.wall_seconds = time.perf_counter() - start
+        new = [m for m in get_compilation_metrics() if id(m) not in before_ids]
+        _fill_times(metrics, new)
+        breaks = Counter(counters["graph_break"]) - breaks_before
+        metrics.graph_breaks = dict(breaks)
+        if log_tail is not None and log_tail in _GRAPH_LOG:
+            log_start = _GRAPH_LOG.index(log_tail) + 1
+        records = _GRAPH_LOG[log_start:]
+        if model is not None:
+            records = [r for r in records if r.model_id == id(model)]
+        metrics.graphs = len(records)
+        _fill_regions(metrics, model, records)
+
+
+def _fill_times(metrics: CompileMetrics, entries: list) -> None:
+    for cm in entries:
+        inductor = _us(cm, "inductor_cumulative_compile_time_us")
+        if getattr(cm, "is_forward", None):
+            total = _us(cm, "dynamo_cumulative_compile_time_us")
+            aot = _us(cm, "aot_autograd_cumulative_compile_time_us")
+            metrics.frames_compiled += 1
+            metrics.dynamo_seconds += max(total - aot, 0.0)
+            metrics.aot_autograd_seconds += max(aot - inductor, 0.0)
+            if getattr(cm, "recompile_reason", None):
+                metrics.recompiles.append(cm.recompile_reason)
+        else:  # a lazily compiled backward graph
+            total = _us(cm, "backward_cumulative_compile_time_us")
+            metrics.aot_autograd_seconds += max(total - inductor, 0.0)
+        metrics.backend_seconds += inductor
+        metrics.compile_seconds += total
+        if getattr(cm, "fail_type", None):
+            metrics.failures.append(f"{cm.fail_type}: {cm.fail_reason}")
+
+
+def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> None:
+    from aotdist.compile import STATE_ATTR
+
+    state = vars(model).get(STATE_ATTR) if model is not None else None
+    if state is not None:
+        for region in state.plan:
+            metrics.regions[region.name] = RegionStats(instances=region.count)
+        metrics.fixes = dict(state.fixes)
+        metrics.demoted = dict(state.demoted)
+    subgraphs: dict[str, set[str]] = {}
+    inlined: dict[str, set[str]] = {}
+    for rec in records:
+        for name, sites in rec.call_sites.items():
+            metrics.regions.setdefault(name, RegionStats(instances=0)).call_sites += len(sites)
+        for name, ids in rec.subgraphs.items():
+            subgraphs.setdefault(name, set()).update(ids)
+        for name, fqns in rec.inlined.items():
+            inlined.setdefault(name, set()).update(fqns)
+    for name, ids in subgraphs.items():
+        metrics.regions[name].subgraphs = len(ids)
+    for name, fqns in inlined.items():
+        metrics.regions.setdefault(name, RegionStats(instances=0)).inlined = len(fqns)
+
+
+def model_records(model: nn.Module) -> list[GraphRecord]:
+    """Every graph recorded for ``model`` since it was compiled by aotdist."""
+    from aotdist.compile import STATE_ATTR
+
+    state = vars(model).get(STATE_ATTR)
+    if state is None or state.backend is None:
+        return []
+    return list(state.backend.records)
+
