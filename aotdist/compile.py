@@ -19,6 +19,7 @@ are unchanged: no ``_orig_mod.`` prefix, no ``OptimizedModule`` wrapper.
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import types
 import warnings
@@ -95,10 +96,7 @@ def _clone_aliasing_outputs(fn: Callable) -> Callable:
 
 def _reduce_as_base(self, protocol):
     """Pickle and deepcopy a marked instance as an instance of the user's own class."""
-    reduced = object.__reduce_ex__(self, protocol)
-    base = type(self)._aotdist_base
-    args = tuple(base if a is type(self) else a for a in reduced[1])
-    return (reduced[0], args, *reduced[2:])
+    return (copyreg._reconstructor, (type(self)._aotdist_base, object, None), vars(self).copy())
 
 
 def _region_class(base: type, region: str, *, clone_aliases: bool) -> type:
@@ -376,13 +374,13 @@ def compile_regions(
         ConfigError: a bad backend, mode/options with a callable backend, or a plan that
             does not fit ``model``.
     """
-    _check_compilable(model)
     state = vars(model).get(STATE_ATTR)
     if state is not None and state.compiled:
         raise OrderingError(
             "aotdist already compiled this model; applying twice would compound it. "
             "Fix: call aotdist.restore(model) first, or use the model as it is."
         )
+    _check_compilable(model)
     inner = _make_backend(backend, mode, options, dynamic)
     if state is None:  # parallelize marks before fully_shard, then compiles here
         state = mark_regions(model, plan)

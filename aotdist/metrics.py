@@ -23,6 +23,7 @@ import contextlib
 import operator
 import re
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -53,6 +54,8 @@ class GraphRecord:
     subgraphs: dict[str, set[str]] = field(default_factory=dict)
     # region name -> instance fqns whose ops were inlined into this graph
     inlined: dict[str, set[str]] = field(default_factory=dict)
+    # region compiled as a frame of its own (after a graph break outside it), if any
+    standalone: str | None = None
     gm: Any = None
 
 
@@ -64,6 +67,7 @@ class RegionStats:
     call_sites: int = 0
     subgraphs: int = 0
     inlined: int = 0
+    standalone_graphs: int = 0  # graphs of the region compiled as frames of their own
 
 
 @dataclass
@@ -78,6 +82,8 @@ class CompileMetrics:
     frames_compiled: int = 0
     graphs: int = 0
     graph_breaks: dict[str, int] = field(default_factory=dict)
+    # Dynamo errors that made it skip a frame or fall back to eager (counters["unimplemented"])
+    unsupported: dict[str, int] = field(default_factory=dict)
     recompiles: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     regions: dict[str, RegionStats] = field(default_factory=dict)
@@ -104,12 +110,16 @@ class CompileMetrics:
         ]
         for name, st in self.regions.items():
             extra = f", {st.inlined} inlined" if st.inlined else ""
+            if st.standalone_graphs:
+                extra += f", {st.standalone_graphs} standalone frame graph(s)"
             lines.append(
                 f"  region {name}: {st.instances} instances, {st.call_sites} call sites, "
                 f"{st.subgraphs} distinct subgraph(s){extra}"
             )
         for reason, n in self.graph_breaks.items():
             lines.append(f"  graph break x{n}: {reason.splitlines()[0][:160]}")
+        for reason, n in self.unsupported.items():
+            lines.append(f"  unsupported x{n}: {reason.splitlines()[0][:160]}")
         for reason in self.recompiles:
             lines.append(f"  recompile: {reason.splitlines()[0][:160]}")
         for name, fix in self.fixes.items():
@@ -144,10 +154,11 @@ class RecordingBackend:
 
     def __init__(self, inner: Callable, *, model: nn.Module | None = None, plan=None,
                  keep_graphs: bool = False):
-        self.inner = inner
+        self.inner = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
         self.plan = plan
         self.keep_graphs = keep_graphs
         self._model_id = id(model) if model is not None else 0
+        self._model_ref = weakref.ref(model) if model is not None else None
         self._fqn_to_region = {f: r.name for r in plan for f in r.fqns} if plan else {}
         self.records: list[GraphRecord] = []
 
@@ -163,6 +174,7 @@ class RecordingBackend:
             backend_seconds=0.0, gm=gm if self.keep_graphs else None,
         )
         node_regions = self._analyse(gm, record)
+        record.standalone = self._standalone_region()
         start = time.perf_counter()
         try:
             compiled = self.inner(gm, example_inputs)
@@ -200,6 +212,34 @@ class RecordingBackend:
                 region = self._fqn_to_region[fqns[-1]]
                 record.inlined.setdefault(region, set()).add(fqns[-1])
         return node_regions
+
+
+    def _standalone_region(self) -> str | None:
+        """The region whose instance is the frame being compiled, if it is one.
+
+        After a graph break outside the regions (say, in the loop over blocks), Dynamo
+        compiles each block call as a frame of its own: no invoke_subgraph, but the frame's
+        code is compiled once and reused by every instance.
+        """
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is None:
+            return None
+        try:
+            from torch._dynamo.symbolic_convert import InstructionTranslator
+
+            f_locals = InstructionTranslator.current_tx().f_locals
+        except Exception:  # not inside a Dynamo frame compile: nothing to attribute
+            return None
+        candidates = [f_locals.get("self")]
+        args = f_locals.get("args")
+        if isinstance(args, tuple) and args:
+            candidates.append(args[0])
+        by_id = {id(m): f for f, m in model.named_modules()}
+        for obj in candidates:
+            fqn = by_id.get(id(obj))
+            if fqn in self._fqn_to_region:
+                return self._fqn_to_region[fqn]
+        return None
 
 
 def _chain(exc: BaseException | None) -> Iterator[BaseException]:
@@ -250,6 +290,7 @@ def track(model: nn.Module | None = None) -> Iterator[CompileMetrics]:
 
     before_ids = {id(m) for m in get_compilation_metrics()}
     breaks_before = Counter(counters["graph_break"])
+    unsupported_before = Counter(counters["unimplemented"])
     log_start = len(_GRAPH_LOG)
     log_tail = _GRAPH_LOG[-1] if _GRAPH_LOG else None
     metrics = CompileMetrics()
@@ -262,6 +303,7 @@ def track(model: nn.Module | None = None) -> Iterator[CompileMetrics]:
         _fill_times(metrics, new)
         breaks = Counter(counters["graph_break"]) - breaks_before
         metrics.graph_breaks = dict(breaks)
+        metrics.unsupported = dict(Counter(counters["unimplemented"]) - unsupported_before)
         if log_tail is not None and log_tail in _GRAPH_LOG:
             log_start = _GRAPH_LOG.index(log_tail) + 1
         records = _GRAPH_LOG[log_start:]
@@ -309,6 +351,10 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
             subgraphs.setdefault(name, set()).update(ids)
         for name, fqns in rec.inlined.items():
             inlined.setdefault(name, set()).update(fqns)
+    for rec in records:
+        if rec.standalone is not None:
+            metrics.regions.setdefault(rec.standalone, RegionStats(instances=0))
+            metrics.regions[rec.standalone].standalone_graphs += 1
     for name, ids in subgraphs.items():
         metrics.regions[name].subgraphs = len(ids)
     for name, fqns in inlined.items():
