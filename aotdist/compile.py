@@ -23,8 +23,9 @@ import copyreg
 import functools
 import types
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -324,7 +324,7 @@ def find_regions(
             signature=sig,
             params_per_instance=sum(p.numel() for p in members[0][1].parameters()),
         )
-        for name, (sig, members) in zip(names, chosen)
+        for name, (sig, members) in zip(names, chosen, strict=True)
     ]
     return RegionPlan(regions)
 

@@ -1,5 +1,11 @@
 """Test helpers: tiny models with repeated regions and a multi-process runner."""
 
+from aotdist.testing.distributed import (
+    DistributedTestError,
+    DistributedTimeoutError,
+    free_port,
+    run_distributed,
+)
 from aotdist.testing.models import (
     AliasingNet,
     TinyGPT,
@@ -10,6 +16,10 @@ from aotdist.testing.models import (
 )
 
 __all__ = [
+    "DistributedTestError",
+    "DistributedTimeoutError",
+    "free_port",
+    "run_distributed",
     "AliasingNet",
     "TinyGPT",
     "TinyResNet",

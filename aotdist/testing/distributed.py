@@ -263,7 +263,15 @@ class _Run:
         except queue_module.Empty:
             return False
         if status == "ok":
-            self.results[rank] = pickle.loads(value)
+            try:
+                self.results[rank] = pickle.loads(value)
+            except Exception as exc:
+                raise DistributedTestError(
+                    f"rank {rank} of {self.world_size} returned a value from {self.name} that "
+                    f"cannot be unpickled in the calling process ({type(exc).__name__}: {exc}); "
+                    "return plain data or tensors, or types importable in this process",
+                    rank=rank,
+                ) from exc
         else:
             self.errors[rank] = value
         return True

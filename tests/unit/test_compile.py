@@ -29,7 +29,7 @@ def _pair(model: nn.Module):
 def _blocks_differ(model: nn.Module, plan) -> bool:
     first = [p for p in model.get_submodule(plan[0].fqns[0]).parameters()]
     second = [p for p in model.get_submodule(plan[0].fqns[1]).parameters()]
-    return any(not torch.equal(a, b) for a, b in zip(first, second))
+    return any(not torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 @pytest.mark.parametrize("factory", [
@@ -264,7 +264,7 @@ def test_batchnorm_training_region_is_demoted_and_correct():
     (x,), _ = example_inputs(model)
     with pytest.warns(aotdist.RegionCompileWarning, match="buffer mutations"):
         assert_parity(model, reference, (x,))
-    for (n, b), (_, r) in zip(model.named_buffers(), reference.named_buffers()):
+    for (n, b), (_, r) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
         torch.testing.assert_close(b, r, msg=f"buffer {n}")
 
 
