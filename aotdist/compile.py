@@ -202,6 +202,16 @@ def unmark_regions(model: nn.Module) -> None:
 def _make_backend(backend: str | Callable, mode: str | None, options: dict | None,
                   dynamic: bool | None) -> Callable:
     if backend == "inductor":
+        options = dict(options or {})
+        if options.get("allow_buffer_reuse"):
+            warnings.warn(
+                "allow_buffer_reuse=True: with torch 2.15, Inductor's buffer reuse can "
+                "overwrite an activation a reused region saved for backward (wrong "
+                "gradients, see README 'Known limits'). aotdist turns it off by default.",
+                RegionCompileWarning, stacklevel=3,
+            )
+        # Scoped to this model's compiles: the wrapper applies options as config patches.
+        options.setdefault("allow_buffer_reuse", False)
         return torch._TorchCompileInductorWrapper(mode, options, dynamic)
     if callable(backend) and not isinstance(backend, str):
         if mode is not None or options:

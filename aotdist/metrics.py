@@ -134,7 +134,11 @@ _PATH_TOKEN = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\
 
 def module_path_to_fqn(path: str) -> str:
     """``L['self'].blocks.1`` / ``L['self']._modules['blocks']._modules['1']`` -> ``blocks.1``."""
-    path = re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", path.strip())
+    path = path.strip()
+    if re.match(r"^L\[['\"][^'\"]+['\"]\]\[", path):
+        return ""  # rooted at an argument (L['args'][0]): a frame compiled on its own
+    path = re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", path)
+    path = re.sub(r"^\.__self__", "", path)  # root compiled as model._call_impl: L['fn'].__self__
     path = re.sub(r"getattr\((.*?), ['\"]([^'\"]+)['\"]\)", r"\1.\2", path)
     parts = [next(g for g in m.groups() if g is not None) for m in _PATH_TOKEN.finditer(path)]
     return ".".join(parts)

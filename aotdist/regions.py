@@ -176,6 +176,16 @@ def _tensor_desc(t: torch.Tensor) -> tuple:
 
 
 def _plain_attrs(module: nn.Module) -> tuple:
+    """Configuration attributes of torch.nn's own modules (``stride``, ``eps``, ``p``...).
+
+    A user module's attributes are left out: they are often bookkeeping that differs per
+    instance (``layer_idx`` in transformers' attention) and would split every stack of
+    blocks into singletons. That is safe: when such an attribute does change what a block
+    computes, Dynamo's reuse guards see it and trace another subgraph (the metrics then
+    show ``subgraphs > 1``); results stay right.
+    """
+    if not type(module).__module__.startswith("torch.nn."):
+        return ()
     items = []
     for key, value in vars(module).items():
         if key.startswith("_"):
@@ -314,6 +324,16 @@ def find_regions(
         chosen.append((sig, free))
         claimed.extend(f for f, _ in free)
 
+    if includes and not chosen:
+        matched = {f: m for f, m in modules if any(_matches(p, f, m) for p in includes)}
+        sizes = sorted((len(g) for g in groups.values()), reverse=True)
+        raise ConfigError(
+            f"include={list(includes)} matched {len(matched)} module(s) "
+            f"({abbreviate_fqns(list(matched))}) but no {min_repeats} of them share a "
+            f"structural signature (group sizes: {sizes}); they differ in class, parameter "
+            "shapes/dtypes or torch.nn configuration. Fix: include modules that repeat, "
+            "or pass min_repeats=1 to compile each one as its own region."
+        )
     chosen.sort(key=lambda item: order[item[1][0][0]])
     names = _region_names(chosen)
     regions = [

@@ -288,3 +288,20 @@ def test_no_recompiles_across_steps():
             model(x).sum().backward()
             opt.step()
     assert m.frames_compiled == 0 and m.recompiles == [] and m.graphs == 0
+
+
+def test_metrics_attribute_call_sites_when_the_root_is_a_sequential():
+    model = nn.Sequential(nn.Linear(8, 8), GPTBlock(8, 2), GPTBlock(8, 2), GPTBlock(8, 2))
+    aotdist.compile_regions(model, backend="aot_eager")
+    with metrics.track(model) as m:
+        model(torch.randn(2, 4, 8)).sum().backward()
+    assert "<unknown>" not in m.regions, m.summary()
+    assert m.regions["GPTBlock"].call_sites == 3 and m.regions["GPTBlock"].subgraphs == 1
+
+
+def test_inductor_options_default_turns_buffer_reuse_off_and_warns_when_forced():
+    from aotdist.compile import _make_backend
+
+    assert _make_backend("inductor", None, None, None).config["allow_buffer_reuse"] is False
+    with pytest.warns(aotdist.RegionCompileWarning, match="allow_buffer_reuse"):
+        _make_backend("inductor", None, {"allow_buffer_reuse": True}, None)

@@ -130,3 +130,51 @@ def test_abbreviation():
 def test_aliasing_net_regions():
     plan = aotdist.find_regions(AliasingNet(depth=3))
     assert plan[0].fqns == ("blocks.0", "blocks.1", "blocks.2")
+
+
+class _Scaled(nn.Module):
+    def __init__(self, scale: float, layer_idx: int):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = scale          # used in forward
+        self.layer_idx = layer_idx  # bookkeeping, as in transformers' attention
+
+    def forward(self, x):
+        return x + self.scale * self.fc(x)
+
+
+class _ScaledNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([_Scaled(1.0, 0), _Scaled(1.0, 1), _Scaled(3.0, 2)])
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_user_attributes_do_not_split_regions_and_stay_correct():
+    import copy
+
+    from aotdist import metrics
+    from aotdist.testing.parity import assert_parity
+
+    model = _ScaledNet()
+    plan = aotdist.find_regions(model)
+    assert plan[0].fqns == ("blocks.0", "blocks.1", "blocks.2")
+    reference = copy.deepcopy(model)
+    aotdist.compile_regions(model, backend="aot_eager")
+    with metrics.track(model) as m:
+        assert_parity(model, reference, (torch.randn(2, 8),))
+    # blocks.2 computes with another scale: Dynamo's reuse guards trace it separately.
+    stats = m.regions["_Scaled"]
+    assert stats.call_sites + stats.inlined == 3 and stats.call_sites < 3, m.summary()
+
+
+def test_include_matching_only_distinct_modules_is_config_error():
+    with pytest.raises(aotdist.ConfigError, match="min_repeats=1"):
+        aotdist.find_regions(TinyResNet(widths=(8, 16), blocks_per_stage=2),
+                             include=["stages.0.0", "stages.1.0"])
