@@ -37,6 +37,7 @@ from aotdist.errors import (
     RegionCompileWarning,
 )
 from aotdist.metrics import RecordingBackend
+from aotdist.metrics import exception_chain as _chain
 from aotdist.regions import RegionPlan, find_regions
 
 __all__ = ["compile_regions", "mark_regions", "restore", "unmark_regions", "is_compiled"]
@@ -313,14 +314,6 @@ class _RegionGuardedCall:
                     RegionCompileWarning, stacklevel=4,
                 )
         return True
-
-
-def _chain(exc: BaseException | None):
-    for _ in range(8):
-        if exc is None:
-            return
-        yield exc
-        exc = exc.__cause__ or exc.__context__
 
 
 def _exception_text(exc: BaseException) -> str:

@@ -246,7 +246,8 @@ class RecordingBackend:
         return None
 
 
-def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and its causes/contexts, innermost last (at most 8)."""
     seen = 0
     while exc is not None and seen < 8:
         yield exc
@@ -257,7 +258,7 @@ def _chain(exc: BaseException | None) -> Iterator[BaseException]:
 def _regions_named_in(exc: BaseException, node_regions: dict[str, str]) -> list[str]:
     """Regions whose invoke_subgraph node the backend's error names ("While executing %x")."""
     found: list[str] = []
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         for name in re.findall(r"While executing %(\w+)", str(e)):
             region = node_regions.get(name)
             if region and region != "<unknown>" and region not in found:
@@ -267,7 +268,7 @@ def _regions_named_in(exc: BaseException, node_regions: dict[str, str]) -> list[
 
 def _first_error_line(exc: BaseException) -> str:
     """The innermost error's first meaningful line, without Dynamo's wrapper text."""
-    for e in reversed(list(_chain(exc))):
+    for e in reversed(list(exception_chain(exc))):
         for line in str(e).splitlines():
             line = line.strip()
             if line and not line.startswith(("backend=", "While executing")):
