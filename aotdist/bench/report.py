@@ -73,14 +73,14 @@ def compute_ratios(results: list[dict]) -> dict:
 def _markdown(results: list[dict], ratios: dict, machine: str) -> str:
     lines = [f"Machine: {machine}", "",
              "| strategy | depth | cold compile (s) | steady step (ms) | peak mem (MiB) | "
-             "graphs | graph breaks | recompiles after step 1 | subgraphs/region |",
+             "frames compiled | graph breaks | recompiles after step 1 | subgraphs/region |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["depth"], r["strategy"])):
         sub = ", ".join(f"{n}: {s['subgraphs']} for {s['call_sites']} sites"
                         for n, s in r.get("regions", {}).items()) or "-"
         lines.append(
             f"| {r['strategy']} | {r['depth']} | {r['compile_s']:.2f} | "
-            f"{r['steady_step_s'] * 1e3:.1f} | {r['peak_mem_mib']:.0f} | {r['graphs']} | "
+            f"{r['steady_step_s'] * 1e3:.1f} | {r['peak_mem_mib']:.0f} | {r['frames_compiled']} | "
             f"{r['graph_breaks']} | {r['recompiles_after_first_step']} | {sub} |")
     lines += ["", "| ratio | value |", "|---|---|"]
     lines += [f"| {k} | {v['value']:.2f}x |" for k, v in ratios.items()]

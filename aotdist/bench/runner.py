@@ -84,7 +84,7 @@ def measure(strategy: str, model_name: str, depth: int, *, backend: str, steps: 
         "compile_s": max(first - steady, 0.0) if strategy != "eager" else 0.0,
         "compile_split_s": {"dynamo": m.dynamo_seconds, "aot_autograd": m.aot_autograd_seconds,
                             "backend": m.backend_seconds},
-        "peak_mem_mib": peak, "graphs": m.frames_compiled,
+        "peak_mem_mib": peak, "frames_compiled": m.frames_compiled,
         "graph_breaks": m.num_graph_breaks,
         "recompiles_after_first_step": len(steady_metrics.recompiles),
         "regions": regions, "torch": torch.__version__,

@@ -72,13 +72,24 @@ def test_each_call_site_feeds_its_own_parameters():
     """Structural check on the captured graph: no two call sites share weight inputs."""
     model = TinyGPT(depth=4)
     aotdist.compile_regions(model, backend="aot_eager")
+    model._aotdist_state.backend.keep_graphs = True
     (x,), _ = example_inputs(model)
     model(x).sum().backward()
     records = metrics.model_records(model)
     assert len(records) == 1
-    state = model._aotdist_state
-    gm_backend = state.backend
-    assert gm_backend.records[0].call_sites["GPTBlock"] == [f"blocks.{i}" for i in range(4)]
+    assert records[0].call_sites["GPTBlock"] == [f"blocks.{i}" for i in range(4)]
+    invoke = torch.ops.higher_order.invoke_subgraph
+    weight_inputs = []
+    for node in records[0].gm.graph.nodes:
+        if node.op == "call_function" and node.target is invoke:
+            weight_inputs.append({a.name for a in node.args[2:]
+                                  if isinstance(a, torch.fx.Node) and a.op == "placeholder"})
+    assert len(weight_inputs) == 4
+    assert all(len(w) == 12 for w in weight_inputs)  # every GPTBlock parameter, lifted
+    for i, wi in enumerate(weight_inputs):
+        assert f"blocks_modules_{i}_" in " ".join(sorted(wi))
+        for wj in weight_inputs[i + 1:]:
+            assert not wi & wj, "two call sites were fed the same parameters"
 
 
 def test_naive_bound_method_marking_is_wrong_on_this_torch_and_aotdist_is_not():
