@@ -5,19 +5,33 @@ torchvision are imported where they are used.
 """
 
 from aotdist.compile import compile_regions, restore
-from aotdist.errors import AOTDistError, ConfigError, OrderingError, RegionCompileWarning
+from aotdist.config import AOTDistConfig
+from aotdist.errors import (
+    AOTDistError,
+    ConfigError,
+    ConfigWarning,
+    OrderingError,
+    RegionCompileWarning,
+)
+from aotdist.float8 import precompute_float8_scales
+from aotdist.parallelize import parallelize, parallelize_info
 from aotdist.regions import Region, RegionPlan, find_regions
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AOTDistConfig",
     "AOTDistError",
     "ConfigError",
+    "ConfigWarning",
     "OrderingError",
     "Region",
     "RegionCompileWarning",
     "RegionPlan",
     "compile_regions",
     "find_regions",
+    "parallelize",
+    "parallelize_info",
+    "precompute_float8_scales",
     "restore",
 ]

@@ -15,6 +15,16 @@ guards this with blocks whose weights differ.
 The model is compiled in place (``nn.Module._compiled_call_impl``, as
 ``nn.Module.compile`` does), so ``state_dict()`` keys, ``named_parameters()`` and hooks
 are unchanged: no ``_orig_mod.`` prefix, no ``OptimizedModule`` wrapper.
+
+Two compile modes, chosen from the model:
+
+- ``graph`` (no FSDP2 in the model): the root's ``_call_impl`` is compiled, so the whole
+  model is one graph and each region is an ``invoke_subgraph`` call in it.
+- ``frames`` (the model holds FSDP2 units): FSDP2's hooks are ``torch._dynamo.disable``-d
+  and would break a whole-model graph at every unit, so each region's forward is
+  compiled as a graph of its own, one compiled function per region shared by all its
+  instances (one trace, one compile), running inside FSDP's eager hooks. The code
+  between regions (embeddings, head) stays eager.
 """
 
 from __future__ import annotations
@@ -40,7 +50,14 @@ from aotdist.metrics import RecordingBackend
 from aotdist.metrics import exception_chain as _chain
 from aotdist.regions import RegionPlan, find_regions
 
-__all__ = ["compile_regions", "mark_regions", "restore", "unmark_regions", "is_compiled"]
+__all__ = [
+    "check_not_compiled",
+    "compile_regions",
+    "is_compiled",
+    "mark_regions",
+    "restore",
+    "unmark_regions",
+]
 
 STATE_ATTR = "_aotdist_state"
 
@@ -55,18 +72,28 @@ class RegionState:
     demoted: dict[str, str] = field(default_factory=dict)  # region name -> reason
     backend: RecordingBackend | None = None
     compiled: bool = False
+    checkpoint: bool = False  # activation checkpointing around each region instance
+    mode: str = "graph"  # "graph": root compiled, regions invoke_subgraph; "frames": see above
+    classes: dict[str, type] = field(default_factory=dict)  # region name -> its class
+    frame_calls: dict[str, set[int]] = field(default_factory=dict)  # region -> id(instance)
+    fsdp_checked: bool = False
 
 
-def _copy_function(fn: Callable) -> types.FunctionType:
-    """A fresh function object with ``fn``'s code, so marking never writes attributes on it."""
+def _copy_function(fn: Callable, *, new_code: bool = False) -> types.FunctionType:
+    """A fresh function object with ``fn``'s code, so marking never writes attributes on it.
+
+    With ``new_code`` the code object is a copy too: Dynamo caches compiled frames per
+    code object, so a region compiled as a frame of its own gets a cache of its own.
+    """
     fn = getattr(fn, "__func__", fn)
     if not isinstance(fn, types.FunctionType):
         raise ConfigError(
             f"cannot mark {fn!r}: a region's forward must be a plain Python function; "
             "exclude this module class with exclude=[...]"
         )
+    code = fn.__code__.replace() if new_code else fn.__code__
     new = types.FunctionType(
-        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+        code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
     )
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__ = fn.__qualname__
@@ -96,17 +123,39 @@ def _clone_aliasing_outputs(fn: Callable) -> Callable:
     return forward
 
 
+def _checkpointed(fn: Callable) -> Callable:
+    """Wraps a forward in non-reentrant activation checkpointing.
+
+    Outside the region: the checkpoint saves only the region's inputs, and under compile
+    the recompute is part of the compiled backward (the region's subgraph is still reused).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    @functools.wraps(fn)
+    def forward(self, *args, **kwargs):
+        return checkpoint(fn, self, *args, use_reentrant=False, **kwargs)
+
+    return forward
+
+
 def _reduce_as_base(self, protocol):
     """Pickle and deepcopy a marked instance as an instance of the user's own class."""
     return (copyreg._reconstructor, (type(self)._aotdist_base, object, None), vars(self).copy())
 
 
-def _region_class(base: type, region: str, *, clone_aliases: bool) -> type:
+def _region_class(base: type, region: str, *, clone_aliases: bool = False,
+                  checkpoint: bool = False, nested: bool = True) -> type:
     fwd = _copy_function(base.forward)
     if clone_aliases:
         fwd = _clone_aliasing_outputs(fwd)
+    marked = torch.compiler.nested_compile_region(fwd) if nested else fwd
+    # For frames mode: the same forward without invoke_subgraph, with a code object of its own.
+    plain = _copy_function(base.forward, new_code=True)
+    if checkpoint:
+        marked, plain = _checkpointed(marked), _checkpointed(plain)
     namespace = {
-        "forward": torch.compiler.nested_compile_region(fwd),
+        "forward": marked,
+        "_aotdist_plain_forward": plain,
         "__module__": base.__module__,
         "__qualname__": base.__qualname__,
         "__reduce_ex__": _reduce_as_base,
@@ -143,14 +192,20 @@ def _check_plan(model: nn.Module, plan: RegionPlan) -> None:
         )
 
 
-def mark_regions(model: nn.Module, plan: RegionPlan | None = None) -> RegionState:
+def mark_regions(model: nn.Module, plan: RegionPlan | None = None, *,
+                 checkpoint: bool = False) -> RegionState:
     """Marks every region instance of ``model`` for ``invoke_subgraph``; no compile.
 
     Eager execution is unchanged by marking (``nested_compile_region`` is a no-op outside
     ``torch.compile``). Used by :func:`compile_regions` and ``aotdist.parallelize``.
 
+    Args:
+        model: The model; its region instances change class, nothing else changes.
+        plan: The regions; ``find_regions(model)`` when ``None``.
+        checkpoint: Wrap each region instance's forward in activation checkpointing.
+
     Raises:
-        OrderingError: ``model`` is already marked.
+        OrderingError: ``model`` is already marked, or was marked and then sharded.
         ConfigError: ``plan`` does not fit ``model``.
     """
     if is_compiled(model):
@@ -160,27 +215,50 @@ def mark_regions(model: nn.Module, plan: RegionPlan | None = None) -> RegionStat
         )
     plan = find_regions(model) if plan is None else plan
     _check_plan(model, plan)
-    state = RegionState(plan=plan)
+    stale = [f for r in plan for f in r.fqns
+             if getattr(type(model.get_submodule(f)), "_aotdist_region", None) is not None]
+    if stale:
+        raise OrderingError(
+            f"{stale[:3]} were marked by aotdist and then wrapped again (fully_shard?); "
+            "their class cannot be swapped without losing that wrapper. Fix: rebuild the "
+            "model and apply aotdist.parallelize once."
+        )
+    state = RegionState(plan=plan, checkpoint=checkpoint)
     for region in plan:
-        _apply_region_class(model, state, region.name, clone_aliases=False)
+        _apply_region_class(model, state, region.name)
     model.__dict__[STATE_ATTR] = state
     return state
 
 
-def _apply_region_class(model: nn.Module, state: RegionState, name: str, *, clone_aliases: bool):
+def _apply_region_class(model: nn.Module, state: RegionState, name: str, *,
+                        clone_aliases: bool = False, nested: bool = True):
     region = state.plan.by_name(name)
-    cls = _region_class(region.module_type, name, clone_aliases=clone_aliases)
+    cls = _region_class(region.module_type, name, clone_aliases=clone_aliases,
+                        checkpoint=state.checkpoint, nested=nested)
+    state.classes[name] = cls
     for fqn in region.fqns:
         model.get_submodule(fqn).__class__ = cls
         state.marked[fqn] = name
 
 
-def _unmark_region(model: nn.Module, state: RegionState, name: str) -> None:
+def _unmark_region(model: nn.Module, state: RegionState, name: str, *,
+                   neutralize: bool = False) -> None:
+    """Returns the region's instances to their own class.
+
+    An instance whose class was wrapped again after marking (``fully_shard`` does that)
+    keeps its class; with ``neutralize`` the region class's forward becomes the plain
+    forward of the user's class (eager, no checkpointing), otherwise it is an error.
+    """
     region = state.plan.by_name(name)
     for fqn in region.fqns:
         mod = model.get_submodule(fqn)
         base = getattr(type(mod), "_aotdist_base", None)
         if base is None:
+            continue
+        if type(mod).__bases__ != (base,) and neutralize:
+            region_cls = next(c for c in type(mod).__mro__ if "_aotdist_region" in vars(c))
+            region_cls.forward = _copy_function(base.forward)
+            state.marked.pop(fqn, None)
             continue
         if type(mod).__bases__ != (base,):
             raise OrderingError(
@@ -191,13 +269,13 @@ def _unmark_region(model: nn.Module, state: RegionState, name: str) -> None:
         state.marked.pop(fqn, None)
 
 
-def unmark_regions(model: nn.Module) -> None:
+def unmark_regions(model: nn.Module, *, neutralize: bool = False) -> None:
     """Returns every marked instance to its own class. A no-op on an unmarked model."""
     state = vars(model).get(STATE_ATTR)
     if state is None:
         return
     for region in state.plan:
-        _unmark_region(model, state, region.name)
+        _unmark_region(model, state, region.name, neutralize=neutralize)
 
 
 def _make_backend(backend: str | Callable, mode: str | None, options: dict | None,
@@ -232,24 +310,31 @@ def _make_backend(backend: str | Callable, mode: str | None, options: dict | Non
     return torch._TorchCompileWrapper(backend, mode, options, dynamic)
 
 
-def _check_compilable(model: nn.Module) -> None:
+def check_not_compiled(model: nn.Module) -> None:
+    """Refuses a model that ``torch.compile`` already wrapped or compiled, in whole or part.
+
+    Raises:
+        OrderingError: ``model`` is an ``OptimizedModule``, was ``.compile()``-d, or holds
+            compiled submodules.
+    """
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise OrderingError(
-            "got a torch.compile wrapper (OptimizedModule); aotdist compiles in place and "
-            "keeps your module's keys. Fix: pass the original module (`compiled._orig_mod`), "
-            "not the result of torch.compile(model)."
+            "got a torch.compile wrapper (OptimizedModule); aotdist compiles in place, inside "
+            "FSDP's hooks, and keeps your module's keys (no `_orig_mod.`). Fix: pass the "
+            "original module (`compiled._orig_mod`), not the result of torch.compile(model)."
         )
     if getattr(model, "_compiled_call_impl", None) is not None:
         raise OrderingError(
             "model.compile() was already called on this module; aotdist would compound it. "
-            "Fix: call aotdist.compile_regions on the uncompiled module instead."
+            "Fix: pass the uncompiled module; aotdist compiles it."
         )
     wrapped = [n for n, m in model.named_modules()
-               if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)]
+               if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+               or getattr(m, "_compiled_call_impl", None) is not None]
     if wrapped:
         raise OrderingError(
-            f"submodules {wrapped[:4]} are already torch.compile wrappers (e.g. from "
-            "accelerate.utils.compile_regions); aotdist would compile them twice. Fix: "
+            f"submodules {wrapped[:4]} are already compiled (torch.compile / .compile(), e.g. "
+            "by accelerate.utils.compile_regions); aotdist would compile them twice. Fix: "
             "apply aotdist to the uncompiled model."
         )
 
@@ -270,6 +355,9 @@ class _RegionGuardedCall:
         self._compiled = compiled
 
     def __call__(self, *args, **kwargs):
+        if not self._state.fsdp_checked:
+            _check_no_fsdp_added(self._model_ref)
+            self._state.fsdp_checked = True
         for _ in range(2 * len(self._state.plan) + 1):
             try:
                 return self._compiled(*args, **kwargs)
@@ -306,6 +394,8 @@ class _RegionGuardedCall:
                 )
             else:
                 _unmark_region(self._model_ref, state, name)
+                if state.checkpoint:  # inline, but still checkpointed
+                    _apply_region_class(self._model_ref, state, name, nested=False)
                 state.demoted[name] = reason
                 warnings.warn(
                     f"aotdist region {name!r} cannot be a reusable subgraph: {reason}. "
@@ -314,6 +404,34 @@ class _RegionGuardedCall:
                     RegionCompileWarning, stacklevel=4,
                 )
         return True
+
+
+def _check_no_fsdp_added(model: nn.Module) -> None:
+    from aotdist.fsdp import fsdp_modules
+
+    sharded = fsdp_modules(model)
+    if sharded:
+        raise OrderingError(
+            f"fully_shard was applied to {sharded[:4]} after aotdist.compile_regions. FSDP2's "
+            "hooks cannot run inside the compiled whole-model graph, so compiling would "
+            "silently stop at them. Fix: call aotdist.restore(model) before sharding and "
+            "compile_regions after, or let aotdist.parallelize(model, config) do both in order."
+        )
+
+
+def _compile_frames(model: nn.Module, state: RegionState, dynamic: bool | None) -> None:
+    """Frames mode: one compiled forward per region, shared by its instances."""
+    for region in state.plan:
+        cls = state.classes[region.name]
+        compiled = torch.compile(cls._aotdist_plain_forward, backend=state.backend,
+                                 dynamic=dynamic)
+        calls = state.frame_calls.setdefault(region.name, set())
+
+        def forward(self, *args, _compiled=compiled, _calls=calls, **kwargs):
+            _calls.add(id(self))
+            return _compiled(self, *args, **kwargs)
+
+        cls.forward = forward
 
 
 def _exception_text(exc: BaseException) -> str:
@@ -384,7 +502,7 @@ def compile_regions(
             "aotdist already compiled this model; applying twice would compound it. "
             "Fix: call aotdist.restore(model) first, or use the model as it is."
         )
-    _check_compilable(model)
+    check_not_compiled(model)
     inner = _make_backend(backend, mode, options, dynamic)
     if state is None:  # parallelize marks before fully_shard, then compiles here
         state = mark_regions(model, plan)
@@ -401,8 +519,14 @@ def compile_regions(
             RegionCompileWarning, stacklevel=2,
         )
     state.backend = RecordingBackend(inner, model=model, plan=state.plan)
-    compiled = torch.compile(model._call_impl, backend=state.backend, dynamic=dynamic)
-    model._compiled_call_impl = _RegionGuardedCall(model, state, compiled)
+    from aotdist.fsdp import fsdp_modules
+
+    if fsdp_modules(model):  # FSDP2's hooks would break the whole graph: see module doc
+        state.mode = "frames"
+        _compile_frames(model, state, dynamic)
+    else:
+        compiled = torch.compile(model._call_impl, backend=state.backend, dynamic=dynamic)
+        model._compiled_call_impl = _RegionGuardedCall(model, state, compiled)
     state.compiled = True
     return model
 
@@ -415,7 +539,8 @@ def restore(model: nn.Module) -> nn.Module:
     state = vars(model).get(STATE_ATTR)
     if state is None:
         return model
-    unmark_regions(model)
+    # Instances sharded after marking keep FSDP's class; their forward becomes plain eager.
+    unmark_regions(model, neutralize=True)
     if isinstance(model._compiled_call_impl, _RegionGuardedCall):
         model._compiled_call_impl = None
     del model.__dict__[STATE_ATTR]

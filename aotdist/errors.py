@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "AOTDistError",
     "ConfigError",
+    "ConfigWarning",
     "OrderingError",
     "RegionCaptureError",
     "RegionCompileWarning",
@@ -23,7 +24,18 @@ class ConfigError(AOTDistError, ValueError):
     """A configuration value, selection pattern or argument is invalid.
 
     The message lists every problem found, each with the key and the fix.
+
+    Attributes:
+        problems: The problems one by one (a config error may list several).
     """
+
+    def __init__(self, message: str, *, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = list(problems) if problems is not None else [message]
+
+
+class ConfigWarning(UserWarning):
+    """A configuration option would have no effect; the message says which and why."""
 
 
 class OrderingError(AOTDistError, RuntimeError):

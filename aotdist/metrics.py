@@ -89,6 +89,9 @@ class CompileMetrics:
     regions: dict[str, RegionStats] = field(default_factory=dict)
     fixes: dict[str, str] = field(default_factory=dict)
     demoted: dict[str, str] = field(default_factory=dict)
+    # "graph": one whole-model graph calling region subgraphs; "frames": each region its
+    # own compiled graph (under FSDP2); "" when no aotdist model was tracked
+    mode: str = ""
 
     @property
     def num_graph_breaks(self) -> int:
@@ -106,7 +109,8 @@ class CompileMetrics:
             f"compile {self.compile_seconds:.2f}s (dynamo {self.dynamo_seconds:.2f}s, "
             f"aot_autograd {self.aot_autograd_seconds:.2f}s, backend {self.backend_seconds:.2f}s)"
             f" | frames {self.frames_compiled} | graphs {self.graphs} | "
-            f"graph breaks {self.num_graph_breaks} | recompiles {len(self.recompiles)}",
+            f"graph breaks {self.num_graph_breaks} | recompiles {len(self.recompiles)}"
+            + (f" | mode {self.mode}" if self.mode else ""),
         ]
         for name, st in self.regions.items():
             extra = f", {st.inlined} inlined" if st.inlined else ""
@@ -142,6 +146,21 @@ def module_path_to_fqn(path: str) -> str:
     path = re.sub(r"getattr\((.*?), ['\"]([^'\"]+)['\"]\)", r"\1.\2", path)
     parts = [next(g for g in m.groups() if g is not None) for m in _PATH_TOKEN.finditer(path)]
     return ".".join(parts)
+
+
+def _nodes_outside_regions(gm: torch.fx.GraphModule, invoke) -> Iterator[torch.fx.Node]:
+    """Nodes of ``gm`` and of the bodies of its other higher-order ops (activation
+    checkpointing wraps regions in one), but not of region subgraphs themselves."""
+    for node in gm.graph.nodes:
+        yield node
+        if node.op != "call_function" or node.target is invoke:
+            continue
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            for arg in node.args:
+                if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+                    body = getattr(gm, str(arg.target), None)
+                    if isinstance(body, torch.fx.GraphModule):
+                        yield from _nodes_outside_regions(body, invoke)
 
 
 def _stack_fqns(node: torch.fx.Node) -> list[str]:
@@ -197,7 +216,7 @@ class RecordingBackend:
         """Fills ``record``; returns invoke_subgraph node name -> region name."""
         invoke = torch.ops.higher_order.invoke_subgraph
         node_regions: dict[str, str] = {}
-        for node in gm.graph.nodes:
+        for node in _nodes_outside_regions(gm, invoke):
             if node.op != "call_function":
                 continue
             if node.target is operator.getitem and getattr(node.args[0], "target", None) is invoke:
@@ -345,6 +364,7 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
     if state is not None:
         for region in state.plan:
             metrics.regions[region.name] = RegionStats(instances=region.count)
+        metrics.mode = state.mode
         metrics.fixes = dict(state.fixes)
         metrics.demoted = dict(state.demoted)
     subgraphs: dict[str, set[str]] = {}
@@ -364,6 +384,12 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
         metrics.regions[name].subgraphs = len(ids)
     for name, fqns in inlined.items():
         metrics.regions.setdefault(name, RegionStats(instances=0)).inlined = len(fqns)
+    if state is not None and state.mode == "frames":
+        # Each region is its own compiled function: its call sites are the instances that
+        # ran it (since compile), its distinct graphs the frames compiled for it.
+        for name, st in metrics.regions.items():
+            st.call_sites = len(state.frame_calls.get(name, ()))
+            st.subgraphs = st.standalone_graphs
 
 
 def model_records(model: nn.Module) -> list[GraphRecord]:

@@ -158,8 +158,20 @@ def _qualname(cls: type) -> str:
 
 
 def _region_base_class(module: nn.Module) -> type:
-    """The user's class of ``module``, looking through aotdist's marking subclass."""
+    """The class marking subclasses, looking through aotdist's marking subclass."""
     return getattr(type(module), "_aotdist_base", type(module))
+
+
+def _user_class(module: nn.Module) -> type:
+    """The user's class, for names and patterns: also looks through FSDP2's subclass.
+
+    ``fully_shard`` swaps an instance's class for ``FSDP<Name>(FSDPModule, <Name>)``.
+    """
+    cls = _region_base_class(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__.startswith("FSDP"):
+        return bases[1]
+    return cls
 
 
 def _tensor_desc(t: torch.Tensor) -> tuple:
@@ -233,7 +245,7 @@ def _as_patterns(value, key: str) -> tuple[str, ...]:
 
 
 def _matches(pattern: str, fqn: str, module: nn.Module) -> bool:
-    cls = _region_base_class(module)
+    cls = _user_class(module)
     return pattern in (cls.__name__, cls.__qualname__, _qualname(cls)) or fnmatch.fnmatchcase(
         fqn, pattern
     )
@@ -246,7 +258,7 @@ def _is_inside(fqn: str, outer: str) -> bool:
 def _unknown_pattern_error(key: str, unknown: list[str], modules: list[tuple[str, nn.Module]]):
     counts: dict[str, int] = {}
     for _, m in modules:
-        name = _region_base_class(m).__name__
+        name = _user_class(m).__name__
         counts[name] = counts.get(name, 0) + 1
     classes = ", ".join(
         f"{n} (x{c})" for n, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:25]
@@ -353,11 +365,11 @@ def _region_names(chosen: list[tuple[str, list[tuple[str, nn.Module]]]]) -> list
     """Class name, disambiguated by the instances' common FQN prefix when a class repeats."""
     by_class: dict[str, int] = {}
     for _, members in chosen:
-        cls = _region_base_class(members[0][1]).__name__
+        cls = _user_class(members[0][1]).__name__
         by_class[cls] = by_class.get(cls, 0) + 1
     names: list[str] = []
     for _, members in chosen:
-        cls = _region_base_class(members[0][1]).__name__
+        cls = _user_class(members[0][1]).__name__
         if by_class[cls] == 1:
             names.append(cls)
             continue

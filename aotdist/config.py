@@ -1,0 +1,367 @@
+"""``AOTDistConfig``: what ``aotdist.parallelize`` applies, as frozen dataclasses.
+
+Every section is a frozen, keyword-only dataclass that validates itself in
+``__post_init__``. :meth:`AOTDistConfig.from_dict` and :meth:`AOTDistConfig.from_yaml`
+are strict: an unknown key or a bad value anywhere is one :class:`ConfigError` that lists
+*every* problem, each with its dotted key and the fix. An option that would have no
+effect (Float8 all-gather without FSDP) warns once with :class:`ConfigWarning`.
+
+A YAML file holds the sections at top level, or under an ``aotdist:`` key (so the
+section can live inside a Lightning or Accelerate config)::
+
+    fsdp: {enabled: true, reshard_after_forward: true}
+    float8: {enabled: true, fsdp_all_gather: true}
+    compile: {backend: inductor}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aotdist.errors import ConfigError, ConfigWarning
+
+__all__ = [
+    "AOTDistConfig",
+    "ACConfig",
+    "CompileConfig",
+    "FSDPConfig",
+    "Float8Config",
+    "RegionsConfig",
+]
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def _type_problem(value: Any, hint: Any) -> str | None:
+    """Why ``value`` does not fit the annotation ``hint`` (the few kinds configs use)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if any(_type_problem(value, h) is None for h in options):
+            return None
+        return "expected " + " or ".join(_type_name(h) for h in options)
+    if hint is type(None):
+        return None if value is None else "expected null"
+    if origin is tuple:
+        if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+            return "expected a list of strings"
+        return None
+    if origin is dict or hint is dict:
+        return None if isinstance(value, dict) else "expected a mapping"
+    if hint is bool:
+        return None if isinstance(value, bool) else "expected true or false"
+    if hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return None if ok else "expected an integer"
+    if hint is str:
+        return None if isinstance(value, str) else "expected a string"
+    return None
+
+
+def _type_name(hint: Any) -> str:
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) is tuple:
+        return "a list of strings"
+    if typing.get_origin(hint) is dict or hint is dict:
+        return "a mapping"
+    return {bool: "true/false", int: "an integer", str: "a string"}.get(hint, str(hint))
+
+
+class _Section:
+    """Validation shared by the config sections: types from annotations, then rules."""
+
+    _key: typing.ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # lists from YAML become tuples (frozen, hashable)
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+        problems = self._type_problems()
+        try:  # rules read values of the right type; a bad type is reported above already
+            problems += self._rule_problems()
+        except TypeError:
+            pass
+        if problems:
+            raise ConfigError(_message(problems), problems=problems)
+
+    def _type_problems(self) -> list[str]:
+        hints = typing.get_type_hints(type(self))
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            why = _type_problem(value, hints[f.name])
+            if why:
+                out.append(f"{self._key}.{f.name}: {why}, got {value!r}")
+        return out
+
+    def _rule_problems(self) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionsConfig(_Section):
+    """Which submodules become regions (see ``aotdist.find_regions``).
+
+    Attributes:
+        include: Class names or FQN globs of the modules that may become region
+            instances; ``None`` considers every module with children.
+        exclude: Class names or FQN globs that never become instances.
+        min_repeats: The fewest instances a region needs.
+    """
+
+    _key: typing.ClassVar[str] = "regions"
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] | None = None
+    min_repeats: int = 2
+
+    def _rule_problems(self) -> list[str]:
+        if self.min_repeats < 1:
+            return [f"regions.min_repeats: must be >= 1, got {self.min_repeats}"]
+        return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig(_Section):
+    """How the regions are compiled.
+
+    Attributes:
+        enabled: Compile at all; with ``false`` the other steps still apply (eager).
+        backend: A ``torch.compile`` backend name: ``inductor``, ``aot_eager``, ...
+        mode: ``torch.compile`` mode for ``inductor`` (``default``,
+            ``reduce-overhead``, ``max-autotune``, ``max-autotune-no-cudagraphs``).
+        dynamic: ``torch.compile``'s ``dynamic``; ``null`` lets Dynamo decide.
+        options: Backend options (Inductor config keys), scoped to this model.
+    """
+
+    _key: typing.ClassVar[str] = "compile"
+    enabled: bool = True
+    backend: str = "inductor"
+    mode: str | None = None
+    dynamic: bool | None = None
+    options: dict | None = None
+
+    def _rule_problems(self) -> list[str]:
+        modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+        out = []
+        if self.mode is not None and self.mode not in modes:
+            out.append(f"compile.mode: unknown mode {self.mode!r}; use one of {list(modes)}")
+        elif self.mode is not None and self.backend != "inductor":
+            out.append(
+                f"compile.mode: applies to the inductor backend only; got backend "
+                f"{self.backend!r} with mode {self.mode!r}. Fix: drop compile.mode or use "
+                "compile.backend: inductor"
+            )
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPConfig(_Section):
+    """FSDP2 (``fully_shard``) on each region instance, then on the root.
+
+    Attributes:
+        enabled: Shard parameters with FSDP2 over the mesh (needs a process group).
+        reshard_after_forward: Free unsharded parameters after forward (less memory,
+            one more all-gather in backward); ``false`` keeps them until backward.
+        param_dtype: Mixed precision: the dtype parameters are all-gathered and
+            computed in (``bfloat16``, ``float16``, ``float32``); ``null`` keeps theirs.
+        reduce_dtype: Mixed precision: the dtype gradients are reduced in.
+    """
+
+    _key: typing.ClassVar[str] = "fsdp"
+    enabled: bool = False
+    reshard_after_forward: bool = True
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+    def _rule_problems(self) -> list[str]:
+        return [
+            f"fsdp.{name}: unknown dtype {value!r}; use one of {list(_DTYPES)} or null"
+            for name, value in (("param_dtype", self.param_dtype),
+                                ("reduce_dtype", self.reduce_dtype))
+            if value is not None and value not in _DTYPES
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8Config(_Section):
+    """Float8 training with torchao (``convert_to_float8_training``).
+
+    Attributes:
+        enabled: Swap eligible ``nn.Linear`` layers for torchao ``Float8Linear``.
+        recipe: torchao scaling recipe: ``tensorwise``, ``rowwise`` or
+            ``rowwise_with_gw_hp``.
+        fsdp_all_gather: All-gather weights in float8 under FSDP2 (tensorwise only);
+            then ``aotdist.precompute_float8_scales(model)`` runs after each optimizer step.
+        exclude: FQN globs of ``Linear`` layers to keep in high precision (an output
+            head, say). Layers whose dims are not multiples of 16 are always kept.
+    """
+
+    _key: typing.ClassVar[str] = "float8"
+    enabled: bool = False
+    recipe: str = "tensorwise"
+    fsdp_all_gather: bool = False
+    exclude: tuple[str, ...] = ()
+
+    def _rule_problems(self) -> list[str]:
+        out = []
+        if self.recipe not in _FLOAT8_RECIPES:
+            out.append(f"float8.recipe: unknown recipe {self.recipe!r}; use one of "
+                       f"{list(_FLOAT8_RECIPES)}")
+        elif self.fsdp_all_gather and self.recipe != "tensorwise":
+            out.append(
+                f"float8.fsdp_all_gather: needs float8.recipe tensorwise, got "
+                f"{self.recipe!r}. Fix: set float8.recipe: tensorwise or "
+                "float8.fsdp_all_gather: false"
+            )
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ACConfig(_Section):
+    """Activation checkpointing of each region instance.
+
+    Attributes:
+        enabled: Recompute each region's activations in backward instead of saving
+            them (non-reentrant ``torch.utils.checkpoint`` around the region).
+    """
+
+    _key: typing.ClassVar[str] = "ac"
+    enabled: bool = False
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    "regions": RegionsConfig,
+    "compile": CompileConfig,
+    "fsdp": FSDPConfig,
+    "float8": Float8Config,
+    "ac": ACConfig,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AOTDistConfig:
+    """Everything ``aotdist.parallelize`` applies, section by section.
+
+    Attributes:
+        regions: Region selection.
+        compile: Compile backend and options.
+        fsdp: FSDP2 sharding.
+        float8: torchao Float8 training.
+        ac: Activation checkpointing per region instance.
+    """
+
+    regions: RegionsConfig = field(default_factory=RegionsConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
+    ac: ACConfig = field(default_factory=ACConfig)
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{key}: expected a {cls.__name__}, got {type(getattr(self, key)).__name__}"
+            for key, cls in _SECTIONS.items() if not isinstance(getattr(self, key), cls)
+        ]
+        if problems:
+            raise ConfigError(_message(problems), problems=problems)
+        if self.float8.enabled and self.float8.fsdp_all_gather and not self.fsdp.enabled:
+            warnings.warn(
+                "float8.fsdp_all_gather has no effect without FSDP (fsdp.enabled is false); "
+                "weights are cast to float8 locally. Fix: set fsdp.enabled: true, or drop "
+                "float8.fsdp_all_gather.",
+                ConfigWarning, stacklevel=3,
+            )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> AOTDistConfig:
+        """Builds a config from nested mappings, strictly.
+
+        Args:
+            data: ``{"fsdp": {"enabled": True}, ...}``; an ``aotdist`` key holding the
+                sections is accepted too. ``None`` or ``{}`` gives the defaults.
+
+        Raises:
+            ConfigError: Unknown sections or keys, or bad values; every problem listed.
+        """
+        data = {} if data is None else data
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"an aotdist config must be a mapping of sections; got {data!r}")
+        if set(data) == {"aotdist"}:
+            data = data["aotdist"] or {}
+            if not isinstance(data, Mapping):
+                raise ConfigError(f"aotdist: expected a mapping of sections; got {data!r}")
+        problems: list[str] = []
+        sections: dict[str, _Section] = {}
+        for key in data:
+            if key not in _SECTIONS:
+                problems.append(f"{key}: unknown section; known sections: {list(_SECTIONS)}")
+        for key, section_cls in _SECTIONS.items():
+            values = data.get(key) or {}
+            if not isinstance(values, Mapping):
+                problems.append(f"{key}: expected a mapping of options, got {values!r}")
+                continue
+            names = [f.name for f in dataclasses.fields(section_cls)]
+            unknown = [k for k in values if k not in names]
+            for k in unknown:
+                problems.append(f"{key}.{k}: unknown key; known keys of {key}: {names}")
+            try:
+                sections[key] = section_cls(**{k: v for k, v in values.items() if k in names})
+            except ConfigError as exc:
+                problems.extend(exc.problems)
+        if problems:
+            raise ConfigError(_message(problems), problems=problems)
+        return cls(**sections)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> AOTDistConfig:
+        """Loads a YAML file strictly (see :meth:`from_dict`).
+
+        Raises:
+            ConfigError: The file is missing, is not YAML, or holds a bad config.
+        """
+        import yaml
+
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"aotdist config file not found: {os.fspath(path)!r}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{os.fspath(path)} is not valid YAML: {exc}") from None
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"in {os.fspath(path)}: {exc}", problems=exc.problems) from None
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The config as plain nested dicts (lists for tuples); ``from_dict`` inverts it."""
+        out = {}
+        for key in _SECTIONS:
+            section = dataclasses.asdict(getattr(self, key))
+            out[key] = {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
+        return out
+
+    def replace(self, **sections: Mapping[str, Any]) -> AOTDistConfig:
+        """A copy with some options changed: ``cfg.replace(fsdp={"enabled": True})``."""
+        merged = self.to_dict()
+        for key, values in sections.items():
+            if key not in _SECTIONS:
+                raise ConfigError(f"{key}: unknown section; known sections: {list(_SECTIONS)}")
+            merged[key] = {**merged[key], **dict(values)}
+        return AOTDistConfig.from_dict(merged)
+
+
+def _message(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return f"invalid aotdist config: {problems[0]}"
+    return "invalid aotdist config, {} problems:\n  - {}".format(
+        len(problems), "\n  - ".join(problems))

@@ -1,0 +1,109 @@
+"""Float8 training with torchao: conversion with a module filter, and the scale precompute.
+
+Conversion swaps eligible ``nn.Linear`` layers for torchao's ``Float8Linear``. It must
+run before regions are found (the signature sees the new classes) and before
+``fully_shard`` (with float8 all-gather the sharded weights become torchao's
+``WeightWithDynamicFloat8CastTensor`` subclass, which FSDP2 must see when it shards).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+
+from aotdist.config import Float8Config
+from aotdist.errors import ConfigError
+
+__all__ = ["convert_to_float8", "float8_linears", "precompute_float8_scales"]
+
+# torch._scaled_mm needs both dims of the weight to be multiples of 16.
+_ALIGN = 16
+
+
+def _eligible(module: nn.Module, fqn: str, exclude: tuple[str, ...]) -> bool:
+    if type(module) is not nn.Linear:  # subclasses (already Float8Linear, LoRA...) stay
+        return False
+    if any(fnmatch.fnmatchcase(fqn, pattern) for pattern in exclude):
+        return False
+    return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
+
+
+def convert_to_float8(model: nn.Module, config: Float8Config) -> list[str]:
+    """Swaps ``model``'s eligible ``nn.Linear`` layers for torchao ``Float8Linear``.
+
+    Eligible: exactly ``nn.Linear``, both dims multiples of 16, FQN not matched by
+    ``config.exclude``.
+
+    Returns:
+        The FQNs of the converted layers.
+
+    Raises:
+        ConfigError: A ``config.exclude`` pattern matches no ``Linear`` layer, or no
+            layer is eligible (float8 would do nothing).
+    """
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    linears = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    unknown = [p for p in config.exclude if not any(fnmatch.fnmatchcase(f, p) for f in linears)]
+    if unknown:
+        raise ConfigError(
+            f"float8.exclude: patterns {unknown} match no Linear layer of "
+            f"{type(model).__name__}; Linear layers are e.g. {linears[:6]}. Fix the patterns."
+        )
+    chosen = [fqn for fqn, m in model.named_modules() if _eligible(m, fqn, config.exclude)]
+    if not chosen:
+        raise ConfigError(
+            f"float8.enabled: no Linear layer of {type(model).__name__} can run in float8 "
+            f"(needs in/out features that are multiples of {_ALIGN}, not excluded; Linear "
+            f"layers: {linears[:6]}). Fix: set float8.enabled: false."
+        )
+    ao_config = Float8LinearConfig.from_recipe_name(config.recipe)
+    if config.fsdp_all_gather:
+        import dataclasses
+
+        ao_config = dataclasses.replace(ao_config, enable_fsdp_float8_all_gather=True)
+    chosen_set = set(chosen)
+    convert_to_float8_training(
+        model, config=ao_config, module_filter_fn=lambda _m, fqn: fqn in chosen_set
+    )
+    return chosen
+
+
+def float8_linears(model: nn.Module) -> list[nn.Module]:
+    """Every torchao ``Float8Linear`` in ``model`` (empty when torchao was never used)."""
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, Float8Linear)]
+
+
+def _uses_fsdp_float8_all_gather(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    for m in float8_linears(model):
+        w = m.weight
+        if m.config.enable_fsdp_float8_all_gather and isinstance(w, DTensor):
+            return True
+    return False
+
+
+@torch.no_grad()
+def precompute_float8_scales(model: nn.Module) -> bool:
+    """Precomputes the float8 weight scales for FSDP2 float8 all-gather.
+
+    Call after each ``optimizer.step()``: one all-reduce computes every weight's scale
+    for the next all-gather. A no-op (returns ``False``) when the model has no
+    float8 all-gather weights, so it is safe to call unconditionally.
+
+    Returns:
+        Whether scales were computed.
+    """
+    if not _uses_fsdp_float8_all_gather(model):
+        return False
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+    return True

@@ -1,0 +1,126 @@
+"""FSDP2 application and awareness: ordering checks, the default mesh, sharding by region.
+
+FSDP2 (``fully_shard``) keeps each parameter sharded and all-gathers it right before the
+module that owns it runs; between uses the unsharded storage is resized to 0. Its hooks
+are ``torch._dynamo.disable``-d, so they never enter a compiled graph: aotdist shards each
+region instance (one all-gather per instance) and compiles inside those hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from aotdist.config import FSDPConfig
+from aotdist.errors import ConfigError, OrderingError
+from aotdist.regions import RegionPlan
+
+__all__ = ["check_not_sharded", "default_mesh", "fsdp_modules", "is_fsdp_module", "shard"]
+
+
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) was applied to ``module`` itself."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def fsdp_modules(model: nn.Module) -> list[str]:
+    """FQNs of the modules of ``model`` that ``fully_shard`` was applied to (root is "")."""
+    return [fqn for fqn, m in model.named_modules() if is_fsdp_module(m)]
+
+
+def check_not_sharded(model: nn.Module, *, allow_fsdp2: bool = False) -> None:
+    """Refuses a model some other data-parallel wrapper already owns.
+
+    Args:
+        model: The model handed to aotdist.
+        allow_fsdp2: Accept units the user sharded with ``fully_shard`` (aotdist then
+            only compiles inside them).
+
+    Raises:
+        OrderingError: ``model`` holds FSDP1 or DDP wrappers, or FSDP2 was applied already
+            and ``allow_fsdp2`` is false.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    for fqn, m in model.named_modules():
+        where = repr(fqn) if fqn else "the model"
+        if isinstance(m, FullyShardedDataParallel):
+            raise OrderingError(
+                f"{where} is wrapped in FSDP1 (FullyShardedDataParallel); aotdist shards with "
+                "FSDP2 and cannot compile through FSDP1's flat parameters. Fix: pass the "
+                "unwrapped model and set fsdp.enabled: true."
+            )
+        if isinstance(m, DistributedDataParallel):
+            raise OrderingError(
+                f"{where} is wrapped in DistributedDataParallel; aotdist must see the module "
+                "itself. Fix: call aotdist.parallelize first, then wrap (or use fsdp.enabled)."
+            )
+    sharded = fsdp_modules(model)
+    if sharded and not allow_fsdp2:
+        raise OrderingError(
+            f"fully_shard was already applied to {sharded[:4]}; aotdist must mark regions and "
+            "convert to float8 before sharding, so it shards itself. Fix: pass the unsharded "
+            "model with fsdp.enabled: true, or keep your sharding and set fsdp.enabled: false "
+            "and float8.enabled: false (aotdist then compiles the regions inside your units)."
+        )
+
+
+def _device_type(model: nn.Module) -> str:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_mesh(model: nn.Module):
+    """A 1-D device mesh over the default process group, on the model's device type.
+
+    Raises:
+        ConfigError: No process group is initialized.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "fsdp.enabled needs an initialized process group, and none is. Fix: launch "
+            "with torchrun / accelerate launch and call torch.distributed.init_process_group"
+            "() before aotdist.parallelize, or pass mesh=..., or set fsdp.enabled: false."
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(_device_type(model), (dist.get_world_size(),))
+
+
+def shard(model: nn.Module, plan: RegionPlan, config: FSDPConfig, mesh) -> list[str]:
+    """``fully_shard`` on every region instance, then on the root.
+
+    One FSDP unit per instance gives one all-gather per instance, issued (and, with
+    ``reshard_after_forward``, freed) as that instance runs; the root unit collects the
+    parameters outside any region (embeddings, head).
+
+    Returns:
+        FQNs of the modules sharded, root last as ``""``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(
+        param_dtype=_dtype(config.param_dtype), reduce_dtype=_dtype(config.reduce_dtype)
+    )
+    kwargs = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward,
+              "mp_policy": mp}
+    done = []
+    for region in plan:
+        for fqn in region.fqns:
+            fully_shard(model.get_submodule(fqn), **kwargs)
+            done.append(fqn)
+    # The root's parameters (head, final norm) are the first backward needs: resharding
+    # them after forward would only all-gather them again at once (FSDP2's own heuristic).
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    done.append("")
+    return done
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)

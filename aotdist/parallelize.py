@@ -1,0 +1,141 @@
+"""``aotdist.parallelize``: Float8, activation checkpointing, regions, FSDP2, compile, in order."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from aotdist.compile import STATE_ATTR, check_not_compiled, compile_regions, mark_regions
+from aotdist.config import AOTDistConfig
+from aotdist.errors import ConfigError, ConfigWarning, OrderingError
+from aotdist.float8 import convert_to_float8
+from aotdist.fsdp import check_not_sharded, default_mesh, shard
+from aotdist.regions import RegionPlan, find_regions
+
+__all__ = ["ParallelizeInfo", "parallelize", "parallelize_info"]
+
+INFO_ATTR = "_aotdist_parallelized"
+
+
+@dataclass(frozen=True)
+class ParallelizeInfo:
+    """What :func:`parallelize` applied to a model (``parallelize_info(model)``).
+
+    Attributes:
+        config: The config it ran with.
+        plan: The regions it marked.
+        float8_fqns: Linear layers converted to Float8Linear.
+        sharded_fqns: Modules ``fully_shard`` was applied to, root last as ``""``.
+        mesh: The device mesh FSDP2 used, or ``None``.
+    """
+
+    config: AOTDistConfig
+    plan: RegionPlan
+    float8_fqns: tuple[str, ...]
+    sharded_fqns: tuple[str, ...]
+    mesh: Any = None
+
+
+def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.PathLike | None = None,
+                mesh: Any = None) -> nn.Module:
+    """Applies Float8, activation checkpointing, region marking, FSDP2 and compile in order.
+
+    Build the optimizer *after* this call: Float8 conversion and ``fully_shard`` replace
+    the parameters. With ``float8.fsdp_all_gather``, call
+    :func:`aotdist.precompute_float8_scales` after each ``optimizer.step()``.
+
+    Args:
+        model: The unwrapped model, on its training device; changed in place.
+        config: An :class:`AOTDistConfig`, a mapping for ``AOTDistConfig.from_dict`` or a
+            YAML path. ``None``: regional compile only.
+        mesh: FSDP2's 1-D device mesh; default: all ranks of the default process group.
+
+    Returns:
+        ``model`` itself: same class at the root, same ``state_dict()`` keys.
+
+    Raises:
+        OrderingError: ``model`` is a ``torch.compile`` wrapper, was compiled, holds FSDP1
+            or DDP wrappers, was sharded already (with ``fsdp.enabled``) or parallelized.
+        ConfigError: A bad config, or ``fsdp.enabled`` without a process group.
+    """
+    config = _as_config(config)
+    _check_fresh(model)
+    # Float8 conversion and FSDP2 must both come before the user's own fully_shard.
+    check_not_sharded(model, allow_fsdp2=not (config.fsdp.enabled or config.float8.enabled))
+    if config.fsdp.enabled:
+        mesh = default_mesh(model) if mesh is None else mesh
+    elif mesh is not None:
+        warnings.warn("parallelize(mesh=...) has no effect with fsdp.enabled: false.",
+                      ConfigWarning, stacklevel=2)
+        mesh = None
+
+    # 1. Float8 first: it replaces nn.Linear modules, and everything after must see the
+    #    final modules: region signatures include their classes, and FSDP2 must shard the
+    #    Float8Linear weights (with float8 all-gather they become torchao's weight subclass).
+    float8_fqns = convert_to_float8(model, config.float8) if config.float8.enabled else []
+
+    # 2. Regions are found on the converted model.
+    rc = config.regions
+    plan = find_regions(model, include=rc.include, exclude=rc.exclude,
+                        min_repeats=rc.min_repeats)
+
+    # 3. Mark regions (with activation checkpointing around each instance) *before*
+    #    fully_shard: marking swaps each instance's class, and fully_shard swaps it again
+    #    to an FSDP subclass of the class it finds. Marking afterwards would drop FSDP's.
+    mark_regions(model, plan, checkpoint=config.ac.enabled)
+
+    # 4. fully_shard each region instance, then the root: one all-gather per instance,
+    #    issued as it runs; the root unit holds what is outside the regions.
+    sharded = shard(model, plan, config.fsdp, mesh) if config.fsdp.enabled else []
+
+    # 5. Compile last, so FSDP2's hooks (installed in 4) stay outside compiled code and
+    #    fire per instance: with FSDP each region is compiled once as its own graph,
+    #    without FSDP the whole model is one graph calling each region's subgraph.
+    if config.compile.enabled:
+        cc = config.compile
+        compile_regions(model, plan, backend=cc.backend, mode=cc.mode, dynamic=cc.dynamic,
+                        options=cc.options)
+
+    model.__dict__[INFO_ATTR] = ParallelizeInfo(
+        config=config, plan=plan, float8_fqns=tuple(float8_fqns),
+        sharded_fqns=tuple(sharded), mesh=mesh,
+    )
+    return model
+
+
+def parallelize_info(model: nn.Module) -> ParallelizeInfo | None:
+    """What :func:`parallelize` applied to ``model``, or ``None`` if it was not applied."""
+    return vars(model).get(INFO_ATTR)
+
+
+def _as_config(config: Any) -> AOTDistConfig:
+    if config is None:
+        return AOTDistConfig()
+    if isinstance(config, AOTDistConfig):
+        return config
+    if isinstance(config, Mapping):
+        return AOTDistConfig.from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return AOTDistConfig.from_yaml(config)
+    raise ConfigError(
+        f"config must be an AOTDistConfig, a mapping or a YAML path; got {type(config).__name__}"
+    )
+
+
+def _check_fresh(model: nn.Module) -> None:
+    if INFO_ATTR in vars(model):
+        raise OrderingError(
+            "aotdist.parallelize was already applied to this model; applying it twice would "
+            "shard and compile twice. Fix: use the model as it is, or rebuild it."
+        )
+    if STATE_ATTR in vars(model):
+        raise OrderingError(
+            "aotdist.compile_regions was already applied to this model; parallelize must "
+            "convert and shard before compiling. Fix: call aotdist.restore(model) first."
+        )
+    check_not_compiled(model)

@@ -1,0 +1,168 @@
+"""``aotdist.parallelize`` in one process: compile, activation checkpointing, Float8, errors.
+
+FSDP2 needs a process group: see tests/distributed/test_parallelize.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import aotdist
+from aotdist import ConfigError, ConfigWarning, OrderingError, metrics
+from aotdist.config import Float8Config
+from aotdist.float8 import convert_to_float8
+from aotdist.testing import build_model, example_inputs
+from aotdist.testing.parity import assert_parity
+
+AOT_EAGER = {"compile": {"backend": "aot_eager"}}
+
+
+def _saved_bytes(model, x) -> int:
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).float().pow(2).mean().backward()
+    return total
+
+
+def test_regional_compile_matches_eager_and_keeps_keys():
+    model = build_model("gpt", depth=3)
+    ref = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    out = aotdist.parallelize(model, AOT_EAGER)
+    assert out is model and list(model.state_dict()) == keys
+    (x,), _ = example_inputs(model, 4)
+    with metrics.track(model) as t:
+        assert_parity(model, ref, (x,))
+    region = t.regions["GPTBlock"]
+    assert (region.call_sites, region.subgraphs) == (3, 1)
+    info = aotdist.parallelize_info(model)
+    assert list(info.plan.fqns) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert info.sharded_fqns == () and info.mesh is None
+
+
+def test_activation_checkpointing_recomputes_and_still_reuses_the_region():
+    torch.manual_seed(0)
+    model = build_model("gpt", depth=3)
+    ref = copy.deepcopy(model)
+    plain = copy.deepcopy(model)
+    aotdist.parallelize(model, {**AOT_EAGER, "ac": {"enabled": True}})
+    aotdist.parallelize(plain, AOT_EAGER)
+    (x,), _ = example_inputs(model, 16)
+    with metrics.track(model) as t:
+        assert_parity(model, ref, (x,))
+    region = t.regions["GPTBlock"]
+    assert (region.call_sites, region.subgraphs) == (3, 1)
+    with_ac, without = _saved_bytes(model, x), _saved_bytes(plain, x)
+    assert with_ac < without / 3, (with_ac, without)
+
+
+def test_activation_checkpointing_without_compile():
+    torch.manual_seed(0)
+    model = build_model("vit", depth=2)
+    ref = copy.deepcopy(model)
+    aotdist.parallelize(model, {"compile": {"enabled": False}, "ac": {"enabled": True}})
+    (x,), _ = example_inputs(model, 4)
+    assert_parity(model, ref, (x,))
+    assert _saved_bytes(model, x) < _saved_bytes(ref, x) / 2
+
+
+def test_float8_compile_matches_float8_eager():
+    torch.manual_seed(0)
+    model = build_model("gpt", depth=2)
+    ref = copy.deepcopy(model)
+    convert_to_float8(ref, Float8Config(enabled=True, exclude=("head",)))
+    aotdist.parallelize(model, {**AOT_EAGER, "float8": {"enabled": True, "exclude": ["head"]}})
+    from torchao.float8.float8_linear import Float8Linear
+
+    assert isinstance(model.blocks[0].mlp.fc, Float8Linear)
+    assert type(model.head) is nn.Linear
+    assert aotdist.parallelize_info(model).float8_fqns == tuple(
+        f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"))
+    (x,), _ = example_inputs(model, 4)
+    with metrics.track(model) as t:
+        assert_parity(model, ref, (x,))
+    assert (t.regions["GPTBlock"].call_sites, t.regions["GPTBlock"].subgraphs) == (2, 1)
+    # a different float8 result than high precision: the conversion really happened
+    hp = build_model("gpt", depth=2)
+    hp.load_state_dict(ref.state_dict())
+    assert not torch.allclose(hp(x), ref(x))
+    assert aotdist.precompute_float8_scales(model) is False  # no FSDP: nothing to do
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 48)
+        self.b = nn.Linear(48, 30)  # 30 is not a multiple of 16
+        self.c = nn.Linear(30, 32)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+def test_float8_filter_skips_misaligned_and_excluded_layers():
+    model = Odd()
+    assert convert_to_float8(model, Float8Config(enabled=True)) == ["a"]
+    with pytest.raises(ConfigError, match=r"float8.exclude: patterns \['nope\*'\]"):
+        convert_to_float8(Odd(), Float8Config(enabled=True, exclude=("nope*",)))
+    with pytest.raises(ConfigError, match="no Linear layer .* can run in float8"):
+        convert_to_float8(Odd(), Float8Config(enabled=True, exclude=("a",)))
+
+
+def test_fsdp_without_process_group_is_a_config_error():
+    with pytest.raises(ConfigError, match="init_process_group"):
+        aotdist.parallelize(build_model("gpt", depth=2), {"fsdp": {"enabled": True}})
+
+
+def test_config_forms(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("compile: {backend: aot_eager}\nac: {enabled: true}\n")
+    model = aotdist.parallelize(build_model("gpt", depth=2), str(path))
+    assert aotdist.parallelize_info(model).config.ac.enabled
+    with pytest.raises(ConfigError, match="config must be"):
+        aotdist.parallelize(build_model("gpt", depth=2), 42)
+    with pytest.raises(ConfigError, match="compile.backnd"):
+        aotdist.parallelize(build_model("gpt", depth=2), {"compile": {"backnd": "x"}})
+    with pytest.warns(ConfigWarning, match="mesh"):
+        aotdist.parallelize(build_model("gpt", depth=2), AOT_EAGER, mesh=object())
+
+
+def test_wrong_orderings_are_refused():
+    model = build_model("gpt", depth=2)
+    aotdist.parallelize(model, AOT_EAGER)
+    with pytest.raises(OrderingError, match="already applied"):
+        aotdist.parallelize(model, AOT_EAGER)
+
+    with pytest.raises(OrderingError, match="_orig_mod"):
+        aotdist.parallelize(torch.compile(build_model("gpt", depth=2)), AOT_EAGER)
+
+    model = build_model("gpt", depth=2)
+    model.blocks[0].compile(backend="aot_eager")
+    with pytest.raises(OrderingError, match=r"\['blocks.0'\] are already compiled"):
+        aotdist.parallelize(model, AOT_EAGER)
+
+    model = build_model("gpt", depth=2)
+    aotdist.compile_regions(model, backend="aot_eager")
+    with pytest.raises(OrderingError, match="restore"):
+        aotdist.parallelize(model, AOT_EAGER)
+
+
+def test_fsdp1_is_refused():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    # FSDP1 cannot even be built on CPU; the check only needs the type.
+    wrapper = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(wrapper)
+    wrapper._fsdp_wrapped_module = build_model("gpt", depth=2)
+    with pytest.raises(OrderingError, match="FSDP1"):
+        aotdist.parallelize(wrapper, AOT_EAGER)
