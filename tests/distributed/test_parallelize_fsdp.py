@@ -341,3 +341,33 @@ def test_a_dying_rank_stops_the_others():
         run_distributed(_rank_dies, 2, timeout=120)
     assert info.value.rank == 1
     assert "lost its data loader" in str(info.value)
+
+
+def _inductor_everything(rank: int, world_size: int, config: dict):
+    torch.manual_seed(0)
+    model = build_model("gpt", depth=DEPTH)
+    aotdist.parallelize(model, config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with metrics.track(model) as t:
+        losses = [_step(model, opt, xs[rank], ys[rank]) for xs, ys in _batches(world_size, model)]
+    params = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return losses, params, t.to_dict()
+
+
+@pytest.mark.inductor
+def test_inductor_fsdp_float8_all_gather_ac():
+    """The production stack: Inductor (C++ codegen on CPU), FSDP2, Float8 all-gather, AC."""
+    name = "inductor"
+    CONFIGS[name] = {"fsdp": {"enabled": True}, "compile": {"backend": "inductor"},
+                     "float8": {**FLOAT8, "fsdp_all_gather": True}, "ac": {"enabled": True}}
+    try:
+        (losses, params, m), _ = run_distributed(_inductor_everything, 2, CONFIGS[name],
+                                                 timeout=540)
+        ref_losses, ref_params, _ = _reference(name, 2)
+    finally:
+        del CONFIGS[name]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **_tol("float8"))
+    for key, ref in ref_params.items():
+        torch.testing.assert_close(params[key], ref, **_tol("float8"))
+    assert m["backend_seconds"] > 0  # Inductor really compiled
+    assert m["regions"]["GPTBlock"]["subgraphs"] == 1 and m["recompiles"] == []
