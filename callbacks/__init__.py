@@ -1,0 +1,33 @@
+"""aotdist for Lightning and Accelerate (installed as ``aotdist.callbacks``).
+
+Names load on first use, so importing this package imports neither Lightning nor
+Accelerate:
+
+- :class:`RegionalCompile` — a ``lightning.pytorch.Callback`` (``callbacks/lightning.py``).
+- :class:`RegionalCompileHook` and :func:`prepare` — Accelerate (``callbacks/accelerate.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["RegionalCompile", "RegionalCompileHook", "prepare"]
+
+_WHERE = {
+    "RegionalCompile": "aotdist.callbacks.lightning",
+    "RegionalCompileHook": "aotdist.callbacks.accelerate",
+    "prepare": "aotdist.callbacks.accelerate",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'aotdist.callbacks' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_WHERE))

@@ -1,0 +1,151 @@
+"""What the Lightning callback and the Accelerate hook share: config merging, choosing
+the module to compile, and applying aotdist once, in cooperation with what the user did.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from aotdist.compile import STATE_ATTR, compile_regions
+from aotdist.config import AOTDistConfig
+from aotdist.errors import ConfigError, OrderingError
+from aotdist.fsdp import fsdp_modules
+from aotdist.parallelize import INFO_ATTR, parallelize, parallelize_info
+from aotdist.regions import RegionPlan, find_regions
+
+__all__ = ["Applied", "apply_aotdist", "merge_config"]
+
+
+def merge_config(config: AOTDistConfig | Mapping | str | os.PathLike | None, *,
+                 include: list[str] | str | None = None, exclude: list[str] | str | None = None,
+                 backend: str | None = None, mode: str | None = None) -> AOTDistConfig:
+    """``config`` (object, mapping or YAML path) with the keyword arguments given applied.
+
+    Raises:
+        ConfigError: A bad config or argument (every problem listed).
+    """
+    if config is None:
+        cfg = AOTDistConfig()
+    elif isinstance(config, AOTDistConfig):
+        cfg = config
+    elif isinstance(config, Mapping):
+        cfg = AOTDistConfig.from_dict(config)
+    elif isinstance(config, (str, os.PathLike)):
+        cfg = AOTDistConfig.from_yaml(config)
+    else:
+        raise ConfigError(f"config must be an AOTDistConfig, a mapping or a YAML path; got "
+                          f"{type(config).__name__}")
+    regions: dict[str, Any] = {}
+    if include is not None:
+        regions["include"] = [include] if isinstance(include, str) else list(include)
+    if exclude is not None:
+        regions["exclude"] = [exclude] if isinstance(exclude, str) else list(exclude)
+    compile_: dict[str, Any] = {}
+    if backend is not None:
+        compile_["backend"] = backend
+    if mode is not None:
+        compile_["mode"] = mode
+    return cfg.replace(regions=regions, compile=compile_) if regions or compile_ else cfg
+
+
+@dataclass
+class Applied:
+    """What :func:`apply_aotdist` found or did.
+
+    Attributes:
+        target: The module aotdist compiled (the child of the root holding every region
+            instance, or the root itself).
+        target_fqn: Its FQN in the root (``""`` for the root).
+        how: ``"parallelize"`` (aotdist applied it), ``"user"`` (the user had called
+            ``aotdist.parallelize``/``compile_regions``: left as it is) or
+            ``"compile_in_user_fsdp"`` (the user sharded; aotdist compiled inside).
+        config: The config in effect.
+    """
+
+    target: nn.Module
+    target_fqn: str
+    how: str
+    config: AOTDistConfig
+
+
+def _find_user_applied(root: nn.Module) -> tuple[str, nn.Module] | None:
+    for fqn, m in root.named_modules():
+        if INFO_ATTR in vars(m) or STATE_ATTR in vars(m):
+            return fqn, m
+    return None
+
+
+def _target(root: nn.Module, plan: RegionPlan) -> str:
+    """The first-level child of ``root`` holding every region instance, else ``""``.
+
+    That child is what a ``training_step`` calls (``self.model(x)``), so compiling it in
+    place and putting the FSDP root unit on it makes both take effect.
+    """
+    heads = {fqn.split(".", 1)[0] for fqn in plan.fqns if "." in fqn}
+    if len(heads) == 1 and all("." in fqn for fqn in plan.fqns):
+        return heads.pop()
+    return ""
+
+
+def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
+                  what: str = "aotdist") -> Applied:
+    """Applies ``config`` to ``root`` once, cooperating with what the user already did.
+
+    - The user called ``aotdist.parallelize`` / ``compile_regions`` on ``root`` or a
+      submodule: nothing is applied again.
+    - The user sharded with ``fully_shard`` (and Float8/FSDP are off in ``config``): the
+      regions are compiled inside the user's FSDP units.
+    - Otherwise ``aotdist.parallelize`` runs on the target module.
+
+    Args:
+        root: The LightningModule or the model handed to Accelerate.
+        config: What to apply.
+        mesh: FSDP2's mesh, when ``config.fsdp.enabled``.
+        what: Name used in error messages (the callback's or hook's).
+
+    Raises:
+        ConfigError: No repeated regions, or a bad config.
+        OrderingError: The user sharded and ``config`` asks for FSDP or Float8 (both must
+            come before sharding), or the model was compiled already.
+    """
+    found = _find_user_applied(root)
+    if found is not None:
+        fqn, module = found
+        info = parallelize_info(module)
+        return Applied(module, fqn, "user", info.config if info else config)
+    rc = config.regions
+    plan = find_regions(root, include=rc.include, exclude=rc.exclude,
+                        min_repeats=rc.min_repeats)
+    if len(plan) == 0:
+        raise ConfigError(
+            f"{what} found no repeated regions in {type(root).__name__}. Fix: pass "
+            "include=[<block class name>] (or min_repeats=1), or remove it."
+        )
+    fqn = _target(root, plan)
+    target = root.get_submodule(fqn) if fqn else root
+    prefix = f"{fqn}." if fqn else ""
+    # Patterns were matched against the root's FQNs; the target sees them without prefix.
+    exact = {"include": [f[len(prefix):] for f in plan.fqns], "exclude": None}
+    sharded = fsdp_modules(root)
+    if sharded:
+        if config.fsdp.enabled or config.float8.enabled:
+            raise OrderingError(
+                f"{what}: the model was already sharded with fully_shard ({sharded[:3]}), but "
+                "fsdp/float8 are enabled: Float8 conversion and region marking must come "
+                "before sharding. Fix: call aotdist.parallelize(model, config) where you "
+                "shard now (e.g. in configure_model) instead of fully_shard."
+            )
+        if config.compile.enabled:
+            cc = config.compile
+            compile_regions(target, find_regions(target, include=exact["include"]),
+                            backend=cc.backend, mode=cc.mode, dynamic=cc.dynamic,
+                            options=cc.options)
+        return Applied(target, fqn, "compile_in_user_fsdp", config)
+    effective = config.replace(regions=exact)
+    parallelize(target, effective, mesh=mesh if config.fsdp.enabled else None)
+    return Applied(target, fqn, "parallelize", effective)

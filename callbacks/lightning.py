@@ -1,0 +1,274 @@
+"""Lightning: :class:`RegionalCompile`, regional compile (+ FSDP2, Float8) in one line.
+
+``Trainer(callbacks=[RegionalCompile()])``. The callback applies aotdist right after the
+LightningModule's ``configure_model`` (its own or Lightning's default), before Lightning
+moves the model, wraps it (DDP) or builds the optimizers, so every strategy sees the
+final modules and parameters. Under ``ModelParallelStrategy`` it shards with FSDP2 over
+the strategy's data-parallel mesh; a ``configure_model`` that already called
+``aotdist.parallelize`` is left as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from aotdist.callbacks._common import Applied, apply_aotdist, merge_config
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from aotdist import metrics
+from aotdist.config import AOTDistConfig
+from aotdist.errors import ConfigError
+from aotdist.float8 import float8_linears, precompute_float8_scales
+
+__all__ = ["RegionalCompile"]
+
+_WRAPPED = "_aotdist_configure_model_wrapped"
+
+
+class RegionalCompile(Callback):
+    """Compiles each distinct repeated region of the LightningModule once.
+
+    Works with ``strategy="auto"``, ``"ddp"``, ``"ddp_spawn"`` and
+    ``ModelParallelStrategy`` (FSDP2), on CPU and GPU. Logs compile metrics through the
+    trainer's logger (rank zero), warns on recompiles after the first epoch, and runs the
+    Float8 scale precompute after each optimizer step when FSDP float8 all-gather is used.
+
+    Args:
+        config: An ``AOTDistConfig``, a mapping of its sections, or a YAML path. Its
+            ``fsdp`` section applies under ``ModelParallelStrategy`` (where FSDP2 is turned
+            on by default); ``float8`` and ``ac`` apply under every strategy.
+        include: Region classes or FQN globs, relative to the LightningModule
+            (``"model.blocks.*"``); overrides ``config.regions.include``.
+        exclude: Modules never made regions; overrides ``config.regions.exclude``.
+        backend: ``torch.compile`` backend; overrides ``config.compile.backend``
+            (default ``"inductor"``).
+        mode: ``torch.compile`` mode; overrides ``config.compile.mode``.
+        log_metrics: Log compile metrics through the trainer's logger.
+
+    Raises:
+        ConfigError: A bad config or argument (at construction).
+    """
+
+    def __init__(self, config: dict | str | None = None, *,
+                 include: list[str] | str | None = None, exclude: list[str] | str | None = None,
+                 backend: str | None = None, mode: str | None = None,
+                 log_metrics: bool = True) -> None:
+        if not isinstance(log_metrics, bool):
+            raise ConfigError(f"RegionalCompile(log_metrics=...) must be a bool; got {log_metrics!r}")
+        self.config: AOTDistConfig = merge_config(config, include=include, exclude=exclude,
+                                                  backend=backend, mode=mode)
+        self.log_metrics = log_metrics
+        self.applied: Applied | None = None
+        self._window: Any = None  # metrics.track context manager in progress
+        self._window_metrics: metrics.CompileMetrics | None = None
+        self._first_batch_done = False
+        self._last_step = -1
+        self._float8_all_gather = False
+        self.recompiles_after_first_epoch = 0
+
+    # ---- setup: validate, then apply right after configure_model ----------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        _validate(trainer, pl_module, self.config)
+        if getattr(pl_module, _WRAPPED, False):
+            return
+        original = pl_module.configure_model  # the user's, or LightningModule's no-op
+
+        def configure_model() -> None:  # no functools.wraps: Lightning must see an override
+            original()
+            self._apply(trainer, pl_module)
+
+        pl_module.configure_model = configure_model
+        setattr(pl_module, _WRAPPED, True)
+
+    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.applied is not None and self.applied.target in pl_module.modules():
+            return  # configure_model runs again for test/predict after fit
+        config, mesh = self.config, None
+        if _is_model_parallel(trainer.strategy):
+            mesh = _data_parallel_mesh(trainer.strategy)
+            if not config.fsdp.enabled:
+                rank_zero_info("aotdist: ModelParallelStrategy, enabling FSDP2 (fsdp.enabled) "
+                               "over its data-parallel mesh.")
+                config = config.replace(fsdp={"enabled": True})
+        self.applied = apply_aotdist(pl_module, config, mesh=mesh, what="RegionalCompile")
+        self._float8_all_gather = any(m.config.enable_fsdp_float8_all_gather
+                                      for m in float8_linears(pl_module))
+        where = self.applied.target_fqn or type(pl_module).__name__
+        rank_zero_info(f"aotdist: {self.applied.how} on {where!r}")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close_window()
+        if "configure_model" in vars(pl_module):
+            del pl_module.configure_model
+        if getattr(pl_module, _WRAPPED, False):
+            delattr(pl_module, _WRAPPED)
+
+    # ---- training: metrics windows and the Float8 precompute ---------------------------
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        if not self._first_batch_done and self._window is None:
+            self._open_window()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self._last_step:  # an optimizer step happened
+            self._last_step = trainer.global_step
+            if self._float8_all_gather:
+                precompute_float8_scales(pl_module)
+        if not self._first_batch_done:
+            self._first_batch_done = True
+            first = self._close_window()
+            self._log(trainer, first, first_step=True)
+            if first is not None and self.config.compile.enabled and first.frames_compiled == 0 \
+                    and self.applied is not None and self.applied.how == "parallelize":
+                rank_zero_warn(
+                    f"aotdist: nothing was compiled in the first training step: "
+                    f"{self.applied.target_fqn or 'the LightningModule'} did not run through "
+                    "its __call__. Fix: call it as a module in training_step "
+                    "(self.model(x), not self.model.forward(x))."
+                )
+            self._open_window()
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._first_batch_done:
+            return
+        window = self._close_window()
+        if window is not None and trainer.current_epoch >= 1 and window.recompiles:
+            self.recompiles_after_first_epoch += len(window.recompiles)
+            rank_zero_warn(
+                f"aotdist: {len(window.recompiles)} recompile(s) in epoch "
+                f"{trainer.current_epoch}: {window.recompiles[0].splitlines()[0][:200]}. "
+                "Recompiles after the first epoch cost compile time every time; mark the "
+                "changing input dims dynamic or keep shapes fixed (drop_last=True)."
+            )
+        if window is not None and self.log_metrics and trainer.logger is not None \
+                and trainer.is_global_zero:
+            trainer.logger.log_metrics({"aotdist/recompiles_epoch": len(window.recompiles)},
+                                       step=trainer.global_step)
+        self._open_window()
+
+    def _open_window(self) -> None:
+        target = self.applied.target if self.applied is not None else None
+        self._window = metrics.track(target)
+        self._window_metrics = self._window.__enter__()
+
+    def _close_window(self) -> metrics.CompileMetrics | None:
+        if self._window is None:
+            return None
+        self._window.__exit__(None, None, None)
+        out, self._window, self._window_metrics = self._window_metrics, None, None
+        return out
+
+    def _log(self, trainer: pl.Trainer, m: metrics.CompileMetrics | None, *,
+             first_step: bool) -> None:
+        if m is None or not self.log_metrics or trainer.logger is None \
+                or not trainer.is_global_zero:
+            return
+        values: dict[str, float] = {
+            "aotdist/compile_seconds": m.compile_seconds,
+            "aotdist/dynamo_seconds": m.dynamo_seconds,
+            "aotdist/aot_autograd_seconds": m.aot_autograd_seconds,
+            "aotdist/backend_seconds": m.backend_seconds,
+            "aotdist/graphs": m.graphs,
+            "aotdist/graph_breaks": m.num_graph_breaks,
+            "aotdist/recompiles": len(m.recompiles),
+        }
+        for name, st in m.regions.items():
+            values[f"aotdist/{name}/instances"] = st.instances
+            values[f"aotdist/{name}/call_sites"] = st.call_sites
+            values[f"aotdist/{name}/subgraphs"] = st.subgraphs
+        trainer.logger.log_metrics(values, step=trainer.global_step)
+
+    # ---- resumable state --------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(),
+                "recompiles_after_first_epoch": self.recompiles_after_first_epoch}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("config")
+        if saved is not None and AOTDistConfig.from_dict(saved) != self.config:
+            rank_zero_warn(
+                "aotdist: resuming with another RegionalCompile config than the checkpoint's; "
+                "the weights load the same (aotdist never changes state_dict keys), but the "
+                f"run now uses {self.config.to_dict()} instead of {saved}."
+            )
+        self.recompiles_after_first_epoch = int(state_dict.get("recompiles_after_first_epoch", 0))
+
+
+def _is_model_parallel(strategy: Any) -> bool:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def _data_parallel_mesh(strategy: Any):
+    mesh = strategy.device_mesh
+    tp = mesh["tensor_parallel"].size()
+    if tp > 1:
+        raise ConfigError(
+            f"RegionalCompile: ModelParallelStrategy has tensor_parallel_size={tp}, but aotdist "
+            "applies FSDP2 only (no tensor parallelism). Fix: ModelParallelStrategy("
+            f"data_parallel_size={mesh.size()}, tensor_parallel_size=1), or apply tensor "
+            "parallelism and aotdist.parallelize yourself in configure_model."
+        )
+    return mesh["data_parallel"]
+
+
+def _validate(trainer: pl.Trainer, pl_module: pl.LightningModule,
+              config: AOTDistConfig) -> None:
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
+
+    strategy = trainer.strategy
+    name = type(strategy).__name__
+    if isinstance(strategy, FSDPStrategy):
+        raise ConfigError(
+            "RegionalCompile: FSDPStrategy is FSDP1, whose flat parameters aotdist cannot "
+            "compile per region. Fix: strategy=ModelParallelStrategy(data_parallel_size=N, "
+            "tensor_parallel_size=1); RegionalCompile shards with FSDP2 there."
+        )
+    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)):
+        raise ConfigError(
+            f"RegionalCompile: strategy {name} is not supported. Fix: use 'auto', 'ddp', "
+            "'ddp_spawn' or ModelParallelStrategy."
+        )
+    if config.fsdp.enabled and not isinstance(strategy, ModelParallelStrategy):
+        raise ConfigError(
+            f"RegionalCompile: fsdp.enabled needs ModelParallelStrategy, got {name} (DDP "
+            "would wrap the FSDP2-sharded model a second time). Fix: strategy="
+            "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1), or set "
+            "fsdp.enabled: false."
+        )
+    precision = str(trainer.precision)
+    if config.float8.enabled and (precision.startswith(("64", "16-true", "transformer-engine"))
+                                  or "bnb" in precision):
+        raise ConfigError(
+            f"RegionalCompile: float8.enabled with precision={precision!r}: torchao Float8 "
+            "needs float32 or bfloat16 master weights and no other low-precision plugin. "
+            "Fix: precision='32-true' or 'bf16-mixed', or float8.enabled: false."
+        )
+    compiled = getattr(pl_module, "_compiler_ctx", None)
+    if compiled:
+        raise ConfigError(
+            "RegionalCompile: the LightningModule passed to the Trainer came from "
+            "torch.compile; Lightning would compile the whole model again on top. Fix: "
+            "pass the uncompiled LightningModule; RegionalCompile compiles it."
+        )
+
