@@ -93,7 +93,7 @@ def _target(root: nn.Module, plan: RegionPlan) -> str:
 
 
 def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
-                  what: str = "aotdist") -> Applied:
+                  what: str = "aotdist", child_target: bool = True) -> Applied:
     """Applies ``config`` to ``root`` once, cooperating with what the user already did.
 
     - The user called ``aotdist.parallelize`` / ``compile_regions`` on ``root`` or a
@@ -107,6 +107,8 @@ def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
         config: What to apply.
         mesh: FSDP2's mesh, when ``config.fsdp.enabled``.
         what: Name used in error messages (the callback's or hook's).
+        child_target: Compile the first-level child holding every region (a
+            LightningModule's ``self.model``) rather than ``root`` itself.
 
     Raises:
         ConfigError: No repeated regions, or a bad config.
@@ -126,7 +128,7 @@ def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
             f"{what} found no repeated regions in {type(root).__name__}. Fix: pass "
             "include=[<block class name>] (or min_repeats=1), or remove it."
         )
-    fqn = _target(root, plan)
+    fqn = _target(root, plan) if child_target else ""
     target = root.get_submodule(fqn) if fqn else root
     prefix = f"{fqn}." if fqn else ""
     # Patterns were matched against the root's FQNs; the target sees them without prefix.

@@ -1,0 +1,310 @@
+"""Accelerate: :class:`RegionalCompileHook` (a ``ModelHook``) and :func:`prepare`.
+
+- ``add_hook_to_module(model, RegionalCompileHook())`` compiles the model's regions in
+  place; ``remove_hook_from_module(model)`` makes it eager again. Attach it before or after
+  ``accelerator.prepare`` with DDP (after prepare it compiles the module inside DDP), and
+  after ``prepare`` when Accelerate's own FSDP2 shards the model (it then compiles inside
+  the FSDP units; attached before, the first forward raises an ``OrderingError``).
+- ``prepare(accelerator, model, optimizer, dataloader, ..., config=...)`` applies
+  ``aotdist.parallelize`` (FSDP2, Float8, activation checkpointing, regional compile),
+  rebinds the optimizers to the new parameters, runs the Float8 scale precompute after
+  each optimizer step, and prepares the rest with Accelerate, without wrapping an
+  FSDP2-sharded model in DDP. ``accelerator.save_state`` then writes the *full* model and
+  optimizer state (plain keys, loadable into an unsharded model) and ``load_state`` puts
+  it back into the sharded one.
+
+aotdist settings live in their own YAML (``configs/aotdist/*.yaml``), not in Accelerate's
+config file: ``accelerate launch`` rejects unknown keys there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from accelerate.hooks import ModelHook
+from aotdist.callbacks._common import Applied, apply_aotdist, merge_config
+from torch import nn
+
+from aotdist import metrics
+from aotdist.compile import restore
+from aotdist.config import AOTDistConfig
+from aotdist.errors import ConfigError, OrderingError
+from aotdist.float8 import float8_linears, precompute_float8_scales
+
+__all__ = ["RegionalCompileHook", "prepare"]
+
+
+def _check_accelerate_dynamo(config: AOTDistConfig, state: Any = None) -> None:
+    """Accelerate's ``dynamo_config`` would ``torch.compile`` the model on top of aotdist."""
+    if not config.compile.enabled:
+        return
+    if state is None:
+        from accelerate.state import AcceleratorState
+
+        if not AcceleratorState._shared_state:  # no Accelerator created: nothing to check
+            return
+        state = AcceleratorState()
+    plugin = getattr(state, "dynamo_plugin", None)
+    backend = getattr(getattr(plugin, "backend", None), "value", "NO")
+    if str(backend).upper() != "NO":
+        raise ConfigError(
+            f"Accelerate's dynamo_config is on (dynamo_backend={backend}), so "
+            "accelerator.prepare would torch.compile the whole model on top of aotdist's "
+            "regional compile (and add `_orig_mod.` to its keys). Fix: set dynamo_backend: "
+            "'no' in the Accelerate config (or ACCELERATE_DYNAMO_BACKEND=no); aotdist compiles."
+        )
+
+
+class RegionalCompileHook(ModelHook):
+    """Compiles each distinct repeated region of the hooked model once, in place.
+
+    Args:
+        config: An ``AOTDistConfig``, a mapping of its sections, or a YAML path. Only the
+            ``regions``, ``compile`` and ``ac`` sections apply: FSDP and Float8 replace
+            parameters, so they belong to :func:`prepare`.
+        include: Region classes or FQN globs; overrides ``config.regions.include``.
+        exclude: Modules never made regions; overrides ``config.regions.exclude``.
+        backend: ``torch.compile`` backend; overrides ``config.compile.backend``
+            (default ``"inductor"``).
+
+    Attributes:
+        metrics: ``CompileMetrics`` of the first forward (``None`` before it).
+        applied: What was applied, after ``init_hook``.
+
+    Raises:
+        ConfigError: A bad config, or FSDP/Float8 enabled in it.
+    """
+
+    def __init__(self, config: AOTDistConfig | Mapping | str | None = None, *,
+                 include: list[str] | str | None = None, exclude: list[str] | str | None = None,
+                 backend: str | None = None) -> None:
+        self.config = merge_config(config, include=include, exclude=exclude, backend=backend)
+        if self.config.fsdp.enabled or self.config.float8.enabled:
+            raise ConfigError(
+                "RegionalCompileHook compiles only; fsdp.enabled / float8.enabled replace the "
+                "model's parameters, which a hook cannot do under an existing optimizer. "
+                "Fix: use aotdist.callbacks.prepare(accelerator, model, optimizer, ..., "
+                "config=...) for FSDP2 and Float8."
+            )
+        self.applied: Applied | None = None
+        self.metrics: metrics.CompileMetrics | None = None
+        self._window: Any = None
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        _check_accelerate_dynamo(self.config)
+        root = _unwrap_ddp(module)
+        self.applied = apply_aotdist(root, self.config, what="RegionalCompileHook",
+                                     child_target=False)
+        target = self.applied.target
+        call = getattr(target, "_compiled_call_impl", None)
+        if call is not None and self.applied.how != "user":
+            target._compiled_call_impl = _FirstCallMetrics(call, self, target)
+        return module
+
+    def pre_forward(self, module: nn.Module, *args, **kwargs):
+        # Runs inside the compiled graph in graph mode (no side effects then); eagerly in
+        # frames mode (FSDP2), where it opens the first forward's metrics window.
+        if self.metrics is None and self._window is None and not torch.compiler.is_compiling():
+            self._window = metrics.track(self.applied.target if self.applied else None)
+            self.metrics = self._window.__enter__()
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output):
+        if self._window is not None and not torch.compiler.is_compiling():
+            self._window.__exit__(None, None, None)
+            self._window = None
+        return output
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        if self.applied is not None and self.applied.how != "user":
+            target = self.applied.target
+            call = getattr(target, "_compiled_call_impl", None)
+            if isinstance(call, _FirstCallMetrics):
+                target._compiled_call_impl = call.inner
+            restore(target)
+        self.applied = None
+        return module
+
+
+class _FirstCallMetrics:
+    """The compiled call, with the first call's compile metrics recorded (outside Dynamo)."""
+
+    def __init__(self, inner: Any, hook: RegionalCompileHook, target: nn.Module):
+        self.inner, self._hook, self._target = inner, hook, target
+
+    def __call__(self, *args, **kwargs):
+        if self._hook.metrics is not None:
+            return self.inner(*args, **kwargs)
+        with metrics.track(self._target) as m:
+            out = self.inner(*args, **kwargs)
+        self._hook.metrics = m
+        return out
+
+
+def _unwrap_ddp(module: nn.Module) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def prepare(accelerator: Any, model: nn.Module, *objects: Any,
+            config: AOTDistConfig | Mapping | str | os.PathLike | None = None,
+            mesh: Any = None) -> tuple:
+    """``aotdist.parallelize`` then ``accelerator.prepare``, in the order that works.
+
+    Args:
+        accelerator: The ``accelerate.Accelerator``.
+        model: The plain model (not yet prepared or compiled).
+        *objects: Optimizers, dataloaders and schedulers, as for ``accelerator.prepare``.
+            Optimizers may be built before this call: they are rebound to the parameters
+            that Float8 conversion and FSDP2 create.
+        config: An ``AOTDistConfig``, a mapping or a YAML path (``configs/aotdist/*.yaml``).
+        mesh: FSDP2's mesh; default: every process of the Accelerate run.
+
+    Returns:
+        ``(model, *prepared_objects)``, in the order given.
+
+    Raises:
+        ConfigError: A bad config; Accelerate's own dynamo, FSDP or DeepSpeed also enabled.
+        OrderingError: ``model`` was prepared or compiled already.
+    """
+    from accelerate.utils import DistributedType
+
+    cfg = merge_config(config)
+    _check_accelerate_dynamo(cfg, accelerator.state)
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ConfigError(
+            f"the Accelerate config shards the model itself (distributed_type="
+            f"{accelerator.distributed_type.value}); aotdist.callbacks.prepare shards with "
+            "aotdist. Fix: use distributed_type MULTI_GPU/MULTI_CPU with fsdp.enabled in the "
+            "aotdist config, or keep Accelerate's FSDP2 and attach RegionalCompileHook after "
+            "accelerator.prepare."
+        )
+    if getattr(model, "_is_accelerate_prepared", False):
+        raise OrderingError(
+            "this model was already passed to accelerator.prepare; aotdist must convert, "
+            "shard and compile it first. Fix: call aotdist.callbacks.prepare with the plain "
+            "model instead of accelerator.prepare."
+        )
+    model.to(accelerator.device)
+    old_names = {id(p): n for n, p in model.named_parameters()}
+    if cfg.fsdp.enabled and mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    apply_aotdist(model, cfg, mesh=mesh, what="aotdist.callbacks.prepare", child_target=False)
+    new_params = dict(model.named_parameters())
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    float8_all_gather = any(m.config.enable_fsdp_float8_all_gather
+                            for m in float8_linears(model))
+    for opt in optimizers:
+        _rebind(opt, old_names, new_params)
+        if float8_all_gather:  # after every real step (not the skipped accumulation ones)
+            opt.register_step_post_hook(lambda *_: precompute_float8_scales(model))
+    if cfg.fsdp.enabled:
+        # Sharded by aotdist: Accelerate must register it (save/load state) but not wrap it.
+        model._is_accelerate_prepared = True
+    prepared = accelerator.prepare(model, *objects)
+    if cfg.fsdp.enabled:  # after prepare: its optimizer wrapper reloads the state once
+        _full_state_checkpoints(accelerator, model, optimizers)
+    return prepared if isinstance(prepared, tuple) else (prepared,)
+
+
+def _rebind(optimizer: torch.optim.Optimizer, old_names: dict[int, str],
+            new_params: dict[str, nn.Parameter]) -> None:
+    """Points ``optimizer`` at the parameters that replaced the ones it was built with."""
+    for group in optimizer.param_groups:
+        rebound = []
+        for p in group["params"]:
+            name = old_names.get(id(p))
+            if name is None:
+                raise ConfigError(
+                    "an optimizer passed to aotdist.callbacks.prepare holds a parameter that is "
+                    "not the model's; build it from model.parameters()."
+                )
+            rebound.append(new_params[name])
+        group["params"] = rebound
+    if optimizer.state:
+        raise OrderingError(
+            "the optimizer already has state (it stepped); aotdist.callbacks.prepare must run "
+            "before training. Fix: call it before the first optimizer.step()."
+        )
+
+
+class _AlreadyLoaded:
+    """Stands in for a model whose state a load hook restored itself."""
+
+    def load_state_dict(self, *args, **kwargs) -> None:
+        return None
+
+
+def _full_state_checkpoints(accelerator: Any, model: nn.Module,
+                            optimizers: list[torch.optim.Optimizer]) -> None:
+    """``save_state``/``load_state`` of an FSDP2 model as full, unsharded state dicts."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def save_hook(models, weights, output_dir):
+        for i, m in enumerate(models):
+            if m is model:  # every rank takes part in the gather; the main process writes
+                weights[i] = get_model_state_dict(model, options=options)
+
+    def load_hook(models, input_dir):
+        from accelerate.utils import load_state_dict as read_weights
+
+        for i, m in enumerate(models):
+            if m is not model:
+                continue
+            stem = "model" if i == 0 else f"model_{i}"
+            path = os.path.join(input_dir, f"{stem}.safetensors")
+            if not os.path.exists(path):
+                path = os.path.join(input_dir, f"{stem}.bin")
+            state = read_weights(path) if path.endswith(".safetensors") else torch.load(
+                path, map_location="cpu", weights_only=True)
+            set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+            models[i] = _AlreadyLoaded()
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+    for opt in optimizers:
+        _full_state_optimizer(opt, model, options, get_optimizer_state_dict,
+                              set_optimizer_state_dict)
+
+
+def _full_state_optimizer(opt, model, options, get_sd, set_sd) -> None:
+    plain_state_dict, plain_load = opt.state_dict, opt.load_state_dict
+    busy = False
+
+    def state_dict():
+        nonlocal busy
+        if busy:  # torch's helper reads the plain state dict through this method
+            return plain_state_dict()
+        busy = True
+        try:
+            return get_sd(model, opt, options=options)
+        finally:
+            busy = False
+
+    def load_state_dict(state_dict):
+        nonlocal busy
+        if busy:
+            return plain_load(state_dict)
+        busy = True
+        try:
+            set_sd(model, opt, state_dict, options=options)
+        finally:
+            busy = False
+
+    opt.state_dict = state_dict
+    opt.load_state_dict = load_state_dict
+
