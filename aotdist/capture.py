@@ -243,7 +243,9 @@ class _Recorder:
                     "type": f"{type(example).__module__}.{type(example).__qualname__}",
                     "inner": {a: tensor_info(getattr(example, a)) for a in attrs},
                 })
-        for name in storage_resized_inputs(gm):
+        index = {node.name: i for i, node in enumerate(placeholders)}
+        for placeholder in storage_resized_inputs(gm):
+            name = entry.names.get(index.get(placeholder, -1), ("", placeholder))[1]
             self.report.mutations.append({"graph": f"graph{entry.index}", "input": name,
                                           "kind": "storage_resize", "level": "dynamo"})
         self.dynamo.append(entry)
