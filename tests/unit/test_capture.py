@@ -207,3 +207,21 @@ def test_capture_of_a_compiled_model_leaves_it_compiled():
     with aotdist.metrics.track(model) as after:
         torch.testing.assert_close(model(x), expected)
     assert before.frames_compiled == 1 and after.frames_compiled == 0
+
+
+def tiny_factory():
+    """A zero-argument factory for ``aotdist inspect --model module:factory``."""
+    return TinyGPT(depth=2)
+
+
+def test_inspect_cli_prints_plan_and_summary_and_saves(tmp_path, capsys):
+    from aotdist.cli import main
+
+    assert main(["inspect", "--model", "gpt", "--depth", "3", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "blocks.{0..2}" in text and re.search(r"GPTBlock\s+3\s+3\s+1\s", text), text
+    saved = json.loads((tmp_path / "capture.json").read_text())
+    assert saved["regions"]["GPTBlock"]["call_sites"] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert (tmp_path / "GPTBlock.forward0.py").exists()
+    assert main(["inspect", "--model", f"{__name__}:tiny_factory"]) == 0
+    assert "(no built-in example inputs" not in capsys.readouterr().out
