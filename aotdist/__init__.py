@@ -4,6 +4,7 @@ Importing aotdist does nothing but define names: torchao, lightning, accelerate 
 torchvision are imported where they are used.
 """
 
+from aotdist.capture import Capture, capture
 from aotdist.compile import compile_regions, restore
 from aotdist.config import AOTDistConfig
 from aotdist.errors import (
@@ -22,12 +23,14 @@ __version__ = "0.1.0"
 __all__ = [
     "AOTDistConfig",
     "AOTDistError",
+    "Capture",
     "ConfigError",
     "ConfigWarning",
     "OrderingError",
     "Region",
     "RegionCompileWarning",
     "RegionPlan",
+    "capture",
     "compile_regions",
     "find_regions",
     "parallelize",

@@ -48,31 +48,53 @@ def _cmd_bench(args) -> int:
     return 0
 
 
-def _cmd_inspect(args) -> int:
+def _inspect(rank: int, world_size: int, opts: dict) -> str:
+    """Builds, optionally parallelizes, and captures one step; rank 0 saves. Returns the
+    report text (module level: ``run_distributed`` spawns it)."""
     import torch
 
     import aotdist
-    from aotdist import metrics
     from aotdist.testing.models import example_inputs
 
-    model = _build(args.model, args.depth)
+    model = _build(opts["model"], opts["depth"])
+    config: dict = {"compile": {"enabled": False}}
+    if opts["fsdp"]:
+        config["fsdp"] = {"enabled": True}
+    if opts["float8"]:
+        config["float8"] = {"enabled": True, "fsdp_all_gather": opts["fsdp"]}
     plan = aotdist.find_regions(model)
-    print(plan)
-    aotdist.compile_regions(model, plan=plan, backend=args.backend)
+    if opts["fsdp"] or opts["float8"]:
+        aotdist.parallelize(model, config)
+        plan = aotdist.parallelize_info(model).plan
+    lines = [str(plan)]
     try:
-        (x,), _ = example_inputs(model)
+        (x,), _ = example_inputs(model, generator=torch.Generator().manual_seed(rank))
     except TypeError:
-        print("(no built-in example inputs for this model: printed the plan only)")
-        return 0
+        return "\n".join([*lines, "(no built-in example inputs for this model: printed the "
+                           "plan only)"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", aotdist.RegionCompileWarning)
-        with metrics.track(model) as m:
-            out = model(x)
-            (out if isinstance(out, torch.Tensor) else out[0]).float().mean().backward()
-    for w in caught:
-        if issubclass(w.category, aotdist.RegionCompileWarning):
-            print(f"warning: {w.message}")
-    print(m.summary())
+        cap = aotdist.capture(model, x, backend=opts["backend"],
+                              loss_fn=lambda out: (out if isinstance(out, torch.Tensor)
+                                                   else out[0]).float().mean())
+    lines += [f"warning: {w.message}" for w in caught
+              if issubclass(w.category, aotdist.RegionCompileWarning)]
+    lines += [cap.metrics.summary(), cap.summary()]
+    if opts["out"] and rank == 0:
+        files = cap.save(opts["out"])
+        lines.append(f"wrote {len(files)} files to {opts['out']}")
+    return "\n".join(lines)
+
+
+def _cmd_inspect(args) -> int:
+    opts = {k: getattr(args, k) for k in ("model", "depth", "fsdp", "float8", "out", "backend")}
+    if args.fsdp or args.nproc > 1:
+        from aotdist.testing.distributed import run_distributed
+
+        texts = run_distributed(_inspect, args.nproc, opts, timeout=args.timeout)
+    else:
+        texts = [_inspect(0, 1, opts)]
+    print(texts[0])
     return 0
 
 
@@ -92,10 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="bench-out")
     b.set_defaults(func=_cmd_bench)
 
-    i = sub.add_parser("inspect", help="region plan and compile metrics of a model")
+    i = sub.add_parser("inspect", help="region plan and what AOTAutograd captured, per region")
     i.add_argument("--model", default="gpt", help="gpt, vit, resnet, aliasing or module:factory")
     i.add_argument("--depth", type=int, default=4)
-    i.add_argument("--backend", default="aot_eager")
+    i.add_argument("--backend", default="aot_eager", help="aot_eager or inductor")
+    i.add_argument("--nproc", type=int, default=1, help="ranks (gloo on CPU); with --fsdp")
+    i.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (aotdist.parallelize)")
+    i.add_argument("--float8", action="store_true",
+                   help="torchao Float8 training (float8 all-gather with --fsdp)")
+    i.add_argument("--out", default=None, help="save capture.json and one .py per graph")
+    i.add_argument("--timeout", type=float, default=300.0, help="seconds, with --nproc/--fsdp")
     i.set_defaults(func=_cmd_inspect)
 
     args = parser.parse_args(argv)

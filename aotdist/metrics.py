@@ -23,6 +23,7 @@ import contextlib
 import operator
 import re
 import time
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aotdist.errors import RegionCaptureError
+from aotdist.errors import RegionCaptureError, RegionCompileWarning
 
 __all__ = ["CompileMetrics", "GraphRecord", "RecordingBackend", "RegionStats", "track"]
 
@@ -200,7 +201,7 @@ class RecordingBackend:
         record.standalone = self._standalone_region()
         start = time.perf_counter()
         try:
-            compiled = self.inner(gm, example_inputs)
+            compiled = self._compile(gm, example_inputs)
         except Exception as exc:
             failing = _regions_named_in(exc, node_regions)
             if failing:
@@ -211,6 +212,27 @@ class RecordingBackend:
         _GRAPH_LOG.append(record)
         del _GRAPH_LOG[:-_MAX_LOG]
         return compiled
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs):
+        """The inner backend, unless ``gm`` resizes an input's storage (the FSDP pattern):
+        torch 2.15 then segfaults, so aotdist's repaired AOTAutograd pipeline compiles it,
+        or, for a backend aotdist cannot rebuild, the graph runs eagerly (with a warning)."""
+        from aotdist.aot import aot_backend, storage_resized_inputs
+
+        resized = ([] if getattr(self.inner, "_aotdist_fixes_resizes", False)
+                   else storage_resized_inputs(gm))
+        if not resized:
+            return self.inner(gm, example_inputs)
+        repaired = aot_backend(self.inner)
+        if repaired is not None:
+            return repaired(gm, example_inputs)
+        warnings.warn(
+            f"a compiled graph resizes the storage of {resized} (the FSDP pattern); with "
+            f"torch 2.15 compiling it with backend {self.inner!r} would crash the process, so "
+            "it runs eagerly. Fix: use backend='aot_eager' or 'inductor', which aotdist repairs.",
+            RegionCompileWarning, stacklevel=2,
+        )
+        return gm.forward
 
     def _analyse(self, gm: torch.fx.GraphModule, record: GraphRecord) -> dict[str, str]:
         """Fills ``record``; returns invoke_subgraph node name -> region name."""

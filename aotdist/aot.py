@@ -1,0 +1,172 @@
+"""AOTAutograd backends with aotdist's graph passes and a hook on every graph they compile.
+
+:func:`aot_backend` rebuilds ``aot_eager`` or ``inductor`` from their AOTAutograd parts
+so that aotdist sees each forward and backward graph *after* functionalization and
+partitioning (the capture pipeline records them there) and can repair them before the
+real compiler runs.
+
+The repair: a module that resizes a tensor's storage inside its forward, the FSDP
+pattern (storage size 0 on entry, ``untyped_storage().resize_(nbytes)``, ``copy_`` into
+it, use it, ``resize_(0)`` before returning). With torch 2.15 the functionalized graph
+applies the final ``resize_storage_bytes_(x, 0)`` to the *functional copy* of the input
+and then copies that zero-size storage back into the input
+(``copy_(input, functional_copy)``): the process dies with a segfault, with
+``aot_eager`` and ``inductor`` alike. :func:`fix_storage_resizes` moves the final resize
+onto the input itself and drops the copy-back (its data would be freed at once), which
+is what eager does. Backends aotdist cannot rebuild run such graphs eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["aot_backend", "fix_storage_resizes", "storage_resized_inputs"]
+
+# on_graph(gm, kind) with kind "forward", "backward" or "inference"
+GraphHook = Callable[[torch.fx.GraphModule, str], None]
+
+
+def _is_resize(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and "resize_storage_bytes_" in str(node.target)
+
+
+def storage_resized_inputs(gm: torch.fx.GraphModule) -> list[str]:
+    """Placeholders of ``gm`` whose storage is resized inside it (the FSDP pattern).
+
+    Works on Dynamo graphs (before AOTAutograd) and on AOTAutograd graphs.
+    """
+    found = []
+    for node in gm.graph.nodes:
+        if _is_resize(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+            target = node.args[0]
+            if target.op == "placeholder" and target.name not in found:
+                found.append(target.name)
+    return found
+
+
+def fix_storage_resizes(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[str]:
+    """Applies a final ``resize_storage_bytes_(copy, 0)`` to the input, not its copy.
+
+    Pattern (functionalized graph, input mutations kept in the graph)::
+
+        copy = aten.copy(primal, src)                 # functional copy_ into the input
+        ...uses of copy...
+        resize_storage_bytes_(copy, 0)                # meant for the input
+        copy_(primal, copy)                           # copy-back from zero bytes: segfault
+
+    becomes ``...uses of copy...; resize_storage_bytes_(primal, 0)``.
+
+    Args:
+        gm: A graph module, or a bare graph (Inductor's joint-graph pass hands one).
+
+    Returns:
+        The placeholders repaired (empty when the pattern is absent; ``gm`` unchanged).
+    """
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    fixed = []
+    for node in list(graph.nodes):
+        if not (_is_resize(node) and len(node.args) >= 2 and node.args[1] == 0):
+            continue
+        value = node.args[0]
+        if not isinstance(value, torch.fx.Node) or value.op == "placeholder":
+            continue
+        copy_back = next(
+            (u for u in value.users if u.op == "call_function"
+             and u.target is torch.ops.aten.copy_.default and u.args[1] is value
+             and isinstance(u.args[0], torch.fx.Node) and u.args[0].op == "placeholder"
+             and not u.users),
+            None,
+        )
+        if copy_back is None:
+            continue
+        primal = copy_back.args[0]
+        with graph.inserting_before(copy_back):
+            graph.call_function(node.target, (primal, 0))
+        graph.erase_node(copy_back)
+        graph.erase_node(node)
+        fixed.append(primal.name)
+    if fixed:
+        graph.lint()
+        if isinstance(gm, torch.fx.GraphModule):
+            gm.recompile()
+    return fixed
+
+
+def _joint_pass():
+    """:func:`fix_storage_resizes` as an Inductor joint-graph pass (before its no-op
+    removal, which would otherwise turn the functional copy into the source tensor)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class FixStorageResizes(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            fix_storage_resizes(graph)
+
+        def uuid(self) -> str:
+            return "aotdist.fix_storage_resizes.v1"
+
+    return FixStorageResizes()
+
+
+def _hooked(compiler: Callable, kind: str | None, on_graph: GraphHook | None) -> Callable:
+    @functools.wraps(compiler)
+    def compile_graph(gm, example_inputs, *args, **kwargs):
+        fixed = fix_storage_resizes(gm)
+        if fixed:
+            gm.meta["aotdist_fixed_resizes"] = fixed
+        if on_graph is not None:
+            which = kind
+            if which is None:  # inductor's inner compile says which graph it is
+                which = ("backward" if kwargs.get("is_backward")
+                         else "inference" if kwargs.get("is_inference") else "forward")
+            on_graph(gm, which)
+        return compiler(gm, example_inputs, *args, **kwargs)
+
+    return compile_graph
+
+
+def backend_name(backend: str | Callable) -> str | None:
+    """``"aot_eager"``, ``"inductor"`` or another name; ``None`` for an unnamed callable."""
+    if isinstance(backend, str):
+        return backend
+    return getattr(backend, "compiler_name", None)
+
+
+def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None
+                ) -> Callable | None:
+    """``backend`` rebuilt on AOTAutograd with aotdist's passes and ``on_graph`` hook.
+
+    Args:
+        backend: ``"aot_eager"``, ``"inductor"``, or ``torch.compile``'s wrapper of either
+            (an Inductor wrapper keeps its mode and options).
+        on_graph: Called with each forward/backward/inference graph before it is compiled.
+
+    Returns:
+        A ``torch.compile`` backend, or ``None`` when ``backend`` is not one of those.
+    """
+    name = backend_name(backend)
+    if name == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+        return functools.partial(
+            aot_eager, fw_compiler=_hooked(boxed_nop, "forward", on_graph),
+            bw_compiler=_hooked(boxed_nop, "backward", on_graph),
+        )
+    if name == "inductor":
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        patches = dict(getattr(backend, "config", None) or {})
+        user_pass = patches.get("joint_custom_pre_pass", inductor_config.joint_custom_pre_pass)
+        user_passes = list(user_pass) if isinstance(user_pass, (list, tuple)) else (
+            [] if user_pass is None else [user_pass])
+        patches["joint_custom_pre_pass"] = [*user_passes, _joint_pass()]
+        inner = _hooked(compile_fx_inner, None, on_graph)
+
+        def inductor(gm, example_inputs):
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+
+        return inductor
+    return None
