@@ -2,7 +2,8 @@
 
 On CPU a fresh process's high-water mark includes the imports (torch alone is hundreds
 of MiB) and the model build. :class:`MemoryProbe` therefore takes a baseline after the
-model is built and, on Linux, resets the kernel's high-water mark there
+model is built, the strategy applied and the compiler stack imported (in every strategy,
+eager too), and, on Linux, resets the kernel's high-water mark there
 (``/proc/self/clear_refs``), so ``peak_mem_mib`` is the growth over that baseline:
 compiler state, compiled code, activations, gradients and optimizer state. The raw
 high-water mark is reported too, as ``peak_rss_mib``.
@@ -66,7 +67,7 @@ class MemoryProbe:
         if hwm is None:  # not Linux: ru_maxrss (KiB on Linux, bytes on macOS)
             scale = 1 if sys.platform.startswith("linux") else 1 / 1024
             hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-        label = ("RSS high-water mark growth over the baseline after model build"
+        label = ("RSS high-water mark growth over the baseline after model build and strategy"
                  if self.hwm_reset else
                  "RSS high-water mark (includes imports: the reset was not possible) "
                  "minus the RSS after model build")

@@ -80,10 +80,11 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
     _phase(rank, f"build {spec['model']} depth {spec['depth']}, apply {spec['strategy']}")
     torch.manual_seed(0)  # every rank builds the same model
     model = build_bench_model(spec["model"], depth=spec["depth"]).to(device)
-    memory = MemoryProbe(device)  # baseline: after imports and the model build
     setup = Setup(backend=spec["backend"], fsdp=world_size > 1, float8=spec["float8"])
     notes = strategy.notes(model) if strategy.notes else ""
     run_model = strategy.apply(model, setup)
+    _import_compiler_stack()
+    memory = MemoryProbe(device)  # baseline: after imports, model build and strategy
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     x, y = synthetic_batch(spec["model"], model, batch=spec["batch"], generator=g)
@@ -126,8 +127,17 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
         "recompiles_after_first_step": len(later.recompiles),
         "frames_compiled_after_first_step": later.frames_compiled,
         "regions": {n: vars(s) for n, s in m.regions.items()}, "mode": m.mode,
-        "notes": notes, "profiled": bool(profile_dir), "torch": torch.__version__,
+        "notes": notes, "profiled": bool(profile_dir), "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
     }
+
+
+def _import_compiler_stack() -> None:
+    """Imports what compiling loads lazily, in every strategy (eager too) alike, so the
+    memory baseline holds the compiler's code and peak memory measures the run."""
+    import torch._dynamo.utils  # noqa: F401
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
 
 
 def _barrier(world_size: int):
