@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "AOTDistError",
+    "BenchError",
     "ConfigError",
     "ConfigWarning",
     "OrderingError",
@@ -69,3 +70,7 @@ class RegionCaptureError(AOTDistError, RuntimeError):
         super().__init__(f"regions {regions} failed to compile: {reason}")
         self.regions = list(regions)
         self.reason = reason
+
+
+class BenchError(AOTDistError, RuntimeError):
+    """A benchmark measurement failed or timed out; the message has its output's tail."""

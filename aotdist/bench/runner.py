@@ -1,109 +1,213 @@
 """One benchmark measurement, run in a fresh process with an empty compiler cache.
 
 The parent (:mod:`aotdist.bench`) starts ``python -m aotdist.bench.runner`` once per
-(strategy, model, depth) with ``TORCHINDUCTOR_CACHE_DIR`` pointing at a new empty
-directory, so every compile is cold; the child prints one JSON line.
+(model, depth, strategy, ranks) with ``TORCHINDUCTOR_CACHE_DIR`` pointing at a new empty
+directory, so every compile is cold; the child prints one ``AOTDIST_RESULT`` JSON line.
+With ``--nproc N`` the child starts N ranks through :func:`aotdist.testing.run_distributed`
+(fresh spawned processes, a process group, a timeout that kills every rank when one
+hangs); each rank compiles into an empty cache directory of its own.
+
+A measurement: build the model (seeded), take the memory baseline, apply the strategy,
+time the first training step (cold compile), ``warmup`` more steps, then ``steps`` timed
+steps. Cold compile time is the first step's wall time minus the median steady step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import statistics
 import sys
 import time
 import warnings
 
-STRATEGIES = ("eager", "full", "accelerate", "aotdist")
+from aotdist.bench.memory import MemoryProbe
+from aotdist.bench.phases import PhaseTimer, profile_first_step, profile_steady_steps
+
+__all__ = ["measure", "main"]
+
+RESULT_PREFIX = "AOTDIST_RESULT "
+PHASE_PREFIX = "AOTDIST_PHASE "
 
 
-def _apply(strategy: str, model, backend: str):
-    import aotdist
-
-    if strategy == "eager":
-        return model
-    if strategy == "full":
-        model.compile(backend=backend)
-        return model
-    if strategy == "accelerate":
-        from accelerate.utils import compile_regions as accelerate_compile_regions
-
-        return accelerate_compile_regions(model, backend=backend)
-    if strategy == "aotdist":
-        return aotdist.compile_regions(model, backend=backend)
-    raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+def _phase(rank: int, text: str) -> None:
+    """A progress line the parent shows (rank 0 only)."""
+    if rank == 0:
+        print(PHASE_PREFIX + text, flush=True)
 
 
-def measure(strategy: str, model_name: str, depth: int, *, backend: str, steps: int,
-            batch: int, device: str) -> dict:
-    """Builds the model, applies ``strategy`` and times training steps."""
+def _step_fn(model, opt, x, y, device: str):
     import torch
-    import torch.nn.functional as F
 
-    from aotdist import metrics
-    from aotdist.testing.models import build_model, example_inputs
+    from aotdist.bench.models import training_loss
 
-    torch.manual_seed(0)
-    model = build_model(model_name, depth=depth).to(device)
-    model = _apply(strategy, model, backend)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
-    (x,), y = example_inputs(model if strategy != "accelerate" else model._orig_mod,
-                             batch, generator=g)
-    x, y = x.to(device), y.to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def step() -> float:
-        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         sync()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        out = model(x)
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+        loss = training_loss(model(x), y)
         loss.backward()
         opt.step()
         sync()
         return time.perf_counter() - start
 
+    return step
+
+
+def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
+    """Builds the model, applies the strategy and times training steps.
+
+    Args:
+        spec: ``strategy``, ``model``, ``depth``, ``backend``, ``steps``, ``warmup``,
+            ``batch``, ``device``, ``float8`` and optionally ``profile_dir``.
+        rank: This process's rank (under FSDP2).
+        world_size: Ranks in the process group; > 1 shards with FSDP2.
+
+    Returns:
+        The JSON-able result of this rank.
+    """
+    import torch
+
+    from aotdist import metrics
+    from aotdist.bench.models import build_bench_model, synthetic_batch
+    from aotdist.bench.strategies import Setup, get_strategy
+
+    strategy = get_strategy(spec["strategy"])
+    device = spec["device"]
+    _phase(rank, f"build {spec['model']} depth {spec['depth']}, apply {spec['strategy']}")
+    torch.manual_seed(0)  # every rank builds the same model
+    model = build_bench_model(spec["model"], depth=spec["depth"]).to(device)
+    setup = Setup(backend=spec["backend"], fsdp=world_size > 1, float8=spec["float8"])
+    notes = strategy.notes(model) if strategy.notes else ""
+    run_model = strategy.apply(model, setup)
+    _import_compiler_stack()
+    memory = MemoryProbe(device)  # baseline: after imports, model build and strategy
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    x, y = synthetic_batch(spec["model"], model, batch=spec["batch"], generator=g)
+    step = _step_fn(run_model, opt, x.to(device), y.to(device), device)
+    barrier = _barrier(world_size)
+    tracked = model if spec["strategy"].startswith("aotdist") else None
+    profile_dir = spec.get("profile_dir") if rank == 0 else None
+    label = f"{spec['model']}-d{spec['depth']}-{spec['strategy']}-np{world_size}"
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with metrics.track(model if strategy == "aotdist" else None) as m:
-            first = step()
-        step()  # warm-up
-        with metrics.track(None) as steady_metrics:
-            times = [step() for _ in range(steps)]
+        barrier()
+        _phase(rank, "cold step (compile)")
+        with metrics.track(tracked) as m, PhaseTimer() as phases:
+            first = profile_first_step(step, profile_dir, label) if profile_dir else step()
+        _phase(rank, f"cold step {first:.2f}s; warm-up and timed steps")
+        with metrics.track(None) as later:  # warm-up and timed steps: nothing may compile
+            for _ in range(spec["warmup"]):
+                step()
+            barrier()
+            times = [step() for _ in range(spec["steps"])]
+        if profile_dir:
+            profile_steady_steps(step, profile_dir, label, phases)
     steady = statistics.median(times)
-    if device.startswith("cuda"):
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
-    regions = {n: vars(s) for n, s in m.regions.items()}
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [steady] * 3
+    compile_s = max(first - steady, 0.0) if strategy.compiles else 0.0
     return {
-        "strategy": strategy, "model": model_name, "depth": depth, "backend": backend,
-        "device": device, "first_step_s": first, "steady_step_s": steady,
-        "compile_s": max(first - steady, 0.0) if strategy != "eager" else 0.0,
-        "compile_split_s": {"dynamo": m.dynamo_seconds, "aot_autograd": m.aot_autograd_seconds,
-                            "backend": m.backend_seconds},
-        "peak_mem_mib": peak, "frames_compiled": m.frames_compiled,
+        "strategy": spec["strategy"], "model": spec["model"], "depth": spec["depth"],
+        "nproc": world_size, "backend": spec["backend"], "device": device,
+        "float8": spec["float8"], "batch": spec["batch"], "rank": rank,
+        "first_step_s": first, "steady_step_s": steady, "step_times_s": times,
+        "steady_step_iqr_s": [q[0], q[2]], "compile_s": compile_s,
+        "compile_split_s": phases.split(m, compile_s=compile_s),
+        **memory.report(),
+        "frames_compiled": m.frames_compiled, "graphs": m.graphs,
         "graph_breaks": m.num_graph_breaks,
-        "recompiles_after_first_step": len(steady_metrics.recompiles),
-        "regions": regions, "torch": torch.__version__,
+        "frames_skipped": sum(m.unsupported.values()),  # Dynamo gave up: ran eager
+        "graph_break_reasons": {k.splitlines()[0][:200]: v for k, v in m.graph_breaks.items()},
+        "recompiles": len(m.recompiles),
+        "recompiles_after_first_step": len(later.recompiles),
+        "frames_compiled_after_first_step": later.frames_compiled,
+        "regions": {n: vars(s) for n, s in m.regions.items()}, "mode": m.mode,
+        "notes": notes, "profiled": bool(profile_dir), "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
     }
+
+
+def _import_compiler_stack() -> None:
+    """Imports what compiling loads lazily, in every strategy (eager too) alike, so the
+    memory baseline holds the compiler's code and peak memory measures the run."""
+    import torch._dynamo.utils  # noqa: F401
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+
+
+def _barrier(world_size: int):
+    if world_size == 1:
+        return lambda: None
+    import torch.distributed as dist
+
+    return dist.barrier
+
+
+def _rank_measure(rank: int, world_size: int, spec: dict) -> dict:
+    """Entry point of one rank: an empty compiler cache of its own, then :func:`measure`."""
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if base:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{rank}")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(base, f"rank{rank}", "triton")
+    if spec["device"].startswith("cuda"):
+        spec = {**spec, "device": f"cuda:{rank}"}
+    return measure(spec, rank=rank, world_size=world_size)
+
+
+def merge_ranks(results: list[dict]) -> dict:
+    """One result for a multi-rank measurement: the slowest rank's times, the largest peak.
+
+    Ranks run in lockstep (collectives), so their step times agree closely; the maximum
+    is what a training job waits for. Every rank's own result is kept under ``ranks``.
+    """
+    merged = dict(results[0])
+    for key in ("first_step_s", "steady_step_s", "compile_s", "peak_mem_mib", "peak_rss_mib"):
+        values = [r[key] for r in results if r.get(key) is not None]
+        if values:
+            merged[key] = max(values)
+    merged["compile_split_s"] = max(results, key=lambda r: r["compile_s"])["compile_split_s"]
+    merged["ranks"] = [{k: r[k] for k in ("rank", "first_step_s", "steady_step_s",
+                                          "compile_s", "peak_mem_mib")} for r in results]
+    merged.pop("rank", None)
+    return merged
+
+
+def run(spec: dict, *, nproc: int, timeout: float) -> dict:
+    """One measurement on ``nproc`` ranks (this process when ``nproc == 1``)."""
+    if nproc == 1:
+        return measure(spec)
+    from aotdist.testing import run_distributed
+
+    pg_backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
+    results = run_distributed(_rank_measure, nproc, spec, backend=pg_backend, timeout=timeout)
+    return merge_ranks(results)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--strategy", required=True, choices=STRATEGIES)
+    p.add_argument("--strategy", required=True)
     p.add_argument("--model", default="gpt")
     p.add_argument("--depth", type=int, required=True)
     p.add_argument("--backend", default="inductor")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--float8", action="store_true")
+    p.add_argument("--profile-dir", default=None)
+    p.add_argument("--timeout", type=float, default=1200.0)
     a = p.parse_args(argv)
-    result = measure(a.strategy, a.model, a.depth, backend=a.backend, steps=a.steps,
-                     batch=a.batch, device=a.device)
-    print("AOTDIST_RESULT " + json.dumps(result), flush=True)
+    spec = {"strategy": a.strategy, "model": a.model, "depth": a.depth, "backend": a.backend,
+            "steps": a.steps, "warmup": a.warmup, "batch": a.batch, "device": a.device,
+            "float8": a.float8, "profile_dir": a.profile_dir}
+    result = run(spec, nproc=a.nproc, timeout=a.timeout)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 
 

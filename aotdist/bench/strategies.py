@@ -1,0 +1,167 @@
+"""The strategies ``aotdist bench`` compares, in a registry.
+
+A strategy turns a freshly built model into the module the training loop calls, in one
+of two settings: a single process, or FSDP2 over a process group (``fsdp=True``). Every
+strategy sees the same model, the same Float8 conversion (when asked) and, under FSDP2,
+the same sharding units (one ``fully_shard`` per repeated block instance, then the root),
+so the only difference is how it compiles.
+
+New strategies (``aotdist+cache`` once the artifact cache exists) register themselves
+with :func:`register_strategy`; the CLI and the report pick them up from
+:data:`STRATEGIES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from aotdist.errors import ConfigError
+
+__all__ = ["STRATEGIES", "Setup", "Strategy", "get_strategy", "register_strategy"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a strategy is applied under, the same for every strategy of a measurement.
+
+    Attributes:
+        backend: The ``torch.compile`` backend (``inductor``, ``aot_eager``...).
+        fsdp: Shard with FSDP2 over the default process group.
+        float8: Convert eligible ``nn.Linear`` layers to torchao ``Float8Linear``.
+    """
+
+    backend: str = "inductor"
+    fsdp: bool = False
+    float8: bool = False
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to compile a model for training.
+
+    Attributes:
+        name: The name used on the command line and in the report.
+        apply: ``apply(model, setup) -> module to call``; may change ``model`` in place.
+        description: One line for ``--help`` and the report.
+        compiles: ``False`` for eager (its compile time is 0 by definition).
+        notes: ``notes(model) -> str``: what the strategy did on this model, when it
+            differs from what its name promises (empty otherwise).
+    """
+
+    name: str
+    apply: Callable[[nn.Module, Setup], nn.Module]
+    description: str
+    compiles: bool = True
+    notes: Callable[[nn.Module], str] | None = None
+
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_strategy(name: str, *, description: str, compiles: bool = True,
+                      notes: Callable[[nn.Module], str] | None = None):
+    """Decorator registering ``apply(model, setup)`` as strategy ``name``.
+
+    Raises:
+        ConfigError: ``name`` is registered already.
+    """
+
+    def decorator(fn: Callable[[nn.Module, Setup], nn.Module]):
+        if name in STRATEGIES:
+            raise ConfigError(f"bench strategy {name!r} is registered twice; pick another name")
+        STRATEGIES[name] = Strategy(name=name, apply=fn, description=description,
+                                    compiles=compiles, notes=notes)
+        return fn
+
+    return decorator
+
+
+def get_strategy(name: str) -> Strategy:
+    """The registered strategy ``name``.
+
+    Raises:
+        ConfigError: No strategy has that name.
+    """
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ConfigError(f"unknown bench strategy {name!r}; choose from "
+                          f"{', '.join(STRATEGIES)} (--strategies a,b,...)") from None
+
+
+def _float8(model: nn.Module, setup: Setup) -> None:
+    if setup.float8:
+        from aotdist.config import Float8Config
+        from aotdist.float8 import convert_to_float8
+
+        convert_to_float8(model, Float8Config(enabled=True))
+
+
+def _shard(model: nn.Module) -> None:
+    """The sharding every FSDP2 strategy shares: each block instance, then the root."""
+    import aotdist
+    from aotdist.config import FSDPConfig
+    from aotdist.fsdp import default_mesh, shard
+
+    shard(model, aotdist.find_regions(model), FSDPConfig(enabled=True), default_mesh(model))
+
+
+@register_strategy("eager", description="no compile (FSDP2 units per block under --nproc)",
+                   compiles=False)
+def _eager(model: nn.Module, setup: Setup) -> nn.Module:
+    _float8(model, setup)
+    if setup.fsdp:
+        _shard(model)
+    return model
+
+
+@register_strategy("full", description="torch.compile of the whole model (model.compile(), "
+                   "in place; under FSDP2 after fully_shard, as users do)")
+def _full(model: nn.Module, setup: Setup) -> nn.Module:
+    _float8(model, setup)
+    if setup.fsdp:
+        _shard(model)
+    model.compile(backend=setup.backend)
+    return model
+
+
+def _accelerate_notes(model: nn.Module) -> str:
+    from accelerate.utils.other import has_repeated_blocks
+
+    if has_repeated_blocks(model):
+        return ""
+    return ("no nn.ModuleList of repeated blocks: Accelerate's compile_regions compiles the "
+            "whole model (same as full)")
+
+
+@register_strategy("accelerate", description="accelerate.utils.compile_regions (per-block "
+                   "torch.compile of nn.ModuleList blocks); under FSDP2 Accelerate's own order: "
+                   "compile_regions_fsdp2, then fully_shard", notes=_accelerate_notes)
+def _accelerate(model: nn.Module, setup: Setup) -> nn.Module:
+    _float8(model, setup)
+    if setup.fsdp:
+        # Accelerator.prepare with FSDP2 + regional compile: in-place per-block .compile()
+        # first, then fully_shard (fsdp2_prepare_model), so FSDP's hooks still fire.
+        from accelerate.utils.other import compile_regions_fsdp2
+
+        compile_regions_fsdp2(model, backend=setup.backend)
+        _shard(model)
+        return model
+    from accelerate.utils import compile_regions
+
+    return compile_regions(model, backend=setup.backend)
+
+
+@register_strategy("aotdist", description="aotdist.parallelize: regions compiled once through "
+                   "invoke_subgraph (frames mode under FSDP2)")
+def _aotdist(model: nn.Module, setup: Setup) -> nn.Module:
+    import aotdist
+
+    return aotdist.parallelize(model, {
+        "compile": {"backend": setup.backend},
+        "fsdp": {"enabled": setup.fsdp},
+        "float8": {"enabled": setup.float8},
+    })
