@@ -33,6 +33,7 @@ from aotdist.compile import restore
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.float8 import float8_linears, precompute_float8_scales
+from aotdist.parallelize import INFO_ATTR
 
 __all__ = ["RegionalCompileHook", "prepare"]
 
@@ -125,6 +126,9 @@ class RegionalCompileHook(ModelHook):
             if isinstance(call, _FirstCallMetrics):
                 target._compiled_call_impl = call.inner
             restore(target)
+            # The hook never converts or shards, so nothing of parallelize remains: a later
+            # attach (Accelerate re-attaches hooks when it builds a SequentialHook) starts over.
+            vars(target).pop(INFO_ATTR, None)
         self.applied = None
         return module
 
