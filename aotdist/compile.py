@@ -52,6 +52,7 @@ from aotdist.regions import RegionPlan, find_regions
 
 __all__ = [
     "check_not_compiled",
+    "compile_callable",
     "compile_regions",
     "is_compiled",
     "mark_regions",
@@ -496,6 +497,56 @@ def compile_regions(
         ConfigError: a bad backend, mode/options with a callable backend, or a plan that
             does not fit ``model``.
     """
+    state = _prepare(model, plan, backend, mode, dynamic, options)
+    from aotdist.fsdp import fsdp_modules
+
+    if fsdp_modules(model):  # FSDP2's hooks would break the whole graph: see module doc
+        state.mode = "frames"
+        _compile_frames(model, state, dynamic)
+    else:
+        compiled = torch.compile(model._call_impl, backend=state.backend, dynamic=dynamic)
+        model._compiled_call_impl = _RegionGuardedCall(model, state, compiled)
+    state.compiled = True
+    return model
+
+
+def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None = None,
+                     backend: str | Callable = "inductor", mode: str | None = None,
+                     dynamic: bool | None = None, options: dict[str, Any] | None = None
+                     ) -> Callable:
+    """Like :func:`compile_regions`, but compiles ``fn``, a callable that runs ``model``.
+
+    For integrations that own the call path: Accelerate's hooks wrap ``model.forward``
+    with ``torch.compiler.disable``-d pre/post hooks, which would break a compiled
+    ``_call_impl``; compiling the forward they wrap keeps them outside the graph.
+    ``model._compiled_call_impl`` is not touched; :func:`restore` unmarks ``model``.
+
+    Returns:
+        The compiled ``fn``, with region failures fixed or demoted as in
+        :func:`compile_regions`.
+
+    Raises:
+        OrderingError: As :func:`compile_regions`; also when ``model`` holds FSDP2 units
+            (use :func:`compile_regions`, which compiles inside them).
+        ConfigError: As :func:`compile_regions`.
+    """
+    from aotdist.fsdp import fsdp_modules
+
+    if fsdp_modules(model):
+        raise OrderingError(
+            "compile_callable compiles a whole call path, which FSDP2's hooks would break; "
+            "use aotdist.compile_regions(model), which compiles inside the FSDP units."
+        )
+    state = _prepare(model, plan, backend, mode, dynamic, options)
+    compiled = torch.compile(fn, backend=state.backend, dynamic=dynamic)
+    state.compiled = True
+    return _RegionGuardedCall(model, state, compiled)
+
+
+def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
+             mode: str | None, dynamic: bool | None, options: dict[str, Any] | None
+             ) -> RegionState:
+    """Checks, marks (unless marked) and attaches the recording backend; no compile yet."""
     state = vars(model).get(STATE_ATTR)
     if state is not None and state.compiled:
         raise OrderingError(
@@ -516,19 +567,10 @@ def compile_regions(
             f"aotdist found no repeated regions in {type(model).__name__}; the whole model is "
             "compiled as usual (no subgraph reuse). Pass include=[...] or min_repeats=1 to "
             "choose regions.",
-            RegionCompileWarning, stacklevel=2,
+            RegionCompileWarning, stacklevel=3,
         )
     state.backend = RecordingBackend(inner, model=model, plan=state.plan)
-    from aotdist.fsdp import fsdp_modules
-
-    if fsdp_modules(model):  # FSDP2's hooks would break the whole graph: see module doc
-        state.mode = "frames"
-        _compile_frames(model, state, dynamic)
-    else:
-        compiled = torch.compile(model._call_impl, backend=state.backend, dynamic=dynamic)
-        model._compiled_call_impl = _RegionGuardedCall(model, state, compiled)
-    state.compiled = True
-    return model
+    return state
 
 
 def restore(model: nn.Module) -> nn.Module:

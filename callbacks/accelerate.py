@@ -29,10 +29,11 @@ from aotdist.callbacks._common import Applied, apply_aotdist, merge_config
 from torch import nn
 
 from aotdist import metrics
-from aotdist.compile import restore
+from aotdist.compile import compile_callable, restore
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.float8 import float8_linears, precompute_float8_scales
+from aotdist.fsdp import fsdp_modules
 from aotdist.parallelize import INFO_ATTR
 
 __all__ = ["RegionalCompileHook", "prepare"]
@@ -93,33 +94,51 @@ class RegionalCompileHook(ModelHook):
         self.applied: Applied | None = None
         self.metrics: metrics.CompileMetrics | None = None
         self._window: Any = None
+        self._frames = False
+        self._plain_forward: Any = None
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         _check_accelerate_dynamo(self.config)
         root = _unwrap_ddp(module)
-        self.applied = apply_aotdist(root, self.config, what="RegionalCompileHook",
-                                     child_target=False)
-        target = self.applied.target
-        call = getattr(target, "_compiled_call_impl", None)
-        if call is not None and self.applied.how != "user":
-            target._compiled_call_impl = _FirstCallMetrics(call, self, target)
+        if root is not module or fsdp_modules(root) or not hasattr(module, "_old_forward"):
+            # Inside DDP or FSDP units: compile the module in place; the wrapper's own
+            # forward and FSDP's hooks stay eager around it.
+            self.applied = apply_aotdist(root, self.config, what="RegionalCompileHook",
+                                         child_target=False)
+            target = self.applied.target
+            call = getattr(target, "_compiled_call_impl", None)
+            if call is not None and self.applied.how != "user":
+                target._compiled_call_impl = _FirstCallMetrics(call, self, target)
+            self._frames = self.applied.how != "user" and call is None
+            return module
+        # A plain module: compile the forward this hook wraps (Accelerate's pre/post hooks,
+        # some of them torch.compiler.disable-d, stay outside the graph).
+        cc = self.config.compile
+        self.applied = apply_aotdist(root, self.config.replace(compile={"enabled": False}),
+                                     what="RegionalCompileHook", child_target=False)
+        if cc.enabled and self.applied.how != "user":
+            self._plain_forward = module._old_forward
+            compiled = compile_callable(module, module._old_forward, backend=cc.backend,
+                                        mode=cc.mode, dynamic=cc.dynamic, options=cc.options)
+            module._old_forward = _FirstCallMetrics(compiled, self, module)
         return module
 
     def pre_forward(self, module: nn.Module, *args, **kwargs):
-        # Runs inside the compiled graph in graph mode (no side effects then); eagerly in
-        # frames mode (FSDP2), where it opens the first forward's metrics window.
-        if self.metrics is None and self._window is None and not torch.compiler.is_compiling():
-            self._window = metrics.track(self.applied.target if self.applied else None)
+        if self._frames and self.metrics is None and self._window is None:
+            self._window = metrics.track(self.applied.target)  # frames mode: record eagerly
             self.metrics = self._window.__enter__()
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output):
-        if self._window is not None and not torch.compiler.is_compiling():
+        if self._window is not None:
             self._window.__exit__(None, None, None)
             self._window = None
         return output
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
+        if self._plain_forward is not None:  # before Accelerate restores forward from it
+            module._old_forward = self._plain_forward
+            self._plain_forward = None
         if self.applied is not None and self.applied.how != "user":
             target = self.applied.target
             call = getattr(target, "_compiled_call_impl", None)
@@ -239,10 +258,17 @@ def _rebind(optimizer: torch.optim.Optimizer, old_names: dict[int, str],
 
 
 class _AlreadyLoaded:
-    """Stands in for a model whose state a load hook restored itself."""
+    """Stands in for a model whose state a load hook restored itself: Accelerate's loader
+    (``safetensors.torch.load_model``) compares keys and calls ``load_state_dict``."""
 
-    def load_state_dict(self, *args, **kwargs) -> None:
-        return None
+    def __init__(self, keys):
+        self._keys = list(keys)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: torch.empty(0) for k in self._keys}  # keys only: the data went in already
+
+    def load_state_dict(self, *args, **kwargs):
+        return [], []  # (missing, unexpected): none
 
 
 def _full_state_checkpoints(accelerator: Any, model: nn.Module,
@@ -275,8 +301,9 @@ def _full_state_checkpoints(accelerator: Any, model: nn.Module,
                 path = os.path.join(input_dir, f"{stem}.bin")
             state = read_weights(path) if path.endswith(".safetensors") else torch.load(
                 path, map_location="cpu", weights_only=True)
+            keys = list(state)
             set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-            models[i] = _AlreadyLoaded()
+            models[i] = _AlreadyLoaded(keys)
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
