@@ -165,7 +165,10 @@ def _pack(key: dict) -> bytes | None:
     mega = _mega_bytes()
     if mega is None:
         return None
-    kernels = _kernel_files()
+    return _encode(key, mega, _kernel_files())
+
+
+def _encode(key: dict, mega: bytes, kernels: dict[str, bytes]) -> bytes:
     payload = mega + b"".join(kernels.values())
     header = {"key": key, "sha256": hashlib.sha256(payload).hexdigest(), "mega_len": len(mega),
               "kernels": [[path, len(data)] for path, data in kernels.items()]}
