@@ -311,12 +311,18 @@ def save(model: nn.Module, *, force: bool = False) -> str | None:
     The Lightning and Accelerate callbacks call it after the first optimizer step.
 
     Args:
-        model: A model parallelized with ``cache.mode`` ``local`` or ``shared``.
+        model: A model parallelized with ``cache.mode`` ``local`` or ``shared``, or a
+            module holding one (a LightningModule, a wrapper): its submodules are searched.
         force: Save again even if this model saved already (later recompiles).
 
     Returns:
         The path written, or ``None`` (not this rank's job, nothing new, or cache off).
     """
+    written = [_save_one(m, force=force) for m in model.modules() if STATE_ATTR in vars(m)]
+    return next((p for p in written if p is not None), None)
+
+
+def _save_one(model: nn.Module, *, force: bool) -> str | None:
     state = vars(model).get(STATE_ATTR)
     if state is None or (state["saved"] and not force):
         return None
