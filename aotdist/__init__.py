@@ -4,6 +4,7 @@ Importing aotdist does nothing but define names: torchao, lightning, accelerate 
 torchvision are imported where they are used.
 """
 
+from aotdist import cache
 from aotdist.capture import Capture, capture
 from aotdist.compile import compile_regions, restore
 from aotdist.config import AOTDistConfig
@@ -30,6 +31,7 @@ __all__ = [
     "Region",
     "RegionCompileWarning",
     "RegionPlan",
+    "cache",
     "capture",
     "compile_regions",
     "find_regions",

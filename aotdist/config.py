@@ -30,6 +30,7 @@ from aotdist.errors import ConfigError, ConfigWarning
 __all__ = [
     "AOTDistConfig",
     "ACConfig",
+    "CacheConfig",
     "CompileConfig",
     "FSDPConfig",
     "Float8Config",
@@ -239,12 +240,49 @@ class ACConfig(_Section):
     enabled: bool = False
 
 
+_CACHE_MODES = ("off", "local", "shared")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig(_Section):
+    """The compile artifact cache (``aotdist.cache``): compile once, reuse across runs and ranks.
+
+    Attributes:
+        mode: ``off``; ``local``: each rank saves its artifacts to ``dir`` after the first
+            training step and the next run loads them before its first compile;
+            ``shared``: rank 0's artifacts serve every rank: it saves them, and at start
+            it reads them and sends them to the other ranks through the process group
+            (``dir`` need not be shared); in the first run the other ranks also load
+            rank 0's artifacts of each graph as it is compiled, instead of compiling.
+        dir: Directory of the artifact files; required unless ``mode`` is ``off``.
+        share_timeout_s: ``shared``: seconds a rank waits for rank 0's artifacts of a
+            graph before compiling it itself (with a warning).
+    """
+
+    _key: typing.ClassVar[str] = "cache"
+    mode: str = "off"
+    dir: str | None = None
+    share_timeout_s: int = 300
+
+    def _rule_problems(self) -> list[str]:
+        out = []
+        if self.mode not in _CACHE_MODES:
+            out.append(f"cache.mode: unknown mode {self.mode!r}; use one of {list(_CACHE_MODES)}")
+        elif self.mode != "off" and not self.dir:
+            out.append(f"cache.dir: required with cache.mode {self.mode!r}, got {self.dir!r}. "
+                       "Fix: set cache.dir to a writable directory, or cache.mode: off")
+        if self.share_timeout_s < 1:
+            out.append(f"cache.share_timeout_s: must be >= 1, got {self.share_timeout_s}")
+        return out
+
+
 _SECTIONS: dict[str, type[_Section]] = {
     "regions": RegionsConfig,
     "compile": CompileConfig,
     "fsdp": FSDPConfig,
     "float8": Float8Config,
     "ac": ACConfig,
+    "cache": CacheConfig,
 }
 
 
@@ -258,6 +296,7 @@ class AOTDistConfig:
         fsdp: FSDP2 sharding.
         float8: torchao Float8 training.
         ac: Activation checkpointing per region instance.
+        cache: Compile artifacts saved and shared across runs and ranks.
     """
 
     regions: RegionsConfig = field(default_factory=RegionsConfig)
@@ -265,6 +304,7 @@ class AOTDistConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     float8: Float8Config = field(default_factory=Float8Config)
     ac: ACConfig = field(default_factory=ACConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
         problems = [

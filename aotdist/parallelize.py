@@ -45,6 +45,10 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
                 mesh: Any = None) -> nn.Module:
     """Applies Float8, activation checkpointing, region marking, FSDP2 and compile in order.
 
+    With ``cache.mode`` ``local`` or ``shared``, compile artifacts of an earlier run are
+    loaded last (see :mod:`aotdist.cache`); call ``aotdist.cache.save(model)`` after the
+    first training step (the Lightning and Accelerate helpers do).
+
     Build the optimizer *after* this call: Float8 conversion and ``fully_shard`` replace
     the parameters. With ``float8.fsdp_all_gather``, call
     :func:`aotdist.precompute_float8_scales` after each ``optimizer.step()``.
@@ -105,6 +109,14 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
         config=config, plan=plan, float8_fqns=tuple(float8_fqns),
         sharded_fqns=tuple(sharded), mesh=mesh,
     )
+
+    # 6. Compile artifacts: loaded after everything that changes the graphs (the key holds
+    #    the region plan and parameters) and before the first forward, which compiles.
+    #    ``aotdist.cache.save(model)`` after the first step (the callbacks call it).
+    if config.cache.mode != "off" and config.compile.enabled:
+        from aotdist.cache import load
+
+        load(model, config)
     return model
 
 

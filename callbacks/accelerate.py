@@ -223,6 +223,8 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     float8_all_gather = any(m.config.enable_fsdp_float8_all_gather
                             for m in float8_linears(model))
+    if cfg.cache.mode != "off" and optimizers:
+        _save_cache_after_first_step(optimizers[0], model)
     for opt in optimizers:
         _rebind(opt, old_names, new_params)
         if float8_all_gather:  # after every real step (not the skipped accumulation ones)
@@ -234,6 +236,17 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
     if cfg.fsdp.enabled:  # after prepare: its optimizer wrapper reloads the state once
         _full_state_checkpoints(accelerator, model, optimizers)
     return prepared if isinstance(prepared, tuple) else (prepared,)
+
+
+def _save_cache_after_first_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """``aotdist.cache.save(model)`` once, after the first real optimizer step."""
+    from aotdist import cache
+
+    def hook(*_):
+        handle.remove()
+        cache.save(model)
+
+    handle = optimizer.register_step_post_hook(hook)
 
 
 def _rebind(optimizer: torch.optim.Optimizer, old_names: dict[int, str],

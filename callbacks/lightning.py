@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from aotdist import metrics
+from aotdist import cache, metrics
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError
 from aotdist.float8 import float8_linears, precompute_float8_scales
@@ -66,6 +66,7 @@ class RegionalCompile(Callback):
         self._window_metrics: metrics.CompileMetrics | None = None
         self._first_batch_done = False
         self._last_step = -1
+        self._cache_saved = False
         self._float8_all_gather = False
         self.recompiles_after_first_epoch = 0
 
@@ -121,6 +122,9 @@ class RegionalCompile(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step != self._last_step:  # an optimizer step happened
+            if not self._cache_saved:  # the first: forward and backward are compiled now
+                self._cache_saved = True
+                cache.save(pl_module)  # no-op unless cache.mode is local or shared
             self._last_step = trainer.global_step
             if self._float8_all_gather:
                 precompute_float8_scales(pl_module)

@@ -24,6 +24,10 @@ TARGETS = (
     ("steady step: aotdist <= 1.0x full", "step aotdist/full @depth{d}", "<=", 1.0),
     ("steady step: aotdist < accelerate", "step aotdist/accelerate @depth{d}", "<", 1.0),
     ("peak memory: aotdist <= eager", "memory aotdist/eager @depth{d}", "<=", 1.0),
+    ("warm start (cached artifacts) <= 0.2x cold", "first step warm/cold aotdist+cache @depth{d}",
+     "<=", 0.2),
+    ("2-rank cold start, rank 0 shares its compiles <= 0.7x independent compiles",
+     "first step aotdist+cache/aotdist @depth{d}", "<=", 0.7),
 )
 _OPS = {"<=": operator.le, "<": operator.lt}
 
@@ -85,6 +89,13 @@ def compute_ratios(results: list[dict]) -> dict:
                 if a and p:
                     put(f"compile aotdist/{peer} @depth{d}", a["compile_s"], p["compile_s"])
                     put(f"step aotdist/{peer} @depth{d}", a["steady_step_s"], p["steady_step_s"])
+            c = idx.get(("aotdist+cache", d))
+            if c and c.get("warm_first_step_s") is not None:
+                put(f"first step warm/cold aotdist+cache @depth{d}", c["warm_first_step_s"],
+                    c["first_step_s"])
+            if c and a and c["nproc"] > 1:  # sharing between ranks: cold vs independent
+                put(f"first step aotdist+cache/aotdist @depth{d}", c["first_step_s"],
+                    a["first_step_s"])
             e = idx.get(("eager", d))
             for s in strategies:
                 r = idx.get((s, d))

@@ -100,6 +100,10 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
         _phase(rank, "cold step (compile)")
         with metrics.track(tracked) as m, PhaseTimer() as phases:
             first = profile_first_step(step, profile_dir, label) if profile_dir else step()
+        if tracked is not None:  # cache.mode local/shared: save after the first step
+            import aotdist.cache
+
+            aotdist.cache.save(model)
         _phase(rank, f"cold step {first:.2f}s; warm-up and timed steps")
         with metrics.track(None) as later:  # warm-up and timed steps: nothing may compile
             for _ in range(spec["warmup"]):
@@ -129,7 +133,13 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
         "regions": {n: vars(s) for n, s in m.regions.items()}, "mode": m.mode,
         "notes": notes, "profiled": bool(profile_dir), "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "cache_load": _cache_status(model),
     }
+
+
+def _cache_status(model) -> str:
+    state = vars(model).get("_aotdist_cache")
+    return state["load"].status if state else "off"
 
 
 def _import_compiler_stack() -> None:

@@ -6,7 +6,7 @@ strategy sees the same model, the same Float8 conversion (when asked) and, under
 the same sharding units (one ``fully_shard`` per repeated block instance, then the root),
 so the only difference is how it compiles.
 
-New strategies (``aotdist+cache`` once the artifact cache exists) register themselves
+New strategies (``aotdist+cache``: the artifact cache) register themselves
 with :func:`register_strategy`; the CLI and the report pick them up from
 :data:`STRATEGIES`.
 """
@@ -164,4 +164,27 @@ def _aotdist(model: nn.Module, setup: Setup) -> nn.Module:
         "compile": {"backend": setup.backend},
         "fsdp": {"enabled": setup.fsdp},
         "float8": {"enabled": setup.float8},
+    })
+
+
+ARTIFACTS_ENV = "AOTDIST_BENCH_ARTIFACTS"
+
+
+@register_strategy("aotdist+cache", description="aotdist with cache.mode shared: rank 0 "
+                   "compiles and shares its artifacts, and a second fresh run starts from "
+                   f"the saved bundle (directory from ${ARTIFACTS_ENV})")
+def _aotdist_cache(model: nn.Module, setup: Setup) -> nn.Module:
+    import os
+
+    import aotdist
+
+    where = os.environ.get(ARTIFACTS_ENV)
+    if not where:
+        raise ConfigError(f"bench strategy aotdist+cache needs ${ARTIFACTS_ENV} (the bundle "
+                          "directory); `aotdist bench` sets it. Fix: set it to a directory.")
+    return aotdist.parallelize(model, {
+        "compile": {"backend": setup.backend},
+        "fsdp": {"enabled": setup.fsdp},
+        "float8": {"enabled": setup.float8},
+        "cache": {"mode": "shared", "dir": where},
     })
