@@ -132,6 +132,40 @@ def _kernel_files() -> dict[str, bytes]:
     return out
 
 
+def _isa_probe_files() -> dict[str, bytes]:
+    """Inductor's CPU vector-ISA probes, by path in the cache dir.
+
+    Before its first CPU kernel, Inductor compiles a few small C++ programs to learn which
+    vector ISA this CPU runs (7-8 s of gcc on a 2-core machine), once per cache dir. Their
+    ``.so`` files travel with the bundle; the ``.load_ok`` markers do not, so the loading
+    machine still runs each probe and a CPU without that ISA still says no.
+    """
+    try:
+        from torch._inductor import cpu_vec_isa
+        from torch._inductor.codecache import write
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        fingerprint = cpu_vec_isa._get_isa_dry_compile_fingerprint
+        isas = list(cpu_vec_isa.supported_vec_isa_list)
+    except (ImportError, AttributeError):  # other torch versions: no probes bundled
+        return {}
+    root, out = cache_dir(), {}
+    for isa in isas:
+        codes = {getattr(isa, n) for n in dir(type(isa))
+                 if n.endswith("_code") and isinstance(getattr(isa, n, None), str)}
+        for code in codes:
+            try:
+                key, input_path = write(code, "cpp", extra=fingerprint(isa.build_arch_flags()))
+            except Exception:  # noqa: BLE001 - best effort: a probe not bundled is rebuilt
+                continue
+            folder = os.path.dirname(input_path)
+            for name in os.listdir(folder):
+                if name.startswith(key) and not name.endswith((".lock", ".load_ok")):
+                    with open(os.path.join(folder, name), "rb") as fh:
+                        out[os.path.relpath(os.path.join(folder, name), root)] = fh.read()
+    return out
+
+
 def _mega_bytes() -> bytes | None:
     """``torch.compiler.save_cache_artifacts()``, every artifact of this process.
 
@@ -165,7 +199,7 @@ def _pack(key: dict) -> bytes | None:
     mega = _mega_bytes()
     if mega is None:
         return None
-    return _encode(key, mega, _kernel_files())
+    return _encode(key, mega, {**_isa_probe_files(), **_kernel_files()})
 
 
 def _encode(key: dict, mega: bytes, kernels: dict[str, bytes]) -> bytes:
