@@ -576,8 +576,14 @@ def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
 def restore(model: nn.Module) -> nn.Module:
     """Undoes :func:`compile_regions` / marking: ``model`` runs plain eager again.
 
+    After ``aotdist.parallelize`` that only marked and compiled (no Float8, no FSDP), the
+    model is as before it, and ``parallelize`` may be applied again; Float8 conversion and
+    sharding cannot be undone, so such a model stays recorded as parallelized.
     A no-op on a model aotdist never touched. Returns ``model``.
     """
+    info = vars(model).get("_aotdist_parallelized")  # parallelize.INFO_ATTR (import cycle)
+    if info is not None and not info.float8_fqns and not info.sharded_fqns:
+        del model.__dict__["_aotdist_parallelized"]
     state = vars(model).get(STATE_ATTR)
     if state is None:
         return model

@@ -29,6 +29,7 @@ from aotdist.errors import ConfigError, ConfigWarning
 
 __all__ = [
     "AOTDistConfig",
+    "as_config",
     "ACConfig",
     "CacheConfig",
     "CompileConfig",
@@ -398,6 +399,25 @@ class AOTDistConfig:
                 raise ConfigError(f"{key}: unknown section; known sections: {list(_SECTIONS)}")
             merged[key] = {**merged[key], **dict(values)}
         return AOTDistConfig.from_dict(merged)
+
+
+def as_config(config: AOTDistConfig | Mapping | str | os.PathLike | None) -> AOTDistConfig:
+    """An ``AOTDistConfig`` from itself, a mapping of sections, a YAML path, or ``None``.
+
+    Raises:
+        ConfigError: Any other type, or a bad config (every problem listed).
+    """
+    if config is None:
+        return AOTDistConfig()
+    if isinstance(config, AOTDistConfig):
+        return config
+    if isinstance(config, Mapping):
+        return AOTDistConfig.from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return AOTDistConfig.from_yaml(config)
+    raise ConfigError(
+        f"config must be an AOTDistConfig, a mapping or a YAML path; got {type(config).__name__}"
+    )
 
 
 def _message(problems: list[str]) -> str:

@@ -16,7 +16,12 @@ from torch import nn
 from aotdist.config import Float8Config
 from aotdist.errors import ConfigError
 
-__all__ = ["convert_to_float8", "float8_linears", "precompute_float8_scales"]
+__all__ = [
+    "convert_to_float8",
+    "float8_linears",
+    "precompute_float8_scales",
+    "uses_fsdp_float8_all_gather",
+]
 
 # torch._scaled_mm needs both dims of the weight to be multiples of 16.
 _ALIGN = 16
@@ -80,7 +85,8 @@ def float8_linears(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, Float8Linear)]
 
 
-def _uses_fsdp_float8_all_gather(model: nn.Module) -> bool:
+def uses_fsdp_float8_all_gather(model: nn.Module) -> bool:
+    """Whether ``model`` has Float8 weights that FSDP2 all-gathers in float8."""
     from torch.distributed.tensor import DTensor
 
     for m in float8_linears(model):
@@ -101,7 +107,7 @@ def precompute_float8_scales(model: nn.Module) -> bool:
     Returns:
         Whether scales were computed.
     """
-    if not _uses_fsdp_float8_all_gather(model):
+    if not uses_fsdp_float8_all_gather(model):
         return False
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

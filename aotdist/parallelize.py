@@ -11,8 +11,8 @@ from typing import Any
 from torch import nn
 
 from aotdist.compile import STATE_ATTR, check_not_compiled, compile_regions, mark_regions
-from aotdist.config import AOTDistConfig
-from aotdist.errors import ConfigError, ConfigWarning, OrderingError
+from aotdist.config import AOTDistConfig, as_config
+from aotdist.errors import ConfigWarning, OrderingError
 from aotdist.float8 import convert_to_float8
 from aotdist.fsdp import check_not_sharded, default_mesh, shard
 from aotdist.regions import RegionPlan, find_regions
@@ -67,7 +67,7 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
             or DDP wrappers, was sharded already (with ``fsdp.enabled``) or parallelized.
         ConfigError: A bad config, or ``fsdp.enabled`` without a process group.
     """
-    config = _as_config(config)
+    config = as_config(config)
     _check_fresh(model)
     # Float8 conversion and FSDP2 must both come before the user's own fully_shard.
     check_not_sharded(model, allow_fsdp2=not (config.fsdp.enabled or config.float8.enabled))
@@ -123,20 +123,6 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
 def parallelize_info(model: nn.Module) -> ParallelizeInfo | None:
     """What :func:`parallelize` applied to ``model``, or ``None`` if it was not applied."""
     return vars(model).get(INFO_ATTR)
-
-
-def _as_config(config: Any) -> AOTDistConfig:
-    if config is None:
-        return AOTDistConfig()
-    if isinstance(config, AOTDistConfig):
-        return config
-    if isinstance(config, Mapping):
-        return AOTDistConfig.from_dict(config)
-    if isinstance(config, (str, os.PathLike)):
-        return AOTDistConfig.from_yaml(config)
-    raise ConfigError(
-        f"config must be an AOTDistConfig, a mapping or a YAML path; got {type(config).__name__}"
-    )
 
 
 def _check_fresh(model: nn.Module) -> None:

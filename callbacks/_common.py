@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from aotdist.compile import STATE_ATTR, compile_regions
-from aotdist.config import AOTDistConfig
+from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fsdp import fsdp_modules
 from aotdist.parallelize import INFO_ATTR, parallelize, parallelize_info
@@ -29,17 +29,7 @@ def merge_config(config: AOTDistConfig | Mapping | str | os.PathLike | None, *,
     Raises:
         ConfigError: A bad config or argument (every problem listed).
     """
-    if config is None:
-        cfg = AOTDistConfig()
-    elif isinstance(config, AOTDistConfig):
-        cfg = config
-    elif isinstance(config, Mapping):
-        cfg = AOTDistConfig.from_dict(config)
-    elif isinstance(config, (str, os.PathLike)):
-        cfg = AOTDistConfig.from_yaml(config)
-    else:
-        raise ConfigError(f"config must be an AOTDistConfig, a mapping or a YAML path; got "
-                          f"{type(config).__name__}")
+    cfg = as_config(config)
     regions: dict[str, Any] = {}
     if include is not None:
         regions["include"] = [include] if isinstance(include, str) else list(include)

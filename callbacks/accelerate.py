@@ -32,9 +32,8 @@ from aotdist import metrics
 from aotdist.compile import compile_callable, restore
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, OrderingError
-from aotdist.float8 import float8_linears, precompute_float8_scales
+from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
 from aotdist.fsdp import fsdp_modules
-from aotdist.parallelize import INFO_ATTR
 
 __all__ = ["RegionalCompileHook", "prepare"]
 
@@ -144,10 +143,7 @@ class RegionalCompileHook(ModelHook):
             call = getattr(target, "_compiled_call_impl", None)
             if isinstance(call, _FirstCallMetrics):
                 target._compiled_call_impl = call.inner
-            restore(target)
-            # The hook never converts or shards, so nothing of parallelize remains: a later
-            # attach (Accelerate re-attaches hooks when it builds a SequentialHook) starts over.
-            vars(target).pop(INFO_ATTR, None)
+            restore(target)  # the hook never converts or shards: a re-attach starts over
         self.applied = None
         return module
 
@@ -214,15 +210,16 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
         )
     model.to(accelerator.device)
     old_names = {id(p): n for n, p in model.named_parameters()}
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    for opt in optimizers:
+        _check_optimizer(opt, old_names)
     if cfg.fsdp.enabled and mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
     apply_aotdist(model, cfg, mesh=mesh, what="aotdist.callbacks.prepare", child_target=False)
     new_params = dict(model.named_parameters())
-    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-    float8_all_gather = any(m.config.enable_fsdp_float8_all_gather
-                            for m in float8_linears(model))
+    float8_all_gather = uses_fsdp_float8_all_gather(model)
     if cfg.cache.mode != "off" and optimizers:
         _save_cache_after_first_step(optimizers[0], model)
     for opt in optimizers:
@@ -249,25 +246,25 @@ def _save_cache_after_first_step(optimizer: torch.optim.Optimizer, model: nn.Mod
     handle = optimizer.register_step_post_hook(hook)
 
 
-def _rebind(optimizer: torch.optim.Optimizer, old_names: dict[int, str],
-            new_params: dict[str, nn.Parameter]) -> None:
-    """Points ``optimizer`` at the parameters that replaced the ones it was built with."""
-    for group in optimizer.param_groups:
-        rebound = []
-        for p in group["params"]:
-            name = old_names.get(id(p))
-            if name is None:
-                raise ConfigError(
-                    "an optimizer passed to aotdist.callbacks.prepare holds a parameter that is "
-                    "not the model's; build it from model.parameters()."
-                )
-            rebound.append(new_params[name])
-        group["params"] = rebound
+def _check_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str]) -> None:
+    """Refuses, before the model changes, an optimizer that :func:`_rebind` cannot rebind."""
     if optimizer.state:
         raise OrderingError(
             "the optimizer already has state (it stepped); aotdist.callbacks.prepare must run "
             "before training. Fix: call it before the first optimizer.step()."
         )
+    if any(id(p) not in old_names for g in optimizer.param_groups for p in g["params"]):
+        raise ConfigError(
+            "an optimizer passed to aotdist.callbacks.prepare holds a parameter that is "
+            "not the model's; build it from model.parameters()."
+        )
+
+
+def _rebind(optimizer: torch.optim.Optimizer, old_names: dict[int, str],
+            new_params: dict[str, nn.Parameter]) -> None:
+    """Points ``optimizer`` at the parameters that replaced the ones it was built with."""
+    for group in optimizer.param_groups:
+        group["params"] = [new_params[old_names[id(p)]] for p in group["params"]]
 
 
 class _AlreadyLoaded:

@@ -21,7 +21,7 @@ from typing_extensions import override
 from aotdist import cache, metrics
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError
-from aotdist.float8 import float8_linears, precompute_float8_scales
+from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
 
 __all__ = ["RegionalCompile"]
 
@@ -97,8 +97,7 @@ class RegionalCompile(Callback):
                                "over its data-parallel mesh.")
                 config = config.replace(fsdp={"enabled": True})
         self.applied = apply_aotdist(pl_module, config, mesh=mesh, what="RegionalCompile")
-        self._float8_all_gather = any(m.config.enable_fsdp_float8_all_gather
-                                      for m in float8_linears(pl_module))
+        self._float8_all_gather = uses_fsdp_float8_all_gather(pl_module)
         where = self.applied.target_fqn or type(pl_module).__name__
         rank_zero_info(f"aotdist: {self.applied.how} on {where!r}")
 

@@ -132,11 +132,11 @@ def _train_configs(rank: int, world_size: int, names: list[str], ckpt_dir: str):
     return results
 
 
-def _reference(name: str, world_size: int):
+def _reference(config: dict, world_size: int):
     """Single process, eager, same model/seed/conversion, gradient accumulation over ranks."""
     torch.manual_seed(0)
     model = build_model("gpt", depth=DEPTH)
-    float8 = CONFIGS[name].get("float8")
+    float8 = config.get("float8")
     if float8:
         from aotdist.config import Float8Config
         from aotdist.float8 import convert_to_float8
@@ -173,7 +173,7 @@ def _tol(name: str) -> dict:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_single_process_eager(two_ranks, name):
     (rank0, rank1), _ = two_ranks
-    ref_losses, ref_params, ref_keys = _reference(name, 2)
+    ref_losses, ref_params, ref_keys = _reference(CONFIGS[name], 2)
     got = rank0[name]
     assert rank1[name]["losses"] == got["losses"]  # the averaged loss is the same everywhere
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), **_tol(name))
@@ -259,7 +259,7 @@ def _four_ranks(rank: int, world_size: int):
 
 def test_four_ranks_match_eager():
     out = run_distributed(_four_ranks, 4, timeout=300)
-    ref_losses, ref_params, _ = _reference("fsdp+compile", 4)
+    ref_losses, ref_params, _ = _reference(CONFIGS["fsdp+compile"], 4)
     torch.testing.assert_close(torch.tensor(out[0][0]), torch.tensor(ref_losses),
                                rtol=1e-4, atol=1e-5)
     for key, ref in ref_params.items():
@@ -357,15 +357,10 @@ def _inductor_everything(rank: int, world_size: int, config: dict):
 @pytest.mark.inductor
 def test_inductor_fsdp_float8_all_gather_ac():
     """The production stack: Inductor (C++ codegen on CPU), FSDP2, Float8 all-gather, AC."""
-    name = "inductor"
-    CONFIGS[name] = {"fsdp": {"enabled": True}, "compile": {"backend": "inductor"},
-                     "float8": {**FLOAT8, "fsdp_all_gather": True}, "ac": {"enabled": True}}
-    try:
-        (losses, params, m), _ = run_distributed(_inductor_everything, 2, CONFIGS[name],
-                                                 timeout=540)
-        ref_losses, ref_params, _ = _reference(name, 2)
-    finally:
-        del CONFIGS[name]
+    config = {"fsdp": {"enabled": True}, "compile": {"backend": "inductor"},
+              "float8": {**FLOAT8, "fsdp_all_gather": True}, "ac": {"enabled": True}}
+    (losses, params, m), _ = run_distributed(_inductor_everything, 2, config, timeout=540)
+    ref_losses, ref_params, _ = _reference(config, 2)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **_tol("float8"))
     for key, ref in ref_params.items():
         torch.testing.assert_close(params[key], ref, **_tol("float8"))

@@ -206,3 +206,18 @@ def test_fsdp2_save_state_resume_and_plain_keys(tmp_path, eager_losses):
     assert sorted(saved) == sorted(plain.state_dict())  # full tensors, plain keys
     plain.load_state_dict(saved)
     assert all(saved[k].shape == v.shape for k, v in plain.state_dict().items())
+
+
+def test_prepare_refuses_a_foreign_optimizer_before_touching_the_model():
+    from accelerate.utils import DistributedType
+
+    from aotdist.callbacks import prepare
+
+    accelerator = SimpleNamespace(state=SimpleNamespace(dynamo_plugin=None),
+                                  distributed_type=DistributedType.NO,
+                                  device=torch.device("cpu"))
+    model = build_model("gpt", depth=2)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ConfigError, match="not the model's"):
+        prepare(accelerator, model, optimizer, config=AOT)
+    assert STATE_ATTR not in vars(model)  # refused before marking or compiling anything

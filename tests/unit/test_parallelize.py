@@ -142,6 +142,14 @@ def test_wrong_orderings_are_refused():
     aotdist.parallelize(model, AOT_EAGER)
     with pytest.raises(OrderingError, match="already applied"):
         aotdist.parallelize(model, AOT_EAGER)
+    aotdist.restore(model)  # nothing irreversible was applied: it may start over
+    assert aotdist.parallelize_info(model) is None
+    aotdist.parallelize(model, AOT_EAGER)
+    converted = build_model("gpt", depth=2)
+    aotdist.parallelize(converted, {**AOT_EAGER, "float8": {"enabled": True}})
+    aotdist.restore(converted)  # Float8 stays: still recorded, still refused
+    with pytest.raises(OrderingError, match="already applied"):
+        aotdist.parallelize(converted, AOT_EAGER)
 
     with pytest.raises(OrderingError, match="_orig_mod"):
         aotdist.parallelize(torch.compile(build_model("gpt", depth=2)), AOT_EAGER)
