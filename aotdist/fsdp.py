@@ -16,7 +16,8 @@ from aotdist.config import FSDPConfig
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan
 
-__all__ = ["check_not_sharded", "default_mesh", "fsdp_modules", "is_fsdp_module", "shard"]
+__all__ = ["check_not_sharded", "default_mesh", "fsdp_modules", "fsdp_params", "is_fsdp_module",
+           "shard"]
 
 
 def is_fsdp_module(module: nn.Module) -> bool:
@@ -124,3 +125,28 @@ def shard(model: nn.Module, plan: RegionPlan, config: FSDPConfig, mesh) -> list[
 
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
+
+
+def fsdp_params(model: nn.Module) -> dict[str, dict]:
+    """FQN -> sharded/unsharded shapes (and the unsharded tensor) of FSDP2 parameters."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return {}
+    fqn_of = {id(m): f for f, m in model.named_modules()}
+    found = {}
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+        for fp in getattr(group, "fsdp_params", None) or []:
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is None:
+                continue
+            info = fp._module_info
+            fqn = ".".join(x for x in (fqn_of.get(id(info.module), "?"), info.param_name) if x)
+            found[fqn] = {"unsharded": unsharded,
+                          "sharded_shape": list(getattr(fp, "sharded_size", ())),
+                          "unsharded_shape": list(getattr(fp, "_orig_size", ())),
+                          "storage_nbytes_now": unsharded.untyped_storage().nbytes()}
+    return found

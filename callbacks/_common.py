@@ -11,12 +11,13 @@ from typing import Any
 
 from torch import nn
 
-from aotdist.compile import STATE_ATTR, compile_regions
+from aotdist.compile import compile_regions
 from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fsdp import fsdp_modules
-from aotdist.parallelize import INFO_ATTR, parallelize, parallelize_info
+from aotdist.parallelize import parallelize, parallelize_info
 from aotdist.regions import RegionPlan, find_regions
+from aotdist.state import INFO_ATTR, STATE_ATTR
 
 __all__ = ["Applied", "apply_aotdist", "merge_config"]
 

@@ -24,6 +24,10 @@ import itertools
 import time
 import warnings
 
+from aotdist.cache.artifacts import install, pack
+from aotdist.cache.bundle import decode
+from aotdist.errors import CacheWarning
+
 __all__ = ["CompileSharing"]
 
 _GENERATION = itertools.count()
@@ -76,9 +80,7 @@ class CompileSharing:
     # -- rank 0 ------------------------------------------------------------------------
 
     def _publish(self, key: str) -> None:
-        from aotdist.cache import _pack
-
-        data = _pack({"graph": key})
+        data = pack({"graph": key})
         if data is not None:
             self.store.set(f"{self.prefix}/fx/{key}", data)
             self.published += 1
@@ -108,7 +110,7 @@ class CompileSharing:
             if why is not None:
                 self.misses.append(why)
                 warnings.warn(f"aotdist cache: rank {self.rank} compiles graph {n} itself: "
-                              f"{why}.", _warning(), stacklevel=2)
+                              f"{why}.", CacheWarning, stacklevel=2)
             else:
                 self.loaded += 1
             return result
@@ -117,8 +119,6 @@ class CompileSharing:
 
     def _fetch(self, n: int, key: str) -> str | None:
         """Installs rank 0's artifacts for graph ``n``; the reason if it cannot."""
-        from aotdist.cache import _install, _unpack
-
         seq = f"{self.prefix}/seq/{n}"
         if not self._wait(seq):
             return (f"rank 0 did not reach graph {n} within {self.timeout_s}s, or finished "
@@ -131,8 +131,8 @@ class CompileSharing:
         if not self._wait(fx, gone=f"{self.prefix}/seq/{n + 1}"):
             return f"rank 0 did not publish its artifacts within {self.timeout_s}s"
         try:
-            _, mega, kernels = _unpack(self.store.get(fx))
-            _install(mega, kernels)
+            _, mega, kernels = decode(self.store.get(fx))
+            install(mega, kernels)
         except Exception as exc:
             return f"rank 0's artifacts could not be installed ({type(exc).__name__}: {exc})"
         return None
@@ -148,9 +148,3 @@ class CompileSharing:
                 return self.store.check([name])
             time.sleep(0.02)
         return False
-
-
-def _warning():
-    from aotdist.cache import CacheWarning
-
-    return CacheWarning
