@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from aotdist import _compat
 from aotdist.backends.aot import aot_backend, backend_name
 from aotdist.backends.recording import RecordingBackend
 from aotdist.capture_recorder import _Recorder
@@ -37,6 +38,7 @@ from aotdist.errors import ConfigError, OrderingError
 from aotdist.fsdp import fsdp_modules, fsdp_params
 from aotdist.marking import _copy_function, mark_regions, unmark_regions
 from aotdist.metrics import track
+from aotdist.modes import CompileMode
 from aotdist.state import STATE_ATTR
 
 __all__ = ["Capture", "RegionCapture", "capture"]
@@ -117,7 +119,7 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
             f"capture(backend={backend!r}): the capture pipeline rebuilds the backend on "
             "AOTAutograd and knows 'aot_eager' and 'inductor'. Fix: pass one of those."
         )
-    report.mode = "frames" if frames else "graph"
+    report.mode = CompileMode.FRAMES if frames else CompileMode.GRAPH
     for region in state.plan:
         report.regions[region.name] = RegionCapture(
             name=region.name, instances=list(region.fqns),
@@ -127,9 +129,9 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
     grads = {p: p.grad for p in model.parameters()}
     buffers = _snapshot_buffers(model)
     calls: dict[str, list[str]] = {}
-    compiled_call, old_forwards = model._compiled_call_impl, {}
+    compiled_call, old_forwards = _compat.compiled_call(model), {}
     try:
-        model._compiled_call_impl = None
+        _compat.set_compiled_call(model, None)
         for p in grads:
             p.grad = None
         with track(model) as metrics:
@@ -144,7 +146,7 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
     finally:
         for cls, fwd in old_forwards.items():
             cls.forward = fwd
-        model._compiled_call_impl = compiled_call
+        _compat.set_compiled_call(model, compiled_call)
         for p, g in grads.items():
             p.grad = g
         _restore_buffers(model, buffers)
@@ -179,12 +181,12 @@ def _restore_buffers(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
 def _finish(report: Capture, recorder: _Recorder, calls: dict, model: nn.Module) -> None:
     fsdp = fsdp_params(model)
     for region in report.regions.values():
-        if report.mode == "frames":
+        if report.mode == CompileMode.FRAMES:
             region.call_sites = list(calls.get(region.name, []))
         region.num_subgraphs = len(region.forward)
         stats = report.metrics.regions.get(region.name)
         region.inlined = stats.inlined if stats is not None else 0
-        for g in region.forward if report.mode == "frames" else ():
+        for g in region.forward if report.mode == CompileMode.FRAMES else ():
             for inp in g.inputs:  # named after the instance compiled first: make relative
                 if inp["kind"] not in ("parameter", "buffer"):
                     continue

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from aotdist import _compat
 from aotdist.backends.aot import storage_resized_inputs
 from aotdist.backends.recording import RecordingBackend, module_path_to_fqn
 from aotdist.capture_report import Capture
@@ -102,7 +103,7 @@ class _Recorder:
 
     # AOTAutograd level ------------------------------------------------------------------
     def on_graph(self, gm: torch.fx.GraphModule, kind: str) -> None:
-        ctx = torch._guards.TracingContext.try_get()
+        ctx = _compat.tracing_context()
         if kind != "backward":
             entry = self.current or (self.dynamo[-1] if self.dynamo else None)
             if entry is None:
@@ -232,6 +233,4 @@ def _source_kind_name(source: Any) -> tuple[str, str]:
 
 
 def _is_subclass(t: Any) -> bool:
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    return isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t)
+    return isinstance(t, torch.Tensor) and _compat.is_traceable_wrapper_subclass(t)

@@ -15,6 +15,7 @@ import torch
 
 from aotdist.graphs import GraphCapture
 from aotdist.metrics import CompileMetrics
+from aotdist.modes import CompileMode
 
 __all__ = ["Capture", "RegionCapture"]
 
@@ -90,13 +91,13 @@ class Capture:
     fsdp_inputs: list[dict] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)
     metrics: CompileMetrics = field(default_factory=CompileMetrics)
-    mode: str = "graph"
+    mode: CompileMode = CompileMode.GRAPH
     backend: str = ""
 
     def to_dict(self) -> dict:
         """JSON-able copy (no tensors, no graph modules; readable code included)."""
         return {
-            "mode": self.mode, "backend": self.backend,
+            "mode": str(self.mode), "backend": self.backend,
             "regions": {n: r.to_dict() for n, r in self.regions.items()},
             "graphs": [g.to_dict() for g in self.graphs],
             "mutations": self.mutations, "subclass_inputs": self.subclass_inputs,

@@ -28,12 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from aotdist import _compat
 from aotdist.backends.named import _make_backend
 from aotdist.backends.recording import RecordingBackend
 from aotdist.backends.recovery import _RegionGuardedCall
 from aotdist.errors import OrderingError, RegionCompileWarning
 from aotdist.fsdp import fsdp_modules
 from aotdist.marking import is_compiled, mark_regions, unmark_regions
+from aotdist.modes import CompileMode
 from aotdist.regions import RegionPlan
 from aotdist.state import INFO_ATTR, STATE_ATTR, RegionState
 
@@ -55,20 +57,20 @@ def check_not_compiled(model: nn.Module) -> None:
         OrderingError: ``model`` is an ``OptimizedModule``, was ``.compile()``-d, or holds
             compiled submodules.
     """
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    optimized = _compat.optimized_module_type() or ()  # () matches nothing
+    if isinstance(model, optimized):
         raise OrderingError(
             "got a torch.compile wrapper (OptimizedModule); aotdist compiles in place, inside "
             "FSDP's hooks, and keeps your module's keys (no `_orig_mod.`). Fix: pass the "
             "original module (`compiled._orig_mod`), not the result of torch.compile(model)."
         )
-    if getattr(model, "_compiled_call_impl", None) is not None:
+    if _compat.compiled_call(model) is not None:
         raise OrderingError(
             "model.compile() was already called on this module; aotdist would compound it. "
             "Fix: pass the uncompiled module; aotdist compiles it."
         )
     wrapped = [n for n, m in model.named_modules()
-               if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
-               or getattr(m, "_compiled_call_impl", None) is not None]
+               if isinstance(m, optimized) or _compat.compiled_call(m) is not None]
     if wrapped:
         raise OrderingError(
             f"submodules {wrapped[:4]} are already compiled (torch.compile / .compile(), e.g. "
@@ -124,11 +126,12 @@ def compile_regions(
     """
     state = _prepare(model, plan, backend, mode, dynamic, options)
     if fsdp_modules(model):  # FSDP2's hooks would break the whole graph: see module doc
-        state.mode = "frames"
+        state.mode = CompileMode.FRAMES
         _compile_frames(model, state, dynamic)
     else:
-        compiled = torch.compile(model._call_impl, backend=state.backend, dynamic=dynamic)
-        model._compiled_call_impl = _RegionGuardedCall(model, state, compiled)
+        compiled = torch.compile(_compat.call_impl(model), backend=state.backend,
+                                 dynamic=dynamic)
+        _compat.set_compiled_call(model, _RegionGuardedCall(model, state, compiled))
     state.compiled = True
     return model
 
@@ -210,7 +213,7 @@ def restore(model: nn.Module) -> nn.Module:
         return model
     # Instances sharded after marking keep FSDP's class; their forward becomes plain eager.
     unmark_regions(model, neutralize=True)
-    if isinstance(model._compiled_call_impl, _RegionGuardedCall):
-        model._compiled_call_impl = None
+    if isinstance(_compat.compiled_call(model), _RegionGuardedCall):
+        _compat.set_compiled_call(model, None)
     del model.__dict__[STATE_ATTR]
     return model

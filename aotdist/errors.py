@@ -16,9 +16,11 @@ __all__ = [
     "ConfigWarning",
     "DistributedTestError",
     "DistributedTimeoutError",
+    "MissingDependencyError",
     "OrderingError",
     "RegionCaptureError",
     "RegionCompileWarning",
+    "TorchFeatureUnavailable",
     "exception_chain",
 ]
 
@@ -118,3 +120,20 @@ def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
         yield exc
         exc = exc.__cause__ or exc.__context__
         seen += 1
+
+
+class MissingDependencyError(AOTDistError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install.
+
+    Attributes:
+        extra: The ``aotdist[...]`` extra that installs it (``float8``, ``lightning``...).
+    """
+
+    def __init__(self, message: str, *, extra: str):
+        super().__init__(message)
+        self.extra = extra
+
+
+class TorchFeatureUnavailable(AOTDistError, RuntimeError):
+    """The running torch lacks an internal aotdist needs; the message names the torch
+    versions aotdist was checked on and what to do."""

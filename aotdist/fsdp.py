@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from aotdist import _compat
 from aotdist.config import FSDPConfig
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan
@@ -138,15 +139,9 @@ def fsdp_params(model: nn.Module) -> dict[str, dict]:
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue
-        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
-        for fp in getattr(group, "fsdp_params", None) or []:
-            unsharded = getattr(fp, "_unsharded_param", None)
-            if unsharded is None:
-                continue
-            info = fp._module_info
-            fqn = ".".join(x for x in (fqn_of.get(id(info.module), "?"), info.param_name) if x)
-            found[fqn] = {"unsharded": unsharded,
-                          "sharded_shape": list(getattr(fp, "sharded_size", ())),
-                          "unsharded_shape": list(getattr(fp, "_orig_size", ())),
-                          "storage_nbytes_now": unsharded.untyped_storage().nbytes()}
+        for p in _compat.fsdp_params_of(m) or []:  # None: internals missing, none reported
+            fqn = ".".join(x for x in (fqn_of.get(id(p["module"]), "?"), p["param_name"]) if x)
+            found[fqn] = {"unsharded": p["unsharded"], "sharded_shape": p["sharded_shape"],
+                          "unsharded_shape": p["unsharded_shape"],
+                          "storage_nbytes_now": p["unsharded"].untyped_storage().nbytes()}
     return found

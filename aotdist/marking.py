@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from aotdist import _compat
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan, find_regions
 from aotdist.state import STATE_ATTR, RegionState
@@ -64,7 +65,7 @@ def _clone_aliasing_outputs(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def forward(self, *args, **kwargs):
         out = fn(self, *args, **kwargs)
-        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+        inputs = [a for a in _compat.tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor)]
 
         def dealias(t):
@@ -74,7 +75,7 @@ def _clone_aliasing_outputs(fn: Callable) -> Callable:
                 return t.clone()
             return t
 
-        return torch.utils._pytree.tree_map(dealias, out)
+        return _compat.tree_map(dealias, out)
 
     return forward
 

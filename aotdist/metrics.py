@@ -29,7 +29,9 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from aotdist import _compat
 from aotdist.backends.recording import _GRAPH_LOG, GraphRecord
+from aotdist.modes import CompileMode
 from aotdist.state import STATE_ATTR
 
 __all__ = ["CompileMetrics", "RegionStats", "model_records", "track"]
@@ -50,12 +52,13 @@ class RegionStats:
 class CompileMetrics:
     """What compiling cost and produced within one :func:`track` window (seconds)."""
 
-    compile_seconds: float = 0.0
-    dynamo_seconds: float = 0.0
-    aot_autograd_seconds: float = 0.0
-    backend_seconds: float = 0.0
+    # None ("n/a" in summaries): this torch's compile records lack a field the figure needs
+    compile_seconds: float | None = 0.0
+    dynamo_seconds: float | None = 0.0
+    aot_autograd_seconds: float | None = 0.0
+    backend_seconds: float | None = 0.0
     wall_seconds: float = 0.0
-    frames_compiled: int = 0
+    frames_compiled: int | None = 0
     graphs: int = 0
     graph_breaks: dict[str, int] = field(default_factory=dict)
     # Dynamo errors that made it skip a frame or fall back to eager (counters["unimplemented"])
@@ -67,7 +70,7 @@ class CompileMetrics:
     demoted: dict[str, str] = field(default_factory=dict)
     # "graph": one whole-model graph calling region subgraphs; "frames": each region its
     # own compiled graph (under FSDP2); "" when no aotdist model was tracked
-    mode: str = ""
+    mode: CompileMode | str = ""
 
     @property
     def num_graph_breaks(self) -> int:
@@ -77,14 +80,15 @@ class CompileMetrics:
         """JSON-able copy."""
         d = asdict(self)
         d["num_graph_breaks"] = self.num_graph_breaks
+        d["mode"] = str(self.mode)
         return d
 
     def summary(self) -> str:
         """A compact multi-line text report."""
         lines = [
-            f"compile {self.compile_seconds:.2f}s (dynamo {self.dynamo_seconds:.2f}s, "
-            f"aot_autograd {self.aot_autograd_seconds:.2f}s, backend {self.backend_seconds:.2f}s)"
-            f" | frames {self.frames_compiled} | graphs {self.graphs} | "
+            f"compile {_s(self.compile_seconds)} (dynamo {_s(self.dynamo_seconds)}, "
+            f"aot_autograd {_s(self.aot_autograd_seconds)}, backend {_s(self.backend_seconds)})"
+            f" | frames {_n(self.frames_compiled)} | graphs {self.graphs} | "
             f"graph breaks {self.num_graph_breaks} | recompiles {len(self.recompiles)}"
             + (f" | mode {self.mode}" if self.mode else ""),
         ]
@@ -109,8 +113,30 @@ class CompileMetrics:
         return "\n".join(lines)
 
 
+def _s(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.2f}s"
+
+
+def _n(value: int | None) -> str:
+    return "n/a" if value is None else str(value)
+
+
 def _us(cm, name: str) -> float:
     return (getattr(cm, name, None) or 0) / 1e6
+
+
+# CompileMetrics figure -> the CompilationMetrics fields it is computed from
+_NEEDS = {
+    "compile_seconds": ("is_forward", "dynamo_cumulative_compile_time_us",
+                        "backward_cumulative_compile_time_us"),
+    "dynamo_seconds": ("is_forward", "dynamo_cumulative_compile_time_us",
+                       "aot_autograd_cumulative_compile_time_us"),
+    "aot_autograd_seconds": ("is_forward", "aot_autograd_cumulative_compile_time_us",
+                             "inductor_cumulative_compile_time_us",
+                             "backward_cumulative_compile_time_us"),
+    "backend_seconds": ("inductor_cumulative_compile_time_us",),
+    "frames_compiled": ("is_forward",),
+}
 
 
 @contextlib.contextmanager
@@ -124,11 +150,9 @@ def track(model: nn.Module | None = None) -> Iterator[CompileMetrics]:
     Yields:
         A :class:`CompileMetrics`, filled in when the block exits.
     """
-    from torch._dynamo.utils import counters, get_compilation_metrics
-
-    before_ids = {id(m) for m in get_compilation_metrics()}
-    breaks_before = Counter(counters["graph_break"])
-    unsupported_before = Counter(counters["unimplemented"])
+    before_ids = {id(m) for m in _compat.compilation_metrics() or []}
+    breaks_before = Counter(_compat.dynamo_counters("graph_break"))
+    unsupported_before = Counter(_compat.dynamo_counters("unimplemented"))
     log_start = len(_GRAPH_LOG)
     log_tail = _GRAPH_LOG[-1] if _GRAPH_LOG else None
     metrics = CompileMetrics()
@@ -137,11 +161,14 @@ def track(model: nn.Module | None = None) -> Iterator[CompileMetrics]:
         yield metrics
     finally:
         metrics.wall_seconds = time.perf_counter() - start
-        new = [m for m in get_compilation_metrics() if id(m) not in before_ids]
-        _fill_times(metrics, new)
-        breaks = Counter(counters["graph_break"]) - breaks_before
+        records_now = _compat.compilation_metrics()
+        _fill_times(metrics, [m for m in records_now or [] if id(m) not in before_ids])
+        _mark_unavailable(metrics, None if records_now is None
+                          else _compat.compilation_metric_fields())
+        breaks = Counter(_compat.dynamo_counters("graph_break")) - breaks_before
         metrics.graph_breaks = dict(breaks)
-        metrics.unsupported = dict(Counter(counters["unimplemented"]) - unsupported_before)
+        metrics.unsupported = dict(Counter(_compat.dynamo_counters("unimplemented"))
+                                   - unsupported_before)
         if log_tail is not None and log_tail in _GRAPH_LOG:
             log_start = _GRAPH_LOG.index(log_tail) + 1
         records = _GRAPH_LOG[log_start:]
@@ -171,6 +198,13 @@ def _fill_times(metrics: CompileMetrics, entries: list) -> None:
             metrics.failures.append(f"{cm.fail_type}: {cm.fail_reason}")
 
 
+def _mark_unavailable(metrics: CompileMetrics, fields: frozenset[str] | None) -> None:
+    """Figures whose source fields this torch lacks become ``None``, not a silent 0."""
+    for figure, needs in _NEEDS.items():
+        if fields is None or not set(needs) <= fields:
+            setattr(metrics, figure, None)
+
+
 def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> None:
     state = vars(model).get(STATE_ATTR) if model is not None else None
     if state is not None:
@@ -196,7 +230,7 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
         metrics.regions[name].subgraphs = len(ids)
     for name, fqns in inlined.items():
         metrics.regions.setdefault(name, RegionStats(instances=0)).inlined = len(fqns)
-    if state is not None and state.mode == "frames":
+    if state is not None and state.mode == CompileMode.FRAMES:
         # Each region is its own compiled function: its call sites are the instances that
         # ran it (since compile), its distinct graphs the frames compiled for it.
         for name, st in metrics.regions.items():

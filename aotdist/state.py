@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from aotdist.modes import CompileMode
 from aotdist.regions import RegionPlan
 
 __all__ = ["INFO_ATTR", "STATE_ATTR", "RegionState"]
@@ -31,7 +32,7 @@ class RegionState:
     backend: Callable | None = None  # aotdist.backends.recording.RecordingBackend
     compiled: bool = False
     checkpoint: bool = False  # activation checkpointing around each region instance
-    mode: str = "graph"  # "graph": root compiled, regions invoke_subgraph; "frames": see above
+    mode: CompileMode = CompileMode.GRAPH  # see aotdist.compile
     classes: dict[str, type] = field(default_factory=dict)  # region name -> its class
     frame_calls: dict[str, set[int]] = field(default_factory=dict)  # region -> id(instance)
     fsdp_checked: bool = False

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from aotdist import _compat
 from aotdist.errors import ConfigError, RegionCompileWarning
 
 __all__ = ["_make_backend"]
@@ -30,7 +31,7 @@ def _make_backend(backend: str | Callable, mode: str | None, options: dict | Non
             )
         # Scoped to this model's compiles: the wrapper applies options as config patches.
         options.setdefault("allow_buffer_reuse", False)
-        return torch._TorchCompileInductorWrapper(mode, options, dynamic)
+        return _compat.inductor_wrapper(mode, options, dynamic)
     if callable(backend) and not isinstance(backend, str):
         if mode is not None or options:
             raise ConfigError(
@@ -41,9 +42,9 @@ def _make_backend(backend: str | Callable, mode: str | None, options: dict | Non
         return backend
     if not isinstance(backend, str):
         raise ConfigError(f"backend must be a name or a callable; got {backend!r}")
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+    if backend not in torch.compiler.list_backends(exclude_tags=()):
         raise ConfigError(
             f"unknown compile backend {backend!r}; available: "
-            f"{sorted(torch._dynamo.list_backends(exclude_tags=()))}"
+            f"{sorted(torch.compiler.list_backends(exclude_tags=()))}"
         )
-    return torch._TorchCompileWrapper(backend, mode, options, dynamic)
+    return _compat.named_backend_wrapper(backend, mode, options, dynamic)

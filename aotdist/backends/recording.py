@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from aotdist import _compat
 from aotdist.backends.aot import aot_backend, storage_resized_inputs
 from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_chain
 
@@ -78,7 +79,7 @@ def _nodes_outside_regions(gm: torch.fx.GraphModule, invoke) -> Iterator[torch.f
         yield node
         if node.op != "call_function" or node.target is invoke:
             continue
-        if isinstance(node.target, torch._ops.HigherOrderOperator):
+        if isinstance(node.target, _compat.higher_order_operator_type() or ()):
             for arg in node.args:
                 if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
                     body = getattr(gm, str(arg.target), None)
@@ -100,7 +101,7 @@ class RecordingBackend:
 
     def __init__(self, inner: Callable, *, model: nn.Module | None = None, plan=None,
                  keep_graphs: bool = False):
-        self.inner = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
+        self.inner = _compat.lookup_backend(inner) if isinstance(inner, str) else inner
         self.plan = plan
         self.keep_graphs = keep_graphs
         self._model_id = id(model) if model is not None else 0
@@ -189,11 +190,8 @@ class RecordingBackend:
         model = self._model_ref() if self._model_ref is not None else None
         if model is None:
             return None
-        try:
-            from torch._dynamo.symbolic_convert import InstructionTranslator
-
-            f_locals = InstructionTranslator.current_tx().f_locals
-        except Exception:  # not inside a Dynamo frame compile: nothing to attribute
+        f_locals = _compat.current_frame_locals()
+        if f_locals is None:  # not inside a Dynamo frame compile: nothing to attribute
             return None
         candidates = [f_locals.get("self")]
         args = f_locals.get("args")

@@ -139,15 +139,15 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
 
 def _cache_status(model) -> str:
     state = vars(model).get("_aotdist_cache")
-    return state["load"].status if state else "off"
+    return str(state["load"].status) if state else "off"
 
 
 def _import_compiler_stack() -> None:
     """Imports what compiling loads lazily, in every strategy (eager too) alike, so the
     memory baseline holds the compiler's code and peak memory measures the run."""
-    import torch._dynamo.utils  # noqa: F401
-    import torch._functorch.aot_autograd  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
+    from aotdist import _compat
+
+    _compat.import_compiler_stack()
 
 
 def _barrier(world_size: int):

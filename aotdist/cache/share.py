@@ -23,7 +23,9 @@ from __future__ import annotations
 import itertools
 import time
 import warnings
+from collections.abc import Callable
 
+from aotdist import _compat
 from aotdist.cache.artifacts import install, pack
 from aotdist.cache.bundle import decode
 from aotdist.errors import CacheWarning
@@ -42,38 +44,28 @@ class CompileSharing:
     """
 
     def __init__(self, rank: int, *, timeout_s: float = 300.0):
-        import torch.distributed.distributed_c10d as c10d
-
         self.rank, self.timeout_s = rank, timeout_s
-        self.store = c10d._get_default_store()
+        self.store = _compat.default_store()
         self.prefix = f"aotdist_cache/{next(_GENERATION)}"
         self.lookups = 0
         self.loaded = 0  # graphs served by rank 0's artifacts (other ranks)
         self.published = 0  # graphs published (rank 0)
         self.misses: list[str] = []  # why graphs were compiled here (other ranks)
-        self._originals: dict | None = None
+        self._restore: Callable[[], None] | None = None
 
     # -- installation (scoped: stop() restores FxGraphCache exactly) ------------------
 
     def start(self) -> None:
-        from torch._inductor.codecache import FxGraphCache
-
-        if self._originals is not None:
+        if self._restore is not None:
             return
-        self._originals = {n: vars(FxGraphCache)[n] for n in ("load_with_key", "_save_graph")}
-        lookup, save = FxGraphCache.load_with_key, FxGraphCache._save_graph
-        FxGraphCache.load_with_key = staticmethod(self._wrap_lookup(lookup))
-        if self.rank == 0:
-            FxGraphCache._save_graph = staticmethod(self._wrap_save(save))
+        self._restore = _compat.wrap_fx_graph_cache(
+            self._wrap_lookup, self._wrap_save if self.rank == 0 else None)
 
     def stop(self) -> None:
-        from torch._inductor.codecache import FxGraphCache
-
-        if self._originals is None:
+        if self._restore is None:
             return
-        for name, original in self._originals.items():
-            setattr(FxGraphCache, name, original)
-        self._originals = None
+        self._restore()
+        self._restore = None
         if self.rank == 0:
             self.store.set(f"{self.prefix}/done", b"1")
 

@@ -28,6 +28,7 @@ from aotdist.cache.bundle import FORMAT, decode, write_atomic
 from aotdist.cache.share import CompileSharing
 from aotdist.config import AOTDistConfig, CacheConfig
 from aotdist.errors import CacheWarning
+from aotdist.modes import CacheStatus
 from aotdist.regions import RegionPlan
 from aotdist.state import INFO_ATTR
 from aotdist.version import __version__
@@ -42,15 +43,15 @@ class CacheLoad:
     """What :func:`load` did.
 
     Attributes:
-        status: ``off``, ``missing`` (no bundle yet), ``loaded``, ``stale`` (key
-            mismatch) or ``corrupt``.
+        status: A :class:`~aotdist.modes.CacheStatus`: ``off``, ``missing`` (no bundle
+            yet), ``loaded``, ``stale`` (key mismatch) or ``corrupt``.
         reason: Why it was not loaded, empty when it was.
         path: The bundle file.
         artifacts: Mega-Cache entries loaded, by kind (``inductor``, ``aot_autograd``).
         kernel_files: Compiled kernel files written into Inductor's cache directory.
     """
 
-    status: str
+    status: CacheStatus
     reason: str = ""
     path: str = ""
     artifacts: dict | None = None
@@ -103,15 +104,15 @@ def _diff(stored: dict, key: dict) -> str:
 
 def _use(data: bytes | None, key: dict, path: str) -> CacheLoad:
     if data is None:
-        return CacheLoad("missing", "no bundle yet; this run compiles and saves one", path)
+        return CacheLoad(CacheStatus.MISSING, "no bundle yet; this run compiles and saves one", path)
     try:
         header, mega, kernels = decode(data)
     except (ValueError, KeyError, TypeError, struct.error) as exc:
-        return CacheLoad("corrupt", f"corrupt bundle: {exc}", path)
+        return CacheLoad(CacheStatus.CORRUPT, f"corrupt bundle: {exc}", path)
     if header.get("key") != key:
-        return CacheLoad("stale", f"made for another setup ({_diff(header.get('key', {}), key)})",
+        return CacheLoad(CacheStatus.STALE, f"made for another setup ({_diff(header.get('key', {}), key)})",
                          path)
-    return CacheLoad("loaded", "", path, install(mega, kernels), len(kernels))
+    return CacheLoad(CacheStatus.LOADED, "", path, install(mega, kernels), len(kernels))
 
 
 def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = None,
@@ -133,7 +134,7 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
     """
     cfg = config.cache
     if cfg.mode == "off":
-        return CacheLoad("off")
+        return CacheLoad(CacheStatus.OFF)
     rank, world = _rank_world()
     key = cache_key(model, config, plan=plan, device=device)
     path = _bundle_path(cfg, rank, world)
@@ -154,13 +155,13 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
     try:
         result = _use(data, key, path)
     except Exception as exc:  # a failure installing must never stop the job
-        result = CacheLoad("corrupt", f"could not install it: {type(exc).__name__}: {exc}", path)
-    if result.status in ("stale", "corrupt"):
+        result = CacheLoad(CacheStatus.CORRUPT, f"could not install it: {type(exc).__name__}: {exc}", path)
+    if result.status in (CacheStatus.STALE, CacheStatus.CORRUPT):
         warnings.warn(f"aotdist cache: ignoring {path} on rank {rank}: {result.reason}; "
                       "compiling normally (the bundle is replaced after the first step).",
                       CacheWarning, stacklevel=2)
     sharing = None
-    if cfg.mode == "shared" and world > 1 and result.status != "loaded":
+    if cfg.mode == "shared" and world > 1 and result.status != CacheStatus.LOADED:
         sharing = CompileSharing(rank=rank, timeout_s=cfg.share_timeout_s)
         sharing.start()
     model.__dict__[STATE_ATTR] = {"config": config, "key": key, "load": result,
@@ -197,7 +198,7 @@ def _save_one(model: nn.Module, *, force: bool) -> str | None:
     rank, world = _rank_world()
     if cfg.mode == "shared" and rank != 0:
         return None
-    if state["load"].status == "loaded" and not force:
+    if state["load"].status == CacheStatus.LOADED and not force:
         return None  # the bundle it started from holds everything this run compiled
     path = _bundle_path(cfg, rank, world)
     try:

@@ -13,6 +13,7 @@ from torch import nn
 
 import aotdist
 from aotdist import metrics
+from aotdist.backends.recording import RecordingBackend
 from aotdist.testing import AliasingNet, TinyGPT, TinyResNet, TinyViT, example_inputs
 from aotdist.testing.models import GPTBlock
 from aotdist.testing.parity import assert_parity
@@ -156,7 +157,7 @@ def test_marking_does_not_leak_into_other_instances():
     assert not hasattr(GPTBlock.forward, "__marked_compile_region_config__")
     assert type(model.blocks[0]) is not GPTBlock and isinstance(model.blocks[0], GPTBlock)
     # The unmarked model compiled plainly inlines its blocks: no invoke_subgraph.
-    recorder = metrics.RecordingBackend("aot_eager", plan=aotdist.find_regions(other))
+    recorder = RecordingBackend("aot_eager", plan=aotdist.find_regions(other))
     other.compile(backend=recorder)
     (x,), _ = example_inputs(other)
     other(x)
