@@ -1,7 +1,7 @@
 """``aotdist.capture``: what AOTAutograd saw, region by region, in one report.
 
 One forward (and backward) step of the model runs through ``torch.compile`` with a
-backend built on AOTAutograd (:func:`aotdist.aot.aot_backend`): Dynamo's graph is
+backend built on AOTAutograd (:func:`aotdist.backends.aot.aot_backend`): Dynamo's graph is
 recorded first (input sources, tensor subclasses, storage resizes), then every forward,
 backward and region subgraph AOTAutograd produces, before the chosen backend compiles
 it, so the step runs as it would in training.
