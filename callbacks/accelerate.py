@@ -28,7 +28,7 @@ from accelerate.hooks import ModelHook
 from aotdist.callbacks._common import Applied, apply_aotdist, merge_config
 from torch import nn
 
-from aotdist import _compat, metrics
+from aotdist import _compat, cache, metrics
 from aotdist.compile import compile_callable, restore
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, OrderingError
@@ -239,8 +239,6 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
 
 def _save_cache_after_first_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """``aotdist.cache.save(model)`` once, after the first real optimizer step."""
-    from aotdist import cache
-
     def hook(*_):
         handle.remove()
         cache.save(model)
