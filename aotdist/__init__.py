@@ -18,10 +18,10 @@ from aotdist.errors import (
 from aotdist.float8 import precompute_float8_scales
 from aotdist.parallelize import parallelize, parallelize_info
 from aotdist.regions import Region, RegionPlan, find_regions
-
-__version__ = "0.1.0"
+from aotdist.version import __version__
 
 __all__ = [
+    "__version__",
     "AOTDistConfig",
     "AOTDistError",
     "Capture",

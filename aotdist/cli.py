@@ -95,7 +95,7 @@ def _inspect(rank: int, world_size: int, opts: dict) -> str:
 def _cmd_inspect(args) -> int:
     opts = {k: getattr(args, k) for k in ("model", "depth", "fsdp", "float8", "out", "backend")}
     if args.fsdp or args.nproc > 1:
-        from aotdist.testing.distributed import run_distributed
+        from aotdist.launch import run_distributed
 
         texts = run_distributed(_inspect, args.nproc, opts, timeout=args.timeout)
     else:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 import typing
 import warnings
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aotdist.errors import ConfigError, ConfigWarning
+from aotdist.validation import _message, _Section
 
 __all__ = [
     "AOTDistConfig",
@@ -40,74 +40,6 @@ __all__ = [
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-
-
-def _type_problem(value: Any, hint: Any) -> str | None:
-    """Why ``value`` does not fit the annotation ``hint`` (the few kinds configs use)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if any(_type_problem(value, h) is None for h in options):
-            return None
-        return "expected " + " or ".join(_type_name(h) for h in options)
-    if hint is type(None):
-        return None if value is None else "expected null"
-    if origin is tuple:
-        if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
-            return "expected a list of strings"
-        return None
-    if origin is dict or hint is dict:
-        return None if isinstance(value, dict) else "expected a mapping"
-    if hint is bool:
-        return None if isinstance(value, bool) else "expected true or false"
-    if hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return None if ok else "expected an integer"
-    if hint is str:
-        return None if isinstance(value, str) else "expected a string"
-    return None
-
-
-def _type_name(hint: Any) -> str:
-    if hint is type(None):
-        return "null"
-    if typing.get_origin(hint) is tuple:
-        return "a list of strings"
-    if typing.get_origin(hint) is dict or hint is dict:
-        return "a mapping"
-    return {bool: "true/false", int: "an integer", str: "a string"}.get(hint, str(hint))
-
-
-class _Section:
-    """Validation shared by the config sections: types from annotations, then rules."""
-
-    _key: typing.ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # lists from YAML become tuples (frozen, hashable)
-            value = getattr(self, f.name)
-            if isinstance(value, list):
-                object.__setattr__(self, f.name, tuple(value))
-        problems = self._type_problems()
-        try:  # rules read values of the right type; a bad type is reported above already
-            problems += self._rule_problems()
-        except TypeError:
-            pass
-        if problems:
-            raise ConfigError(_message(problems), problems=problems)
-
-    def _type_problems(self) -> list[str]:
-        hints = typing.get_type_hints(type(self))
-        out = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            why = _type_problem(value, hints[f.name])
-            if why:
-                out.append(f"{self._key}.{f.name}: {why}, got {value!r}")
-        return out
-
-    def _rule_problems(self) -> list[str]:
-        return []
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -418,10 +350,3 @@ def as_config(config: AOTDistConfig | Mapping | str | os.PathLike | None) -> AOT
     raise ConfigError(
         f"config must be an AOTDistConfig, a mapping or a YAML path; got {type(config).__name__}"
     )
-
-
-def _message(problems: list[str]) -> str:
-    if len(problems) == 1:
-        return f"invalid aotdist config: {problems[0]}"
-    return "invalid aotdist config, {} problems:\n  - {}".format(
-        len(problems), "\n  - ".join(problems))

@@ -6,14 +6,22 @@ value, and how to fix it. Distributed failures name the rank.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 __all__ = [
     "AOTDistError",
     "BenchError",
+    "CacheWarning",
     "ConfigError",
     "ConfigWarning",
+    "DistributedTestError",
+    "DistributedTimeoutError",
+    "MissingDependencyError",
     "OrderingError",
     "RegionCaptureError",
     "RegionCompileWarning",
+    "TorchFeatureUnavailable",
+    "exception_chain",
 ]
 
 
@@ -74,3 +82,58 @@ class RegionCaptureError(AOTDistError, RuntimeError):
 
 class BenchError(AOTDistError, RuntimeError):
     """A benchmark measurement failed or timed out; the message has its output's tail."""
+
+
+class CacheWarning(UserWarning):
+    """A compile artifact bundle was not used (stale, corrupt, mismatched); the run compiles."""
+
+
+class DistributedTestError(AOTDistError, RuntimeError):
+    """A rank of :func:`run_distributed` failed: it raised, or exited without a result.
+
+    Attributes:
+        rank: The rank whose failure is reported (the first one seen), or ``None`` when
+            the error is about several ranks at once (a timeout).
+    """
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class DistributedTimeoutError(DistributedTestError):
+    """:func:`run_distributed` ran past its ``timeout``; every rank was killed.
+
+    Attributes:
+        ranks: The ranks that were still running when the time was up.
+    """
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message, rank=ranks[0] if len(ranks) == 1 else None)
+        self.ranks = list(ranks)
+
+
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and its causes/contexts, innermost last (at most 8)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+
+
+class MissingDependencyError(AOTDistError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install.
+
+    Attributes:
+        extra: The ``aotdist[...]`` extra that installs it (``float8``, ``lightning``...).
+    """
+
+    def __init__(self, message: str, *, extra: str):
+        super().__init__(message)
+        self.extra = extra
+
+
+class TorchFeatureUnavailable(AOTDistError, RuntimeError):
+    """The running torch lacks an internal aotdist needs; the message names the torch
+    versions aotdist was checked on and what to do."""

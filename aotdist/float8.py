@@ -8,11 +8,13 @@ run before regions are found (the signature sees the new classes) and before
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 
 import torch
 from torch import nn
 
+from aotdist._extras import require
 from aotdist.config import Float8Config
 from aotdist.errors import ConfigError
 
@@ -48,7 +50,7 @@ def convert_to_float8(model: nn.Module, config: Float8Config) -> list[str]:
         ConfigError: A ``config.exclude`` pattern matches no ``Linear`` layer, or no
             layer is eligible (float8 would do nothing).
     """
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    ao = require("torchao.float8", feature="float8.enabled (torchao Float8 training)")
 
     linears = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
     unknown = [p for p in config.exclude if not any(fnmatch.fnmatchcase(f, p) for f in linears)]
@@ -64,13 +66,11 @@ def convert_to_float8(model: nn.Module, config: Float8Config) -> list[str]:
             f"(needs in/out features that are multiples of {_ALIGN}, not excluded; Linear "
             f"layers: {linears[:6]}). Fix: set float8.enabled: false."
         )
-    ao_config = Float8LinearConfig.from_recipe_name(config.recipe)
+    ao_config = ao.Float8LinearConfig.from_recipe_name(config.recipe)
     if config.fsdp_all_gather:
-        import dataclasses
-
         ao_config = dataclasses.replace(ao_config, enable_fsdp_float8_all_gather=True)
     chosen_set = set(chosen)
-    convert_to_float8_training(
+    ao.convert_to_float8_training(
         model, config=ao_config, module_filter_fn=lambda _m, fqn: fqn in chosen_set
     )
     return chosen
@@ -109,7 +109,6 @@ def precompute_float8_scales(model: nn.Module) -> bool:
     """
     if not uses_fsdp_float8_all_gather(model):
         return False
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    ao = require("torchao.float8", feature="precompute_float8_scales")
+    ao.precompute_float8_dynamic_scale_for_fsdp(model)
     return True

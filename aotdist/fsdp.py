@@ -12,11 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from aotdist import _compat
 from aotdist.config import FSDPConfig
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan
 
-__all__ = ["check_not_sharded", "default_mesh", "fsdp_modules", "is_fsdp_module", "shard"]
+__all__ = ["check_not_sharded", "default_mesh", "fsdp_modules", "fsdp_params", "is_fsdp_module",
+           "shard"]
 
 
 def is_fsdp_module(module: nn.Module) -> bool:
@@ -124,3 +126,22 @@ def shard(model: nn.Module, plan: RegionPlan, config: FSDPConfig, mesh) -> list[
 
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
+
+
+def fsdp_params(model: nn.Module) -> dict[str, dict]:
+    """FQN -> sharded/unsharded shapes (and the unsharded tensor) of FSDP2 parameters."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return {}
+    fqn_of = {id(m): f for f, m in model.named_modules()}
+    found = {}
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        for p in _compat.fsdp_params_of(m) or []:  # None: internals missing, none reported
+            fqn = ".".join(x for x in (fqn_of.get(id(p["module"]), "?"), p["param_name"]) if x)
+            found[fqn] = {"unsharded": p["unsharded"], "sharded_shape": p["sharded_shape"],
+                          "unsharded_shape": p["unsharded_shape"],
+                          "storage_nbytes_now": p["unsharded"].untyped_storage().nbytes()}
+    return found

@@ -6,9 +6,11 @@ Two sources, both read without changing any compiler setting:
   compile (and per lazily compiled backward) with cumulative times for Dynamo,
   AOTAutograd and Inductor, the recompile reason and the failure, if any;
   ``torch._dynamo.utils.counters["graph_break"]`` for graph-break reasons.
-* :class:`RecordingBackend`, the backend wrapper :func:`aotdist.compile_regions`
-  installs: it sees every FX graph Dynamo hands over, counts the ``invoke_subgraph``
-  call sites and distinct subgraphs of each region, then delegates to the real backend.
+* the :class:`~aotdist.backends.recording.GraphRecord` log that the recording backend
+  (:mod:`aotdist.backends.recording`) appends to for every FX graph Dynamo hands over:
+  ``invoke_subgraph`` call sites and distinct subgraphs of each region.
+
+This module only reads: it decides nothing about how a model is compiled.
 
 Use :func:`track` around the first training step(s)::
 
@@ -20,44 +22,19 @@ Use :func:`track` around the first training step(s)::
 from __future__ import annotations
 
 import contextlib
-import operator
-import re
 import time
-import warnings
-import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
-import torch
 from torch import nn
 
-from aotdist.errors import RegionCaptureError, RegionCompileWarning
+from aotdist import _compat
+from aotdist.backends.recording import _GRAPH_LOG, GraphRecord
+from aotdist.modes import CompileMode
+from aotdist.state import STATE_ATTR
 
-__all__ = ["CompileMetrics", "GraphRecord", "RecordingBackend", "RegionStats", "track"]
-
-# Every RecordingBackend appends here, so track() can see graphs compiled in its window.
-_GRAPH_LOG: list[GraphRecord] = []
-_MAX_LOG = 10_000
-
-
-@dataclass
-class GraphRecord:
-    """One FX graph Dynamo handed to the backend."""
-
-    index: int
-    model_id: int
-    num_ops: int
-    backend_seconds: float
-    # region name -> instance fqns that call its subgraph, and the subgraph identifiers
-    call_sites: dict[str, list[str]] = field(default_factory=dict)
-    subgraphs: dict[str, set[str]] = field(default_factory=dict)
-    # region name -> instance fqns whose ops were inlined into this graph
-    inlined: dict[str, set[str]] = field(default_factory=dict)
-    # region compiled as a frame of its own (after a graph break outside it), if any
-    standalone: str | None = None
-    gm: Any = None
+__all__ = ["CompileMetrics", "RegionStats", "model_records", "track"]
 
 
 @dataclass
@@ -75,12 +52,13 @@ class RegionStats:
 class CompileMetrics:
     """What compiling cost and produced within one :func:`track` window (seconds)."""
 
-    compile_seconds: float = 0.0
-    dynamo_seconds: float = 0.0
-    aot_autograd_seconds: float = 0.0
-    backend_seconds: float = 0.0
+    # None ("n/a" in summaries): this torch's compile records lack a field the figure needs
+    compile_seconds: float | None = 0.0
+    dynamo_seconds: float | None = 0.0
+    aot_autograd_seconds: float | None = 0.0
+    backend_seconds: float | None = 0.0
     wall_seconds: float = 0.0
-    frames_compiled: int = 0
+    frames_compiled: int | None = 0
     graphs: int = 0
     graph_breaks: dict[str, int] = field(default_factory=dict)
     # Dynamo errors that made it skip a frame or fall back to eager (counters["unimplemented"])
@@ -92,7 +70,7 @@ class CompileMetrics:
     demoted: dict[str, str] = field(default_factory=dict)
     # "graph": one whole-model graph calling region subgraphs; "frames": each region its
     # own compiled graph (under FSDP2); "" when no aotdist model was tracked
-    mode: str = ""
+    mode: CompileMode | str = ""
 
     @property
     def num_graph_breaks(self) -> int:
@@ -102,14 +80,15 @@ class CompileMetrics:
         """JSON-able copy."""
         d = asdict(self)
         d["num_graph_breaks"] = self.num_graph_breaks
+        d["mode"] = str(self.mode)
         return d
 
     def summary(self) -> str:
         """A compact multi-line text report."""
         lines = [
-            f"compile {self.compile_seconds:.2f}s (dynamo {self.dynamo_seconds:.2f}s, "
-            f"aot_autograd {self.aot_autograd_seconds:.2f}s, backend {self.backend_seconds:.2f}s)"
-            f" | frames {self.frames_compiled} | graphs {self.graphs} | "
+            f"compile {_s(self.compile_seconds)} (dynamo {_s(self.dynamo_seconds)}, "
+            f"aot_autograd {_s(self.aot_autograd_seconds)}, backend {_s(self.backend_seconds)})"
+            f" | frames {_n(self.frames_compiled)} | graphs {self.graphs} | "
             f"graph breaks {self.num_graph_breaks} | recompiles {len(self.recompiles)}"
             + (f" | mode {self.mode}" if self.mode else ""),
         ]
@@ -134,191 +113,30 @@ class CompileMetrics:
         return "\n".join(lines)
 
 
-_PATH_TOKEN = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]|\.(\w+)")
+def _s(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.2f}s"
 
 
-def module_path_to_fqn(path: str) -> str:
-    """``L['self'].blocks.1`` / ``L['self']._modules['blocks']._modules['1']`` -> ``blocks.1``."""
-    path = path.strip()
-    if re.match(r"^L\[['\"][^'\"]+['\"]\]\[", path):
-        return ""  # rooted at an argument (L['args'][0]): a frame compiled on its own
-    path = re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", path)
-    path = re.sub(r"^\.__self__", "", path)  # root compiled as model._call_impl: L['fn'].__self__
-    path = re.sub(r"getattr\((.*?), ['\"]([^'\"]+)['\"]\)", r"\1.\2", path)
-    parts = [next(g for g in m.groups() if g is not None) for m in _PATH_TOKEN.finditer(path)]
-    return ".".join(parts)
-
-
-def _nodes_outside_regions(gm: torch.fx.GraphModule, invoke) -> Iterator[torch.fx.Node]:
-    """Nodes of ``gm`` and of the bodies of its other higher-order ops (activation
-    checkpointing wraps regions in one), but not of region subgraphs themselves."""
-    for node in gm.graph.nodes:
-        yield node
-        if node.op != "call_function" or node.target is invoke:
-            continue
-        if isinstance(node.target, torch._ops.HigherOrderOperator):
-            for arg in node.args:
-                if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
-                    body = getattr(gm, str(arg.target), None)
-                    if isinstance(body, torch.fx.GraphModule):
-                        yield from _nodes_outside_regions(body, invoke)
-
-
-def _stack_fqns(node: torch.fx.Node) -> list[str]:
-    stack = node.meta.get("nn_module_stack") or {}
-    return [module_path_to_fqn(v[0]) for v in stack.values() if isinstance(v, tuple)]
-
-
-class RecordingBackend:
-    """A ``torch.compile`` backend that records each graph's region reuse, then delegates.
-
-    Attributes the wrapped backend exposes (``compiler_name``, ``get_compiler_config``...)
-    are forwarded, so Dynamo treats it as the backend it wraps.
-    """
-
-    def __init__(self, inner: Callable, *, model: nn.Module | None = None, plan=None,
-                 keep_graphs: bool = False):
-        self.inner = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
-        self.plan = plan
-        self.keep_graphs = keep_graphs
-        self._model_id = id(model) if model is not None else 0
-        self._model_ref = weakref.ref(model) if model is not None else None
-        self._fqn_to_region = {f: r.name for r in plan for f in r.fqns} if plan else {}
-        self.records: list[GraphRecord] = []
-
-    def __getattr__(self, name: str):
-        if name == "inner":  # not yet set (during unpickling): avoid recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        record = GraphRecord(
-            index=len(_GRAPH_LOG), model_id=self._model_id,
-            num_ops=sum(1 for n in gm.graph.nodes if n.op == "call_function"),
-            backend_seconds=0.0, gm=gm if self.keep_graphs else None,
-        )
-        node_regions = self._analyse(gm, record)
-        record.standalone = self._standalone_region()
-        start = time.perf_counter()
-        try:
-            compiled = self._compile(gm, example_inputs)
-        except Exception as exc:
-            failing = _regions_named_in(exc, node_regions)
-            if failing:
-                raise RegionCaptureError(failing, _first_error_line(exc)) from exc
-            raise
-        record.backend_seconds = time.perf_counter() - start
-        self.records.append(record)
-        _GRAPH_LOG.append(record)
-        del _GRAPH_LOG[:-_MAX_LOG]
-        return compiled
-
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs):
-        """The inner backend, unless ``gm`` resizes an input's storage (the FSDP pattern):
-        torch 2.15 then segfaults, so aotdist's repaired AOTAutograd pipeline compiles it,
-        or, for a backend aotdist cannot rebuild, the graph runs eagerly (with a warning)."""
-        from aotdist.aot import aot_backend, storage_resized_inputs
-
-        resized = ([] if getattr(self.inner, "_aotdist_fixes_resizes", False)
-                   else storage_resized_inputs(gm))
-        if not resized:
-            return self.inner(gm, example_inputs)
-        repaired = aot_backend(self.inner)
-        if repaired is not None:
-            return repaired(gm, example_inputs)
-        warnings.warn(
-            f"a compiled graph resizes the storage of {resized} (the FSDP pattern); with "
-            f"torch 2.15 compiling it with backend {self.inner!r} would crash the process, so "
-            "it runs eagerly. Fix: use backend='aot_eager' or 'inductor', which aotdist repairs.",
-            RegionCompileWarning, stacklevel=2,
-        )
-        return gm.forward
-
-    def _analyse(self, gm: torch.fx.GraphModule, record: GraphRecord) -> dict[str, str]:
-        """Fills ``record``; returns invoke_subgraph node name -> region name."""
-        invoke = torch.ops.higher_order.invoke_subgraph
-        node_regions: dict[str, str] = {}
-        for node in _nodes_outside_regions(gm, invoke):
-            if node.op != "call_function":
-                continue
-            if node.target is operator.getitem and getattr(node.args[0], "target", None) is invoke:
-                continue  # unpacking a region's outputs is not an inlined op
-            fqns = [f for f in _stack_fqns(node) if f in self._fqn_to_region]
-            if node.target is invoke:
-                ident = str(node.args[1])
-                fqn = fqns[-1] if fqns else None
-                region = self._fqn_to_region.get(fqn) if fqn else None
-                if region is None:
-                    region = "<unknown>"
-                record.call_sites.setdefault(region, []).append(fqn or "?")
-                record.subgraphs.setdefault(region, set()).add(f"{record.index}:{ident}")
-                node_regions[node.name] = region
-            elif fqns:
-                region = self._fqn_to_region[fqns[-1]]
-                record.inlined.setdefault(region, set()).add(fqns[-1])
-        return node_regions
-
-
-    def _standalone_region(self) -> str | None:
-        """The region whose instance is the frame being compiled, if it is one.
-
-        After a graph break outside the regions (say, in the loop over blocks), Dynamo
-        compiles each block call as a frame of its own: no invoke_subgraph, but the frame's
-        code is compiled once and reused by every instance.
-        """
-        model = self._model_ref() if self._model_ref is not None else None
-        if model is None:
-            return None
-        try:
-            from torch._dynamo.symbolic_convert import InstructionTranslator
-
-            f_locals = InstructionTranslator.current_tx().f_locals
-        except Exception:  # not inside a Dynamo frame compile: nothing to attribute
-            return None
-        candidates = [f_locals.get("self")]
-        args = f_locals.get("args")
-        if isinstance(args, tuple) and args:
-            candidates.append(args[0])
-        by_id = {id(m): f for f, m in model.named_modules()}
-        for obj in candidates:
-            fqn = by_id.get(id(obj))
-            if fqn in self._fqn_to_region:
-                return self._fqn_to_region[fqn]
-        return None
-
-
-def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
-    """``exc`` and its causes/contexts, innermost last (at most 8)."""
-    seen = 0
-    while exc is not None and seen < 8:
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-
-
-def _regions_named_in(exc: BaseException, node_regions: dict[str, str]) -> list[str]:
-    """Regions whose invoke_subgraph node the backend's error names ("While executing %x")."""
-    found: list[str] = []
-    for e in exception_chain(exc):
-        for name in re.findall(r"While executing %(\w+)", str(e)):
-            region = node_regions.get(name)
-            if region and region != "<unknown>" and region not in found:
-                found.append(region)
-    return found
-
-
-def _first_error_line(exc: BaseException) -> str:
-    """The innermost error's first meaningful line, without Dynamo's wrapper text."""
-    for e in reversed(list(exception_chain(exc))):
-        for line in str(e).splitlines():
-            line = line.strip()
-            if line and not line.startswith(("backend=", "While executing")):
-                return f"{type(e).__name__}: {line}"[:300]
-    return type(exc).__name__
+def _n(value: int | None) -> str:
+    return "n/a" if value is None else str(value)
 
 
 def _us(cm, name: str) -> float:
     return (getattr(cm, name, None) or 0) / 1e6
+
+
+# CompileMetrics figure -> the CompilationMetrics fields it is computed from
+_NEEDS = {
+    "compile_seconds": ("is_forward", "dynamo_cumulative_compile_time_us",
+                        "backward_cumulative_compile_time_us"),
+    "dynamo_seconds": ("is_forward", "dynamo_cumulative_compile_time_us",
+                       "aot_autograd_cumulative_compile_time_us"),
+    "aot_autograd_seconds": ("is_forward", "aot_autograd_cumulative_compile_time_us",
+                             "inductor_cumulative_compile_time_us",
+                             "backward_cumulative_compile_time_us"),
+    "backend_seconds": ("inductor_cumulative_compile_time_us",),
+    "frames_compiled": ("is_forward",),
+}
 
 
 @contextlib.contextmanager
@@ -332,11 +150,9 @@ def track(model: nn.Module | None = None) -> Iterator[CompileMetrics]:
     Yields:
         A :class:`CompileMetrics`, filled in when the block exits.
     """
-    from torch._dynamo.utils import counters, get_compilation_metrics
-
-    before_ids = {id(m) for m in get_compilation_metrics()}
-    breaks_before = Counter(counters["graph_break"])
-    unsupported_before = Counter(counters["unimplemented"])
+    before_ids = {id(m) for m in _compat.compilation_metrics() or []}
+    breaks_before = Counter(_compat.dynamo_counters("graph_break"))
+    unsupported_before = Counter(_compat.dynamo_counters("unimplemented"))
     log_start = len(_GRAPH_LOG)
     log_tail = _GRAPH_LOG[-1] if _GRAPH_LOG else None
     metrics = CompileMetrics()
@@ -345,11 +161,14 @@ def track(model: nn.Module | None = None) -> Iterator[CompileMetrics]:
         yield metrics
     finally:
         metrics.wall_seconds = time.perf_counter() - start
-        new = [m for m in get_compilation_metrics() if id(m) not in before_ids]
-        _fill_times(metrics, new)
-        breaks = Counter(counters["graph_break"]) - breaks_before
+        records_now = _compat.compilation_metrics()
+        _fill_times(metrics, [m for m in records_now or [] if id(m) not in before_ids])
+        _mark_unavailable(metrics, None if records_now is None
+                          else _compat.compilation_metric_fields())
+        breaks = Counter(_compat.dynamo_counters("graph_break")) - breaks_before
         metrics.graph_breaks = dict(breaks)
-        metrics.unsupported = dict(Counter(counters["unimplemented"]) - unsupported_before)
+        metrics.unsupported = dict(Counter(_compat.dynamo_counters("unimplemented"))
+                                   - unsupported_before)
         if log_tail is not None and log_tail in _GRAPH_LOG:
             log_start = _GRAPH_LOG.index(log_tail) + 1
         records = _GRAPH_LOG[log_start:]
@@ -379,9 +198,14 @@ def _fill_times(metrics: CompileMetrics, entries: list) -> None:
             metrics.failures.append(f"{cm.fail_type}: {cm.fail_reason}")
 
 
-def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> None:
-    from aotdist.compile import STATE_ATTR
+def _mark_unavailable(metrics: CompileMetrics, fields: frozenset[str] | None) -> None:
+    """Figures whose source fields this torch lacks become ``None``, not a silent 0."""
+    for figure, needs in _NEEDS.items():
+        if fields is None or not set(needs) <= fields:
+            setattr(metrics, figure, None)
 
+
+def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> None:
     state = vars(model).get(STATE_ATTR) if model is not None else None
     if state is not None:
         for region in state.plan:
@@ -406,7 +230,7 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
         metrics.regions[name].subgraphs = len(ids)
     for name, fqns in inlined.items():
         metrics.regions.setdefault(name, RegionStats(instances=0)).inlined = len(fqns)
-    if state is not None and state.mode == "frames":
+    if state is not None and state.mode == CompileMode.FRAMES:
         # Each region is its own compiled function: its call sites are the instances that
         # ran it (since compile), its distinct graphs the frames compiled for it.
         for name, st in metrics.regions.items():
@@ -416,10 +240,7 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
 
 def model_records(model: nn.Module) -> list[GraphRecord]:
     """Every graph recorded for ``model`` since it was compiled by aotdist."""
-    from aotdist.compile import STATE_ATTR
-
     state = vars(model).get(STATE_ATTR)
     if state is None or state.backend is None:
         return []
     return list(state.backend.records)
-

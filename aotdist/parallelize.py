@@ -10,16 +10,17 @@ from typing import Any
 
 from torch import nn
 
-from aotdist.compile import STATE_ATTR, check_not_compiled, compile_regions, mark_regions
+from aotdist.cache import load as load_cache
+from aotdist.compile import check_not_compiled, compile_regions
 from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigWarning, OrderingError
 from aotdist.float8 import convert_to_float8
 from aotdist.fsdp import check_not_sharded, default_mesh, shard
+from aotdist.marking import mark_regions
 from aotdist.regions import RegionPlan, find_regions
+from aotdist.state import INFO_ATTR, STATE_ATTR
 
-__all__ = ["ParallelizeInfo", "parallelize", "parallelize_info"]
-
-INFO_ATTR = "_aotdist_parallelized"
+__all__ = ["INFO_ATTR", "ParallelizeInfo", "parallelize", "parallelize_info"]
 
 
 @dataclass(frozen=True)
@@ -114,9 +115,7 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
     #    the region plan and parameters) and before the first forward, which compiles.
     #    ``aotdist.cache.save(model)`` after the first step (the callbacks call it).
     if config.cache.mode != "off" and config.compile.enabled:
-        from aotdist.cache import load
-
-        load(model, config)
+        load_cache(model, config, plan=plan)
     return model
 
 

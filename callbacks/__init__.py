@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from aotdist._extras import require
+
 __all__ = ["RegionalCompile", "RegionalCompileHook", "prepare"]
 
 _WHERE = {
@@ -19,10 +21,13 @@ _WHERE = {
     "RegionalCompileHook": "aotdist.callbacks.accelerate",
     "prepare": "aotdist.callbacks.accelerate",
 }
+_NEEDS = {"aotdist.callbacks.lightning": "lightning.pytorch",
+          "aotdist.callbacks.accelerate": "accelerate.hooks"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
+        require(_NEEDS[_WHERE[name]], feature=f"aotdist.callbacks.{name}")
         value = getattr(importlib.import_module(_WHERE[name]), name)
         globals()[name] = value
         return value

@@ -11,12 +11,14 @@ from typing import Any
 
 from torch import nn
 
-from aotdist.compile import STATE_ATTR, compile_regions
+from aotdist.compile import compile_regions
 from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fsdp import fsdp_modules
-from aotdist.parallelize import INFO_ATTR, parallelize, parallelize_info
+from aotdist.modes import ApplyHow
+from aotdist.parallelize import parallelize, parallelize_info
 from aotdist.regions import RegionPlan, find_regions
+from aotdist.state import INFO_ATTR, STATE_ATTR
 
 __all__ = ["Applied", "apply_aotdist", "merge_config"]
 
@@ -51,15 +53,15 @@ class Applied:
         target: The module aotdist compiled (the child of the root holding every region
             instance, or the root itself).
         target_fqn: Its FQN in the root (``""`` for the root).
-        how: ``"parallelize"`` (aotdist applied it), ``"user"`` (the user had called
-            ``aotdist.parallelize``/``compile_regions``: left as it is) or
-            ``"compile_in_user_fsdp"`` (the user sharded; aotdist compiled inside).
+        how: An :class:`~aotdist.modes.ApplyHow`: ``parallelize`` (aotdist applied it),
+            ``user`` (the user had called ``aotdist.parallelize``/``compile_regions``: left
+            as it is) or ``compile_in_user_fsdp`` (the user sharded; aotdist compiled inside).
         config: The config in effect.
     """
 
     target: nn.Module
     target_fqn: str
-    how: str
+    how: ApplyHow
     config: AOTDistConfig
 
 
@@ -109,7 +111,7 @@ def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
     if found is not None:
         fqn, module = found
         info = parallelize_info(module)
-        return Applied(module, fqn, "user", info.config if info else config)
+        return Applied(module, fqn, ApplyHow.USER, info.config if info else config)
     rc = config.regions
     plan = find_regions(root, include=rc.include, exclude=rc.exclude,
                         min_repeats=rc.min_repeats)
@@ -137,7 +139,7 @@ def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
             compile_regions(target, find_regions(target, include=exact["include"]),
                             backend=cc.backend, mode=cc.mode, dynamic=cc.dynamic,
                             options=cc.options)
-        return Applied(target, fqn, "compile_in_user_fsdp", config)
+        return Applied(target, fqn, ApplyHow.COMPILE_IN_USER_FSDP, config)
     effective = config.replace(regions=exact)
     parallelize(target, effective, mesh=mesh if config.fsdp.enabled else None)
-    return Applied(target, fqn, "parallelize", effective)
+    return Applied(target, fqn, ApplyHow.PARALLELIZE, effective)

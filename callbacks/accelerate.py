@@ -28,12 +28,13 @@ from accelerate.hooks import ModelHook
 from aotdist.callbacks._common import Applied, apply_aotdist, merge_config
 from torch import nn
 
-from aotdist import metrics
+from aotdist import _compat, cache, metrics
 from aotdist.compile import compile_callable, restore
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
 from aotdist.fsdp import fsdp_modules
+from aotdist.modes import ApplyHow
 
 __all__ = ["RegionalCompileHook", "prepare"]
 
@@ -45,7 +46,7 @@ def _check_accelerate_dynamo(config: AOTDistConfig, state: Any = None) -> None:
     if state is None:
         from accelerate.state import AcceleratorState
 
-        if not AcceleratorState._shared_state:  # no Accelerator created: nothing to check
+        if not _compat.accelerator_state_initialized():  # no Accelerator: nothing to check
             return
         state = AcceleratorState()
     plugin = getattr(state, "dynamo_plugin", None)
@@ -99,27 +100,28 @@ class RegionalCompileHook(ModelHook):
     def init_hook(self, module: nn.Module) -> nn.Module:
         _check_accelerate_dynamo(self.config)
         root = _unwrap_ddp(module)
-        if root is not module or fsdp_modules(root) or not hasattr(module, "_old_forward"):
+        if (root is not module or fsdp_modules(root)
+                or _compat.accelerate_old_forward(module) is None):
             # Inside DDP or FSDP units: compile the module in place; the wrapper's own
             # forward and FSDP's hooks stay eager around it.
             self.applied = apply_aotdist(root, self.config, what="RegionalCompileHook",
                                          child_target=False)
             target = self.applied.target
-            call = getattr(target, "_compiled_call_impl", None)
-            if call is not None and self.applied.how != "user":
-                target._compiled_call_impl = _FirstCallMetrics(call, self, target)
-            self._frames = self.applied.how != "user" and call is None
+            call = _compat.compiled_call(target)
+            if call is not None and self.applied.how != ApplyHow.USER:
+                _compat.set_compiled_call(target, _FirstCallMetrics(call, self, target))
+            self._frames = self.applied.how != ApplyHow.USER and call is None
             return module
         # A plain module: compile the forward this hook wraps (Accelerate's pre/post hooks,
         # some of them torch.compiler.disable-d, stay outside the graph).
         cc = self.config.compile
         self.applied = apply_aotdist(root, self.config.replace(compile={"enabled": False}),
                                      what="RegionalCompileHook", child_target=False)
-        if cc.enabled and self.applied.how != "user":
-            self._plain_forward = module._old_forward
-            compiled = compile_callable(module, module._old_forward, backend=cc.backend,
+        if cc.enabled and self.applied.how != ApplyHow.USER:
+            self._plain_forward = _compat.accelerate_old_forward(module)
+            compiled = compile_callable(module, self._plain_forward, backend=cc.backend,
                                         mode=cc.mode, dynamic=cc.dynamic, options=cc.options)
-            module._old_forward = _FirstCallMetrics(compiled, self, module)
+            _compat.set_accelerate_old_forward(module, _FirstCallMetrics(compiled, self, module))
         return module
 
     def pre_forward(self, module: nn.Module, *args, **kwargs):
@@ -136,13 +138,13 @@ class RegionalCompileHook(ModelHook):
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
         if self._plain_forward is not None:  # before Accelerate restores forward from it
-            module._old_forward = self._plain_forward
+            _compat.set_accelerate_old_forward(module, self._plain_forward)
             self._plain_forward = None
-        if self.applied is not None and self.applied.how != "user":
+        if self.applied is not None and self.applied.how != ApplyHow.USER:
             target = self.applied.target
-            call = getattr(target, "_compiled_call_impl", None)
+            call = _compat.compiled_call(target)
             if isinstance(call, _FirstCallMetrics):
-                target._compiled_call_impl = call.inner
+                _compat.set_compiled_call(target, call.inner)
             restore(target)  # the hook never converts or shards: a re-attach starts over
         self.applied = None
         return module
@@ -202,7 +204,7 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
             "aotdist config, or keep Accelerate's FSDP2 and attach RegionalCompileHook after "
             "accelerator.prepare."
         )
-    if getattr(model, "_is_accelerate_prepared", False):
+    if _compat.is_accelerate_prepared(model):
         raise OrderingError(
             "this model was already passed to accelerator.prepare; aotdist must convert, "
             "shard and compile it first. Fix: call aotdist.callbacks.prepare with the plain "
@@ -228,7 +230,7 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
             opt.register_step_post_hook(lambda *_: precompute_float8_scales(model))
     if cfg.fsdp.enabled:
         # Sharded by aotdist: Accelerate must register it (save/load state) but not wrap it.
-        model._is_accelerate_prepared = True
+        _compat.mark_accelerate_prepared(model)
     prepared = accelerator.prepare(model, *objects)
     if cfg.fsdp.enabled:  # after prepare: its optimizer wrapper reloads the state once
         _full_state_checkpoints(accelerator, model, optimizers)
@@ -237,8 +239,6 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
 
 def _save_cache_after_first_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """``aotdist.cache.save(model)`` once, after the first real optimizer step."""
-    from aotdist import cache
-
     def hook(*_):
         handle.remove()
         cache.save(model)

@@ -22,6 +22,7 @@ from aotdist import cache, metrics
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError
 from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
+from aotdist.modes import ApplyHow
 
 __all__ = ["RegionalCompile"]
 
@@ -132,7 +133,7 @@ class RegionalCompile(Callback):
             first = self._close_window()
             self._log(trainer, first, first_step=True)
             if first is not None and self.config.compile.enabled and first.frames_compiled == 0 \
-                    and self.applied is not None and self.applied.how == "parallelize":
+                    and self.applied is not None and self.applied.how == ApplyHow.PARALLELIZE:
                 rank_zero_warn(
                     f"aotdist: nothing was compiled in the first training step: "
                     f"{self.applied.target_fqn or 'the LightningModule'} did not run through "

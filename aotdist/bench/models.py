@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aotdist._extras import require
 from aotdist.errors import ConfigError
 
 __all__ = ["MODELS", "build_bench_model", "describe_model", "synthetic_batch", "training_loss"]
@@ -37,9 +38,8 @@ def build_bench_model(name: str, *, depth: int) -> nn.Module:
         ConfigError: ``name`` is not one of :data:`MODELS`.
     """
     if name == "vit":
-        from torchvision.models import VisionTransformer
-
-        return VisionTransformer(num_layers=depth, **_VIT)
+        tv = require("torchvision.models", feature="the bench model 'vit'")
+        return tv.VisionTransformer(num_layers=depth, **_VIT)
     if name in ("gpt", "resnet"):
         from aotdist.testing.models import build_model
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from aotdist import _compat
+
 __all__ = ["PhaseTimer", "profile_first_step", "profile_steady_steps"]
 
 # dynamo_timed sections the split reports (name in the report -> section)
@@ -28,9 +30,7 @@ _SECTIONS = {
 
 
 def _snapshot() -> dict[str, int]:
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return {k: len(v) for k, v in compilation_time_metrics.items()}
+    return {k: len(v) for k, v in (_compat.compilation_time_metrics() or {}).items()}
 
 
 class PhaseTimer:
@@ -42,9 +42,7 @@ class PhaseTimer:
         return self
 
     def __exit__(self, *exc) -> None:
-        from torch._dynamo.utils import compilation_time_metrics
-
-        for name, times in compilation_time_metrics.items():
+        for name, times in (_compat.compilation_time_metrics() or {}).items():
             new = times[self._before.get(name, 0):]
             if new:
                 self.sections[name] = (float(sum(new)), len(new))

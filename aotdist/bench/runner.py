@@ -3,7 +3,7 @@
 The parent (:mod:`aotdist.bench`) starts ``python -m aotdist.bench.runner`` once per
 (model, depth, strategy, ranks) with ``TORCHINDUCTOR_CACHE_DIR`` pointing at a new empty
 directory, so every compile is cold; the child prints one ``AOTDIST_RESULT`` JSON line.
-With ``--nproc N`` the child starts N ranks through :func:`aotdist.testing.run_distributed`
+With ``--nproc N`` the child starts N ranks through :func:`aotdist.launch.run_distributed`
 (fresh spawned processes, a process group, a timeout that kills every rank when one
 hangs); each rank compiles into an empty cache directory of its own.
 
@@ -139,15 +139,15 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
 
 def _cache_status(model) -> str:
     state = vars(model).get("_aotdist_cache")
-    return state["load"].status if state else "off"
+    return str(state["load"].status) if state else "off"
 
 
 def _import_compiler_stack() -> None:
     """Imports what compiling loads lazily, in every strategy (eager too) alike, so the
     memory baseline holds the compiler's code and peak memory measures the run."""
-    import torch._dynamo.utils  # noqa: F401
-    import torch._functorch.aot_autograd  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
+    from aotdist import _compat
+
+    _compat.import_compiler_stack()
 
 
 def _barrier(world_size: int):
@@ -191,7 +191,7 @@ def run(spec: dict, *, nproc: int, timeout: float) -> dict:
     """One measurement on ``nproc`` ranks (this process when ``nproc == 1``)."""
     if nproc == 1:
         return measure(spec)
-    from aotdist.testing import run_distributed
+    from aotdist.launch import run_distributed
 
     pg_backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
     results = run_distributed(_rank_measure, nproc, spec, backend=pg_backend, timeout=timeout)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from aotdist._extras import require
 from aotdist.errors import ConfigError
 
 __all__ = ["STRATEGIES", "Setup", "Strategy", "get_strategy", "register_strategy"]
@@ -129,9 +130,8 @@ def _full(model: nn.Module, setup: Setup) -> nn.Module:
 
 
 def _accelerate_notes(model: nn.Module) -> str:
-    from accelerate.utils.other import has_repeated_blocks
-
-    if has_repeated_blocks(model):
+    other = require("accelerate.utils.other", feature="the bench strategy 'accelerate'")
+    if other.has_repeated_blocks(model):
         return ""
     return ("no nn.ModuleList of repeated blocks: Accelerate's compile_regions compiles the "
             "whole model (same as full)")
@@ -145,14 +145,12 @@ def _accelerate(model: nn.Module, setup: Setup) -> nn.Module:
     if setup.fsdp:
         # Accelerator.prepare with FSDP2 + regional compile: in-place per-block .compile()
         # first, then fully_shard (fsdp2_prepare_model), so FSDP's hooks still fire.
-        from accelerate.utils.other import compile_regions_fsdp2
-
-        compile_regions_fsdp2(model, backend=setup.backend)
+        other = require("accelerate.utils.other", feature="the bench strategy 'accelerate'")
+        other.compile_regions_fsdp2(model, backend=setup.backend)
         _shard(model)
         return model
-    from accelerate.utils import compile_regions
-
-    return compile_regions(model, backend=setup.backend)
+    utils = require("accelerate.utils", feature="the bench strategy 'accelerate'")
+    return utils.compile_regions(model, backend=setup.backend)
 
 
 @register_strategy("aotdist", description="aotdist.parallelize: regions compiled once through "

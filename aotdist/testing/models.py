@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aotdist.errors import ConfigError
+
 __all__ = [
     "AliasingBlock",
     "AliasingNet",
@@ -202,8 +204,6 @@ class AliasingNet(nn.Module):
 
 def build_model(name: str, *, depth: int = 4, **kwargs) -> nn.Module:
     """A built-in tiny model by name: ``gpt``, ``vit``, ``resnet`` or ``aliasing``."""
-    from aotdist.errors import ConfigError
-
     if name == "gpt":
         return TinyGPT(depth=depth, **kwargs)
     if name == "vit":

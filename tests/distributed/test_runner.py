@@ -1,4 +1,4 @@
-"""Tests of ``aotdist.testing.distributed.run_distributed`` on the gloo backend (CPU).
+"""Tests of ``aotdist.launch.run_distributed`` (re-exported by ``aotdist.testing``) on gloo (CPU).
 
 The rank functions live at module level: the spawned ranks import this module by name
 (pytest puts this folder on ``sys.path`` and ``spawn`` hands ``sys.path`` to the child).

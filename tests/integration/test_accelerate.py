@@ -18,7 +18,7 @@ from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_mod
 from aotdist.callbacks import RegionalCompileHook
 
 from aotdist import ConfigError, OrderingError
-from aotdist.compile import STATE_ATTR
+from aotdist.state import STATE_ATTR
 from aotdist.testing import build_model, example_inputs, run_distributed
 from aotdist.testing.parity import assert_parity
 

@@ -10,7 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import aotdist
-from aotdist.cache import CacheWarning, _encode, _kernel_files, _mega_bytes, _use, cache_key
+from aotdist.cache import CacheWarning, cache_key
+from aotdist.cache.artifacts import kernel_files as _kernel_files
+from aotdist.cache.artifacts import mega_bytes as _mega_bytes
+from aotdist.cache.bundle import encode as _encode
+from aotdist.cache.store import _use
 from aotdist.config import AOTDistConfig, CacheConfig
 from aotdist.errors import ConfigError
 from aotdist.testing import build_model, example_inputs

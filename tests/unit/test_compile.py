@@ -13,6 +13,7 @@ from torch import nn
 
 import aotdist
 from aotdist import metrics
+from aotdist.backends.recording import RecordingBackend
 from aotdist.testing import AliasingNet, TinyGPT, TinyResNet, TinyViT, example_inputs
 from aotdist.testing.models import GPTBlock
 from aotdist.testing.parity import assert_parity
@@ -97,7 +98,7 @@ def test_naive_bound_method_marking_is_wrong_on_this_torch_and_aotdist_is_not():
     lets Dynamo reuse the first block's weights (torch 2.15). If torch fixes this, the
     first half stops failing and the test says so."""
     naive, reference = _pair(TinyGPT(depth=3))
-    from aotdist.compile import _copy_function  # never mark the shared class function
+    from aotdist.marking import _copy_function  # never mark the shared class function
 
     fn = torch.compiler.nested_compile_region(_copy_function(GPTBlock.forward))
     for block in naive.blocks:
@@ -156,7 +157,7 @@ def test_marking_does_not_leak_into_other_instances():
     assert not hasattr(GPTBlock.forward, "__marked_compile_region_config__")
     assert type(model.blocks[0]) is not GPTBlock and isinstance(model.blocks[0], GPTBlock)
     # The unmarked model compiled plainly inlines its blocks: no invoke_subgraph.
-    recorder = metrics.RecordingBackend("aot_eager", plan=aotdist.find_regions(other))
+    recorder = RecordingBackend("aot_eager", plan=aotdist.find_regions(other))
     other.compile(backend=recorder)
     (x,), _ = example_inputs(other)
     other(x)
@@ -311,7 +312,7 @@ def test_metrics_attribute_call_sites_when_the_root_is_a_sequential():
 
 
 def test_inductor_options_default_turns_buffer_reuse_off_and_warns_when_forced():
-    from aotdist.compile import _make_backend
+    from aotdist.backends.named import _make_backend
 
     assert _make_backend("inductor", None, None, None).config["allow_buffer_reuse"] is False
     with pytest.warns(aotdist.RegionCompileWarning, match="allow_buffer_reuse"):

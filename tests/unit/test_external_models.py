@@ -401,7 +401,7 @@ def test_tinygpt_inductor_buffer_reuse_torch_bug():
     """Turning buffer reuse back on reproduces the torch bug aotdist works around.
 
     When this starts passing (XPASS fails the strict xfail), torch has fixed it and the
-    default in aotdist.compile._make_backend can go.
+    default in aotdist.backends.named._make_backend can go.
     """
     with pytest.warns(RegionCompileWarning, match="allow_buffer_reuse"):
         _tinygpt_inductor_parity({"allow_buffer_reuse": True})

@@ -23,6 +23,12 @@ from __future__ import annotations
 import itertools
 import time
 import warnings
+from collections.abc import Callable
+
+from aotdist import _compat
+from aotdist.cache.artifacts import install, pack
+from aotdist.cache.bundle import decode
+from aotdist.errors import CacheWarning
 
 __all__ = ["CompileSharing"]
 
@@ -38,47 +44,35 @@ class CompileSharing:
     """
 
     def __init__(self, rank: int, *, timeout_s: float = 300.0):
-        import torch.distributed.distributed_c10d as c10d
-
         self.rank, self.timeout_s = rank, timeout_s
-        self.store = c10d._get_default_store()
+        self.store = _compat.default_store()
         self.prefix = f"aotdist_cache/{next(_GENERATION)}"
         self.lookups = 0
         self.loaded = 0  # graphs served by rank 0's artifacts (other ranks)
         self.published = 0  # graphs published (rank 0)
         self.misses: list[str] = []  # why graphs were compiled here (other ranks)
-        self._originals: dict | None = None
+        self._restore: Callable[[], None] | None = None
 
     # -- installation (scoped: stop() restores FxGraphCache exactly) ------------------
 
     def start(self) -> None:
-        from torch._inductor.codecache import FxGraphCache
-
-        if self._originals is not None:
+        if self._restore is not None:
             return
-        self._originals = {n: vars(FxGraphCache)[n] for n in ("load_with_key", "_save_graph")}
-        lookup, save = FxGraphCache.load_with_key, FxGraphCache._save_graph
-        FxGraphCache.load_with_key = staticmethod(self._wrap_lookup(lookup))
-        if self.rank == 0:
-            FxGraphCache._save_graph = staticmethod(self._wrap_save(save))
+        self._restore = _compat.wrap_fx_graph_cache(
+            self._wrap_lookup, self._wrap_save if self.rank == 0 else None)
 
     def stop(self) -> None:
-        from torch._inductor.codecache import FxGraphCache
-
-        if self._originals is None:
+        if self._restore is None:
             return
-        for name, original in self._originals.items():
-            setattr(FxGraphCache, name, original)
-        self._originals = None
+        self._restore()
+        self._restore = None
         if self.rank == 0:
             self.store.set(f"{self.prefix}/done", b"1")
 
     # -- rank 0 ------------------------------------------------------------------------
 
     def _publish(self, key: str) -> None:
-        from aotdist.cache import _pack
-
-        data = _pack({"graph": key})
+        data = pack({"graph": key})
         if data is not None:
             self.store.set(f"{self.prefix}/fx/{key}", data)
             self.published += 1
@@ -108,7 +102,7 @@ class CompileSharing:
             if why is not None:
                 self.misses.append(why)
                 warnings.warn(f"aotdist cache: rank {self.rank} compiles graph {n} itself: "
-                              f"{why}.", _warning(), stacklevel=2)
+                              f"{why}.", CacheWarning, stacklevel=2)
             else:
                 self.loaded += 1
             return result
@@ -117,8 +111,6 @@ class CompileSharing:
 
     def _fetch(self, n: int, key: str) -> str | None:
         """Installs rank 0's artifacts for graph ``n``; the reason if it cannot."""
-        from aotdist.cache import _install, _unpack
-
         seq = f"{self.prefix}/seq/{n}"
         if not self._wait(seq):
             return (f"rank 0 did not reach graph {n} within {self.timeout_s}s, or finished "
@@ -131,8 +123,8 @@ class CompileSharing:
         if not self._wait(fx, gone=f"{self.prefix}/seq/{n + 1}"):
             return f"rank 0 did not publish its artifacts within {self.timeout_s}s"
         try:
-            _, mega, kernels = _unpack(self.store.get(fx))
-            _install(mega, kernels)
+            _, mega, kernels = decode(self.store.get(fx))
+            install(mega, kernels)
         except Exception as exc:
             return f"rank 0's artifacts could not be installed ({type(exc).__name__}: {exc})"
         return None
@@ -148,9 +140,3 @@ class CompileSharing:
                 return self.store.check([name])
             time.sleep(0.02)
         return False
-
-
-def _warning():
-    from aotdist.cache import CacheWarning
-
-    return CacheWarning

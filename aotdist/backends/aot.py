@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import torch
 
+from aotdist import _compat
+
 __all__ = ["aot_backend", "fix_storage_resizes", "storage_resized_inputs"]
 
 # on_graph(gm, kind) with kind "forward", "backward" or "inference"
@@ -98,9 +100,7 @@ def fix_storage_resizes(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[str]:
 def _joint_pass():
     """:func:`fix_storage_resizes` as an Inductor joint-graph pass (before its no-op
     removal, which would otherwise turn the functional copy into the source tensor)."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    class FixStorageResizes(CustomGraphPass):
+    class FixStorageResizes(_compat.custom_graph_pass_base()):
         def __call__(self, graph: torch.fx.Graph) -> None:
             fix_storage_resizes(graph)
 
@@ -148,18 +148,15 @@ def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None
     """
     name = backend_name(backend)
     if name == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
-
+        aot_eager, boxed_nop = _compat.aot_eager_parts()
         return functools.partial(
             aot_eager, fw_compiler=_hooked(boxed_nop, "forward", on_graph),
             bw_compiler=_hooked(boxed_nop, "backward", on_graph),
         )
     if name == "inductor":
-        from torch._inductor import config as inductor_config
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
+        compile_fx, compile_fx_inner = _compat.inductor_compile_fx()
         patches = dict(getattr(backend, "config", None) or {})
-        user_pass = patches.get("joint_custom_pre_pass", inductor_config.joint_custom_pre_pass)
+        user_pass = patches.get("joint_custom_pre_pass", _compat.inductor_joint_pre_pass())
         user_passes = list(user_pass) if isinstance(user_pass, (list, tuple)) else (
             [] if user_pass is None else [user_pass])
         patches["joint_custom_pre_pass"] = [*user_passes, _joint_pass()]

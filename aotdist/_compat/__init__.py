@@ -1,0 +1,96 @@
+"""Every private torch / Accelerate internal aotdist touches, in one place.
+
+Each accessor names the torch versions it was checked on (2.11 and 2.15), probes for the
+feature (``hasattr`` / try-import) rather than comparing versions, and when the internal
+is missing it says so: it returns ``None`` (the caller reports "unavailable" / "n/a") or
+raises :class:`~aotdist.errors.TorchFeatureUnavailable` naming the versions it works
+on, never a guessed value. ``tests/unit/test_architecture.py`` fails on a private access
+anywhere else in the library. Public APIs are used where they exist
+(``torch.compiler.list_backends``, ``torch.distributed.fsdp.FSDPModule``...).
+
+Grouped by what they reach into: :mod:`~aotdist._compat.compiler` (``nn.Module``'s
+compiled call, Dynamo, AOTAutograd, Inductor), :mod:`~aotdist._compat.caches` (compile
+caches, FSDP2, the process group's store), :mod:`~aotdist._compat.accelerate`.
+"""
+
+from aotdist._compat._base import CHECKED_ON
+from aotdist._compat.accelerate import (
+    accelerate_old_forward,
+    accelerator_state_initialized,
+    is_accelerate_prepared,
+    mark_accelerate_prepared,
+    set_accelerate_old_forward,
+)
+from aotdist._compat.caches import (
+    cpp_code_cache_keys,
+    default_store,
+    fsdp_params_of,
+    inductor_cache_dir,
+    isa_probes,
+    merge_mega_cache,
+    wrap_fx_graph_cache,
+)
+from aotdist._compat.compiler import (
+    aot_eager_parts,
+    call_impl,
+    compilation_metric_fields,
+    compilation_metrics,
+    compilation_time_metrics,
+    compiled_call,
+    current_frame_locals,
+    custom_graph_pass_base,
+    dynamo_config_patch,
+    dynamo_counters,
+    higher_order_operator_type,
+    import_compiler_stack,
+    inductor_compile_fx,
+    inductor_joint_pre_pass,
+    inductor_wrapper,
+    is_traceable_wrapper_subclass,
+    lookup_backend,
+    named_backend_wrapper,
+    optimized_module_type,
+    set_compiled_call,
+    tracing_context,
+    tree_leaves,
+    tree_map,
+)
+
+__all__ = [
+    "CHECKED_ON",
+    "accelerate_old_forward",
+    "accelerator_state_initialized",
+    "aot_eager_parts",
+    "call_impl",
+    "compilation_metric_fields",
+    "compilation_metrics",
+    "compilation_time_metrics",
+    "compiled_call",
+    "cpp_code_cache_keys",
+    "current_frame_locals",
+    "custom_graph_pass_base",
+    "default_store",
+    "dynamo_config_patch",
+    "dynamo_counters",
+    "fsdp_params_of",
+    "higher_order_operator_type",
+    "import_compiler_stack",
+    "inductor_cache_dir",
+    "inductor_compile_fx",
+    "inductor_joint_pre_pass",
+    "inductor_wrapper",
+    "is_accelerate_prepared",
+    "is_traceable_wrapper_subclass",
+    "isa_probes",
+    "lookup_backend",
+    "mark_accelerate_prepared",
+    "merge_mega_cache",
+    "named_backend_wrapper",
+    "optimized_module_type",
+    "set_accelerate_old_forward",
+    "set_compiled_call",
+    "tracing_context",
+    "tree_leaves",
+    "tree_map",
+    "wrap_fx_graph_cache",
+]

@@ -1,0 +1,48 @@
+"""Accelerate internals (checked on accelerate 1.x with torch 2.11 and 2.15)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+__all__ = [
+    "accelerate_old_forward",
+    "accelerator_state_initialized",
+    "is_accelerate_prepared",
+    "mark_accelerate_prepared",
+    "set_accelerate_old_forward",
+]
+
+
+# --------------------------------------------------------------------- Accelerate
+
+
+def accelerator_state_initialized() -> bool:
+    """Whether an ``Accelerator`` was created in this process
+    (``AcceleratorState._shared_state`` non-empty; accelerate 1.x)."""
+    from accelerate.state import AcceleratorState
+
+    return bool(getattr(AcceleratorState, "_shared_state", None))
+
+
+def accelerate_old_forward(module: nn.Module) -> Callable | None:
+    """The forward Accelerate's ``add_hook_to_module`` wraps (``module._old_forward``),
+    or ``None`` when no hook is attached (accelerate 1.x)."""
+    return getattr(module, "_old_forward", None)
+
+
+def set_accelerate_old_forward(module: nn.Module, fn: Callable) -> None:
+    """Replaces the forward Accelerate's hook wraps (``module._old_forward``)."""
+    module._old_forward = fn
+
+
+def is_accelerate_prepared(model: nn.Module) -> bool:
+    """Whether ``accelerator.prepare`` saw ``model`` (``_is_accelerate_prepared``)."""
+    return bool(getattr(model, "_is_accelerate_prepared", False))
+
+
+def mark_accelerate_prepared(model: nn.Module) -> None:
+    """Marks ``model`` as prepared, so ``accelerator.prepare`` registers it without
+    wrapping it (``_is_accelerate_prepared``; accelerate 1.x)."""
+    model._is_accelerate_prepared = True

@@ -1,0 +1,177 @@
+"""Compile caches (Mega-Cache, C++ kernels, ISA probes, FX graph cache), FSDP2, the store."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+
+from aotdist._compat._base import _attr, _unavailable
+
+__all__ = [
+    "cpp_code_cache_keys",
+    "default_store",
+    "fsdp_params_of",
+    "inductor_cache_dir",
+    "isa_probes",
+    "merge_mega_cache",
+    "wrap_fx_graph_cache",
+]
+
+
+# --------------------------------------------------------------------- FSDP2
+
+
+def fsdp_params_of(module: nn.Module) -> list[dict] | None:
+    """FSDP2 parameters of one ``fully_shard``-ed module: for each, the unsharded tensor,
+    the owning module and parameter name, and sharded / unsharded shapes.
+
+    Reads ``module._get_fsdp_state()._fsdp_param_group.fsdp_params`` and each
+    ``FSDPParam``'s ``_unsharded_param``, ``_module_info``, ``sharded_size`` and
+    ``_orig_size`` (torch 2.11, 2.15). ``None`` when these internals are missing;
+    parameters not yet unsharded are left out.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    group = getattr(get_state(), "_fsdp_param_group", None)
+    params = getattr(group, "fsdp_params", None)
+    if group is not None and params is None:
+        return None
+    out = []
+    for fp in params or []:
+        unsharded = getattr(fp, "_unsharded_param", None)
+        info = getattr(fp, "_module_info", None)
+        if unsharded is None or info is None:
+            continue
+        out.append({"unsharded": unsharded, "module": info.module, "param_name": info.param_name,
+                    "sharded_shape": list(getattr(fp, "sharded_size", ())),
+                    "unsharded_shape": list(getattr(fp, "_orig_size", ()))})
+    return out
+
+
+def default_store() -> Any:
+    """The default process group's key-value store
+    (``torch.distributed.distributed_c10d._get_default_store``; torch 2.11, 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: It is missing.
+    """
+    fn = _attr("torch.distributed.distributed_c10d", "_get_default_store")
+    if fn is None:
+        raise _unavailable("torch.distributed.distributed_c10d._get_default_store")
+    return fn()
+
+
+
+# --------------------------------------------------------------------- compile caches
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's cache directory (``torch._inductor.runtime.cache_dir_utils.cache_dir``;
+    torch 2.11, 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: It is missing.
+    """
+    fn = _attr("torch._inductor.runtime.cache_dir_utils", "cache_dir")
+    if fn is None:
+        raise _unavailable("torch._inductor.runtime.cache_dir_utils.cache_dir")
+    return fn()
+
+
+def cpp_code_cache_keys() -> set[str] | None:
+    """Keys of the C++ kernels this process compiled or loaded: the ``cache`` dicts of
+    ``torch._inductor.codecache.CppCodeCache`` and its subclasses; a key's files are
+    ``<cache_dir>/<key[1:3]>/<key>*`` (torch 2.11, 2.15). ``None`` when missing."""
+    root = _attr("torch._inductor.codecache", "CppCodeCache")
+    if root is None:
+        return None
+    keys: set[str] = set()
+    todo = [root]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        keys.update(vars(cls).get("cache", {}))
+    return keys
+
+
+def isa_probes() -> Iterator[tuple[str, str]]:
+    """``(key, input_path)`` of each of Inductor's CPU vector-ISA probe programs
+    (``torch._inductor.cpu_vec_isa``: ``supported_vec_isa_list``,
+    ``_get_isa_dry_compile_fingerprint``; ``codecache.write``), written to the cache dir
+    as Inductor writes them (torch 2.11, 2.15). Yields nothing when missing."""
+    try:
+        from torch._inductor import cpu_vec_isa
+        from torch._inductor.codecache import write
+
+        fingerprint = cpu_vec_isa._get_isa_dry_compile_fingerprint
+        isas = list(cpu_vec_isa.supported_vec_isa_list)
+    except (ImportError, AttributeError):
+        return
+    for isa in isas:
+        codes = {getattr(isa, n) for n in dir(type(isa))
+                 if n.endswith("_code") and isinstance(getattr(isa, n, None), str)}
+        for code in codes:
+            try:
+                yield write(code, "cpp", extra=fingerprint(isa.build_arch_flags()))
+            except Exception:  # noqa: BLE001 - best effort: a probe not bundled is rebuilt
+                continue
+
+
+def merge_mega_cache(saved: bytes) -> bytes:
+    """``torch.compiler.save_cache_artifacts()`` bytes with the records merged by kind.
+
+    Those bytes append one ``(kind, artifacts)`` record per call since the process began,
+    and ``load_cache_artifacts`` keeps only the *last* record of each kind; merging keeps
+    every artifact. Uses ``torch.compiler._cache`` (``AppendingByteSerializer``,
+    ``CacheArtifactManager``, ``_(de)serialize_single_cache``; torch 2.11, 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: Those internals are missing.
+    """
+    try:
+        from torch.compiler._cache import (
+            AppendingByteSerializer,
+            CacheArtifactManager,
+            _deserialize_single_cache,
+            _serialize_single_cache,
+        )
+    except ImportError as exc:
+        raise _unavailable("torch.compiler._cache serializers", exc) from exc
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    merged: dict[str, list] = {}
+    for kind, artifacts in AppendingByteSerializer.to_list(
+            saved, deserialize_fn=_deserialize_single_cache):
+        seen = merged.setdefault(kind, [])
+        seen.extend(a for a in artifacts if a not in seen)
+    out = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    out.extend(merged.items())
+    return out.to_bytes()
+
+
+def wrap_fx_graph_cache(wrap_lookup: Callable[[Callable], Callable],
+                        wrap_save: Callable[[Callable], Callable] | None = None
+                        ) -> Callable[[], None]:
+    """Wraps Inductor's FX graph cache lookup (``FxGraphCache.load_with_key``) and, if
+    given, its save (``FxGraphCache._save_graph``), process-wide until the returned
+    function puts the originals back (torch 2.11, 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: The class or those static methods are missing.
+    """
+    cls = _attr("torch._inductor.codecache", "FxGraphCache")
+    names = ("load_with_key", "_save_graph")
+    if cls is None or not all(n in vars(cls) for n in names):
+        raise _unavailable("FxGraphCache.load_with_key / _save_graph")
+    originals = {n: vars(cls)[n] for n in names}
+    cls.load_with_key = staticmethod(wrap_lookup(cls.load_with_key))
+    if wrap_save is not None:
+        cls._save_graph = staticmethod(wrap_save(cls._save_graph))
+
+    def restore() -> None:
+        for name, original in originals.items():
+            setattr(cls, name, original)
+
+    return restore

@@ -1,0 +1,255 @@
+"""Compiler internals: ``nn.Module``'s compiled call, Dynamo, AOTAutograd, Inductor."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from aotdist._compat._base import _attr, _unavailable
+
+__all__ = [
+    "aot_eager_parts",
+    "call_impl",
+    "compilation_metric_fields",
+    "compilation_metrics",
+    "compilation_time_metrics",
+    "compiled_call",
+    "current_frame_locals",
+    "custom_graph_pass_base",
+    "dynamo_config_patch",
+    "dynamo_counters",
+    "higher_order_operator_type",
+    "import_compiler_stack",
+    "inductor_compile_fx",
+    "inductor_joint_pre_pass",
+    "inductor_wrapper",
+    "is_traceable_wrapper_subclass",
+    "lookup_backend",
+    "named_backend_wrapper",
+    "optimized_module_type",
+    "set_compiled_call",
+    "tracing_context",
+    "tree_leaves",
+    "tree_map",
+]
+
+
+# --------------------------------------------------------------------- nn.Module internals
+
+
+def call_impl(model: nn.Module) -> Callable:
+    """``model._call_impl``, what ``nn.Module.compile`` compiles (torch 2.11, 2.15)."""
+    return model._call_impl
+
+
+def compiled_call(model: nn.Module) -> Callable | None:
+    """``model._compiled_call_impl`` (set by ``nn.Module.compile``), or ``None``
+    (torch 2.11, 2.15; an older module without the slot reads as ``None``)."""
+    return getattr(model, "_compiled_call_impl", None)
+
+
+def set_compiled_call(model: nn.Module, fn: Callable | None) -> None:
+    """Sets ``model._compiled_call_impl``, as ``nn.Module.compile`` does (torch 2.11, 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: ``nn.Module`` has no ``_compiled_call_impl`` slot.
+    """
+    if not hasattr(model, "_compiled_call_impl"):
+        raise _unavailable("nn.Module._compiled_call_impl (in-place compile)")
+    model._compiled_call_impl = fn
+
+
+
+# --------------------------------------------------------------------- Dynamo
+
+
+def optimized_module_type() -> type | None:
+    """``torch._dynamo.eval_frame.OptimizedModule`` (torch 2.11, 2.15), or ``None``."""
+    return _attr("torch._dynamo.eval_frame", "OptimizedModule")
+
+
+def lookup_backend(name: str) -> Callable:
+    """``torch._dynamo.lookup_backend(name)`` (torch 2.11, 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: The lookup function is missing.
+    """
+    fn = _attr("torch._dynamo", "lookup_backend")
+    if fn is None:
+        raise _unavailable("torch._dynamo.lookup_backend")
+    return fn(name)
+
+
+def inductor_wrapper(mode: str | None, options: dict | None, dynamic: bool | None) -> Callable:
+    """``torch._TorchCompileInductorWrapper``: Inductor with options as config patches
+    scoped to this backend's compiles, what ``torch.compile`` builds (torch 2.11, 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: The wrapper class is missing.
+    """
+    cls = getattr(torch, "_TorchCompileInductorWrapper", None)
+    if cls is None:
+        raise _unavailable("torch._TorchCompileInductorWrapper")
+    return cls(mode, options, dynamic)
+
+
+def named_backend_wrapper(backend: str, mode: str | None, options: dict | None,
+                          dynamic: bool | None) -> Callable:
+    """``torch._TorchCompileWrapper`` for a registered backend name (torch 2.11, 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: The wrapper class is missing.
+    """
+    cls = getattr(torch, "_TorchCompileWrapper", None)
+    if cls is None:
+        raise _unavailable("torch._TorchCompileWrapper")
+    return cls(backend, mode, options, dynamic)
+
+
+def higher_order_operator_type() -> type | None:
+    """``torch._ops.HigherOrderOperator`` (torch 2.11, 2.15), or ``None``."""
+    return _attr("torch._ops", "HigherOrderOperator")
+
+
+def current_frame_locals() -> dict | None:
+    """The locals of the frame Dynamo is compiling now
+    (``InstructionTranslator.current_tx().f_locals``, torch 2.11, 2.15); ``None`` outside
+    a frame compile or when the internal is missing."""
+    translator = _attr("torch._dynamo.symbolic_convert", "InstructionTranslator")
+    try:
+        return translator.current_tx().f_locals
+    except Exception:  # noqa: BLE001 - not inside a Dynamo frame compile, or renamed
+        return None
+
+
+def compilation_metrics() -> list | None:
+    """``torch._dynamo.utils.get_compilation_metrics()`` records (torch 2.11, 2.15), or
+    ``None`` when that function is missing."""
+    fn = _attr("torch._dynamo.utils", "get_compilation_metrics")
+    return None if fn is None else list(fn())
+
+
+def compilation_metric_fields() -> frozenset[str] | None:
+    """The field names of ``torch._dynamo.utils.CompilationMetrics`` on this torch, or
+    ``None`` when the class is missing. aotdist reads ``dynamo_``, ``aot_autograd_``,
+    ``inductor_`` and ``backward_cumulative_compile_time_us``, ``is_forward``,
+    ``recompile_reason``, ``fail_type`` and ``fail_reason`` (all present in torch 2.11 and
+    2.15); a figure whose field is missing is reported as unavailable, never as 0."""
+    cls = _attr("torch._dynamo.utils", "CompilationMetrics")
+    fields = getattr(cls, "__dataclass_fields__", None)
+    return frozenset(fields) if fields is not None else None
+
+
+def dynamo_counters(kind: str) -> dict[str, int]:
+    """A copy of ``torch._dynamo.utils.counters[kind]`` (``graph_break``,
+    ``unimplemented``; torch 2.11, 2.15); empty when the counters are missing."""
+    counters = _attr("torch._dynamo.utils", "counters")
+    return dict(counters[kind]) if counters is not None else {}
+
+
+def compilation_time_metrics() -> dict | None:
+    """``torch._dynamo.utils.compilation_time_metrics`` (phase name -> seconds list;
+    torch 2.11, 2.15), or ``None``."""
+    return _attr("torch._dynamo.utils", "compilation_time_metrics")
+
+
+def import_compiler_stack() -> None:
+    """Imports Dynamo, AOTAutograd and Inductor's compile path (torch 2.11, 2.15), so
+    that a measurement after it does not count their import time."""
+    for name in ("torch._dynamo.utils", "torch._functorch.aot_autograd",
+                 "torch._inductor.compile_fx"):
+        importlib.import_module(name)
+
+
+def dynamo_config_patch(**changes: Any) -> contextlib.AbstractContextManager:
+    """``torch._dynamo.config.patch(**changes)``: scoped, restored on exit (torch 2.11,
+    2.15)."""
+    import torch._dynamo.config as dynamo_config
+
+    return dynamo_config.patch(**changes)
+
+
+def tracing_context() -> Any | None:
+    """``torch._guards.TracingContext.try_get()``: the AOTAutograd tracing context of the
+    graph being compiled (torch 2.11, 2.15), or ``None``."""
+    cls = _attr("torch._guards", "TracingContext")
+    return cls.try_get() if cls is not None else None
+
+
+def is_traceable_wrapper_subclass(t: Any) -> bool:
+    """Whether ``t`` is a traceable tensor subclass (``__tensor_flatten__``; torch 2.11,
+    2.15). Probes the protocol if the helper is missing."""
+    fn = _attr("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
+    if fn is not None:
+        return fn(t)
+    return isinstance(t, torch.Tensor) and hasattr(t, "__tensor_flatten__")
+
+
+def tree_leaves(tree: Any) -> list:
+    """``torch.utils._pytree.tree_leaves`` (torch 2.11, 2.15)."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_leaves(tree)
+
+
+def tree_map(fn: Callable, tree: Any) -> Any:
+    """``torch.utils._pytree.tree_map`` (torch 2.11, 2.15)."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(fn, tree)
+
+
+
+# --------------------------------------------------------------------- AOTAutograd / Inductor
+
+
+def aot_eager_parts() -> tuple[Callable, Callable]:
+    """``(aot_eager, boxed_nop)`` from ``torch._dynamo.backends.debugging``: the
+    ``aot_eager`` backend and its no-op graph compiler (torch 2.11, 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: Either is missing.
+    """
+    aot_eager = _attr("torch._dynamo.backends.debugging", "aot_eager")
+    boxed_nop = _attr("torch._dynamo.backends.debugging", "boxed_nop")
+    if aot_eager is None or boxed_nop is None:
+        raise _unavailable("torch._dynamo.backends.debugging.aot_eager / boxed_nop")
+    return aot_eager, boxed_nop
+
+
+def custom_graph_pass_base() -> type:
+    """``torch._inductor.custom_graph_pass.CustomGraphPass`` (torch 2.11, 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: It is missing.
+    """
+    cls = _attr("torch._inductor.custom_graph_pass", "CustomGraphPass")
+    if cls is None:
+        raise _unavailable("torch._inductor.custom_graph_pass.CustomGraphPass")
+    return cls
+
+
+def inductor_joint_pre_pass() -> Any:
+    """The current ``torch._inductor.config.joint_custom_pre_pass`` (torch 2.11, 2.15)."""
+    config = importlib.import_module("torch._inductor.config")
+    return getattr(config, "joint_custom_pre_pass", None)
+
+
+def inductor_compile_fx() -> tuple[Callable, Callable]:
+    """``(compile_fx, compile_fx_inner)`` from ``torch._inductor.compile_fx``; aotdist
+    calls ``compile_fx(gm, inputs, inner_compile=..., config_patches=...)`` (torch 2.11,
+    2.15).
+
+    Raises:
+        TorchFeatureUnavailable: Either is missing.
+    """
+    outer = _attr("torch._inductor.compile_fx", "compile_fx")
+    inner = _attr("torch._inductor.compile_fx", "compile_fx_inner")
+    if outer is None or inner is None:
+        raise _unavailable("torch._inductor.compile_fx.compile_fx / compile_fx_inner")
+    return outer, inner

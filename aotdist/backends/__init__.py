@@ -1,0 +1,11 @@
+"""The ``torch.compile`` backends aotdist compiles with, and what they decide.
+
+- :mod:`aotdist.backends.named`: a backend name or callable -> the backend to wrap.
+- :mod:`aotdist.backends.aot`: ``aot_eager`` / ``inductor`` rebuilt on AOTAutograd with
+  aotdist's graph repairs (storage resizes, the FSDP pattern) and a hook per graph.
+- :mod:`aotdist.backends.recording`: :class:`RecordingBackend`, which sees every graph
+  Dynamo hands over, records region reuse, routes storage-resizing graphs to the repaired
+  backend and turns a region's backend failure into ``RegionCaptureError``.
+- :mod:`aotdist.backends.recovery`: the compiled call that fixes (clones aliasing outputs)
+  or demotes a region whose capture failed, reading torch's error to find which.
+"""

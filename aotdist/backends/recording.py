@@ -1,0 +1,226 @@
+"""The recording backend: what each compiled graph holds, then the real backend.
+
+:class:`RecordingBackend` wraps the backend :func:`aotdist.compile_regions` was given. For
+every FX graph Dynamo hands over it records which region instances call an
+``invoke_subgraph`` (call sites), which distinct subgraphs each region has, and which
+instances were inlined instead (:class:`GraphRecord`, read by :mod:`aotdist.metrics`).
+It also decides two things about correctness:
+
+- a graph that resizes an input's storage (the FSDP pattern) is compiled by aotdist's
+  repaired AOTAutograd backend (:mod:`aotdist.backends.aot`), or run eagerly with a
+  warning when the backend cannot be rebuilt;
+- a backend failure on a region's ``invoke_subgraph`` becomes a ``RegionCaptureError``
+  naming the regions, so the compiled call (:mod:`aotdist.backends.recovery`) can fix or
+  demote exactly those.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from aotdist import _compat
+from aotdist.backends.aot import aot_backend, storage_resized_inputs
+from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_chain
+
+__all__ = ["GraphRecord", "RecordingBackend", "module_path_to_fqn"]
+
+# Every RecordingBackend appends here, so track() can see graphs compiled in its window.
+_GRAPH_LOG: list[GraphRecord] = []
+_MAX_LOG = 10_000
+
+
+@dataclass
+class GraphRecord:
+    """One FX graph Dynamo handed to the backend."""
+
+    index: int
+    model_id: int
+    num_ops: int
+    backend_seconds: float
+    # region name -> instance fqns that call its subgraph, and the subgraph identifiers
+    call_sites: dict[str, list[str]] = field(default_factory=dict)
+    subgraphs: dict[str, set[str]] = field(default_factory=dict)
+    # region name -> instance fqns whose ops were inlined into this graph
+    inlined: dict[str, set[str]] = field(default_factory=dict)
+    # region compiled as a frame of its own (after a graph break outside it), if any
+    standalone: str | None = None
+    gm: Any = None
+
+
+_PATH_TOKEN = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]|\.(\w+)")
+
+
+def module_path_to_fqn(path: str) -> str:
+    """``L['self'].blocks.1`` / ``L['self']._modules['blocks']._modules['1']`` -> ``blocks.1``."""
+    path = path.strip()
+    if re.match(r"^L\[['\"][^'\"]+['\"]\]\[", path):
+        return ""  # rooted at an argument (L['args'][0]): a frame compiled on its own
+    path = re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", path)
+    path = re.sub(r"^\.__self__", "", path)  # root compiled as model._call_impl: L['fn'].__self__
+    path = re.sub(r"getattr\((.*?), ['\"]([^'\"]+)['\"]\)", r"\1.\2", path)
+    parts = [next(g for g in m.groups() if g is not None) for m in _PATH_TOKEN.finditer(path)]
+    return ".".join(parts)
+
+
+def _nodes_outside_regions(gm: torch.fx.GraphModule, invoke) -> Iterator[torch.fx.Node]:
+    """Nodes of ``gm`` and of the bodies of its other higher-order ops (activation
+    checkpointing wraps regions in one), but not of region subgraphs themselves."""
+    for node in gm.graph.nodes:
+        yield node
+        if node.op != "call_function" or node.target is invoke:
+            continue
+        if isinstance(node.target, _compat.higher_order_operator_type() or ()):
+            for arg in node.args:
+                if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+                    body = getattr(gm, str(arg.target), None)
+                    if isinstance(body, torch.fx.GraphModule):
+                        yield from _nodes_outside_regions(body, invoke)
+
+
+def _stack_fqns(node: torch.fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return [module_path_to_fqn(v[0]) for v in stack.values() if isinstance(v, tuple)]
+
+
+class RecordingBackend:
+    """A ``torch.compile`` backend that records each graph's region reuse, then delegates.
+
+    Attributes the wrapped backend exposes (``compiler_name``, ``get_compiler_config``...)
+    are forwarded, so Dynamo treats it as the backend it wraps.
+    """
+
+    def __init__(self, inner: Callable, *, model: nn.Module | None = None, plan=None,
+                 keep_graphs: bool = False):
+        self.inner = _compat.lookup_backend(inner) if isinstance(inner, str) else inner
+        self.plan = plan
+        self.keep_graphs = keep_graphs
+        self._model_id = id(model) if model is not None else 0
+        self._model_ref = weakref.ref(model) if model is not None else None
+        self._fqn_to_region = {f: r.name for r in plan for f in r.fqns} if plan else {}
+        self.records: list[GraphRecord] = []
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not yet set (during unpickling): avoid recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        record = GraphRecord(
+            index=len(_GRAPH_LOG), model_id=self._model_id,
+            num_ops=sum(1 for n in gm.graph.nodes if n.op == "call_function"),
+            backend_seconds=0.0, gm=gm if self.keep_graphs else None,
+        )
+        node_regions = self._analyse(gm, record)
+        record.standalone = self._standalone_region()
+        start = time.perf_counter()
+        try:
+            compiled = self._compile(gm, example_inputs)
+        except Exception as exc:
+            failing = _regions_named_in(exc, node_regions)
+            if failing:
+                raise RegionCaptureError(failing, _first_error_line(exc)) from exc
+            raise
+        record.backend_seconds = time.perf_counter() - start
+        self.records.append(record)
+        _GRAPH_LOG.append(record)
+        del _GRAPH_LOG[:-_MAX_LOG]
+        return compiled
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs):
+        """The inner backend, unless ``gm`` resizes an input's storage (the FSDP pattern):
+        torch 2.15 then segfaults, so aotdist's repaired AOTAutograd pipeline compiles it,
+        or, for a backend aotdist cannot rebuild, the graph runs eagerly (with a warning)."""
+        resized = ([] if getattr(self.inner, "_aotdist_fixes_resizes", False)
+                   else storage_resized_inputs(gm))
+        if not resized:
+            return self.inner(gm, example_inputs)
+        repaired = aot_backend(self.inner)
+        if repaired is not None:
+            return repaired(gm, example_inputs)
+        warnings.warn(
+            f"a compiled graph resizes the storage of {resized} (the FSDP pattern); with "
+            f"torch 2.15 compiling it with backend {self.inner!r} would crash the process, so "
+            "it runs eagerly. Fix: use backend='aot_eager' or 'inductor', which aotdist repairs.",
+            RegionCompileWarning, stacklevel=2,
+        )
+        return gm.forward
+
+    def _analyse(self, gm: torch.fx.GraphModule, record: GraphRecord) -> dict[str, str]:
+        """Fills ``record``; returns invoke_subgraph node name -> region name."""
+        invoke = torch.ops.higher_order.invoke_subgraph
+        node_regions: dict[str, str] = {}
+        for node in _nodes_outside_regions(gm, invoke):
+            if node.op != "call_function":
+                continue
+            if node.target is operator.getitem and getattr(node.args[0], "target", None) is invoke:
+                continue  # unpacking a region's outputs is not an inlined op
+            fqns = [f for f in _stack_fqns(node) if f in self._fqn_to_region]
+            if node.target is invoke:
+                ident = str(node.args[1])
+                fqn = fqns[-1] if fqns else None
+                region = self._fqn_to_region.get(fqn) if fqn else None
+                if region is None:
+                    region = "<unknown>"
+                record.call_sites.setdefault(region, []).append(fqn or "?")
+                record.subgraphs.setdefault(region, set()).add(f"{record.index}:{ident}")
+                node_regions[node.name] = region
+            elif fqns:
+                region = self._fqn_to_region[fqns[-1]]
+                record.inlined.setdefault(region, set()).add(fqns[-1])
+        return node_regions
+
+
+    def _standalone_region(self) -> str | None:
+        """The region whose instance is the frame being compiled, if it is one.
+
+        After a graph break outside the regions (say, in the loop over blocks), Dynamo
+        compiles each block call as a frame of its own: no invoke_subgraph, but the frame's
+        code is compiled once and reused by every instance.
+        """
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is None:
+            return None
+        f_locals = _compat.current_frame_locals()
+        if f_locals is None:  # not inside a Dynamo frame compile: nothing to attribute
+            return None
+        candidates = [f_locals.get("self")]
+        args = f_locals.get("args")
+        if isinstance(args, tuple) and args:
+            candidates.append(args[0])
+        by_id = {id(m): f for f, m in model.named_modules()}
+        for obj in candidates:
+            fqn = by_id.get(id(obj))
+            if fqn in self._fqn_to_region:
+                return self._fqn_to_region[fqn]
+        return None
+
+
+def _regions_named_in(exc: BaseException, node_regions: dict[str, str]) -> list[str]:
+    """Regions whose invoke_subgraph node the backend's error names ("While executing %x")."""
+    found: list[str] = []
+    for e in exception_chain(exc):
+        for name in re.findall(r"While executing %(\w+)", str(e)):
+            region = node_regions.get(name)
+            if region and region != "<unknown>" and region not in found:
+                found.append(region)
+    return found
+
+
+def _first_error_line(exc: BaseException) -> str:
+    """The innermost error's first meaningful line, without Dynamo's wrapper text."""
+    for e in reversed(list(exception_chain(exc))):
+        for line in str(e).splitlines():
+            line = line.strip()
+            if line and not line.startswith(("backend=", "While executing")):
+                return f"{type(e).__name__}: {line}"[:300]
+    return type(exc).__name__

@@ -1,0 +1,215 @@
+"""Loading and saving a model's bundle: the invalidation key, ``load`` and ``save``.
+
+* :func:`load` (``parallelize`` calls it, before the first compile) reads the bundle,
+  checks key and checksum, writes its kernel files into Inductor's cache directory and
+  hot-loads the Mega-Cache. Any problem is a ``CacheWarning`` and a normal compile.
+* :func:`save` (after the first training step, when the backward is compiled too; the
+  callbacks call it) writes the bundle atomically.
+* ``shared`` mode: rank 0 reads the bundle and broadcasts it; rank 0 alone saves; in a
+  cold run :class:`~aotdist.cache.share.CompileSharing` serves rank 0's compiles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import sys
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from aotdist.cache.artifacts import install, pack
+from aotdist.cache.bundle import FORMAT, decode, write_atomic
+from aotdist.cache.share import CompileSharing
+from aotdist.config import AOTDistConfig, CacheConfig
+from aotdist.errors import CacheWarning
+from aotdist.modes import CacheStatus
+from aotdist.regions import RegionPlan
+from aotdist.state import INFO_ATTR
+from aotdist.version import __version__
+
+__all__ = ["STATE_ATTR", "CacheLoad", "cache_key", "load", "save"]
+
+STATE_ATTR = "_aotdist_cache"
+
+
+@dataclass(frozen=True)
+class CacheLoad:
+    """What :func:`load` did.
+
+    Attributes:
+        status: A :class:`~aotdist.modes.CacheStatus`: ``off``, ``missing`` (no bundle
+            yet), ``loaded``, ``stale`` (key mismatch) or ``corrupt``.
+        reason: Why it was not loaded, empty when it was.
+        path: The bundle file.
+        artifacts: Mega-Cache entries loaded, by kind (``inductor``, ``aot_autograd``).
+        kernel_files: Compiled kernel files written into Inductor's cache directory.
+    """
+
+    status: CacheStatus
+    reason: str = ""
+    path: str = ""
+    artifacts: dict | None = None
+    kernel_files: int = 0
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _bundle_path(cfg: CacheConfig, rank: int, world: int) -> str:
+    name = "artifacts.aotc" if cfg.mode == "shared" or world == 1 else f"artifacts.rank{rank}.aotc"
+    return os.path.join(cfg.dir, name)
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cache_key(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = None,
+              device: str | None = None) -> dict:
+    """The invalidation key stored with a bundle: versions, model structure, config, device.
+
+    Args:
+        model: The parallelized model (region plan signatures, parameter shapes and dtypes).
+        config: Its config; the ``cache`` section itself is left out.
+        plan: Its region plan; default: the plan ``aotdist.parallelize`` recorded.
+        device: Device type; default: that of the model's first parameter.
+    """
+    if plan is None:  # the plan aotdist.parallelize recorded, if any
+        plan = getattr(vars(model).get(INFO_ATTR), "plan", None)
+    plan = [(r.name, r.signature, len(r.fqns)) for r in plan] if plan is not None else []
+    params = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    first = next(model.parameters(), None)
+    cfg = {k: v for k, v in config.to_dict().items() if k != "cache"}
+    return {
+        "format": FORMAT, "torch": torch.__version__, "aotdist": __version__,
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        "device": device or (first.device.type if first is not None else "cpu"),
+        "model": _digest([type(model).__qualname__, plan, params]), "config": _digest(cfg),
+    }
+
+
+def _diff(stored: dict, key: dict) -> str:
+    return ", ".join(f"{k} {stored.get(k)!r} -> {v!r}" for k, v in key.items()
+                     if stored.get(k) != v)
+
+
+def _use(data: bytes | None, key: dict, path: str) -> CacheLoad:
+    if data is None:
+        return CacheLoad(CacheStatus.MISSING, "no bundle yet; this run compiles and saves one", path)
+    try:
+        header, mega, kernels = decode(data)
+    except (ValueError, KeyError, TypeError, struct.error) as exc:
+        return CacheLoad(CacheStatus.CORRUPT, f"corrupt bundle: {exc}", path)
+    if header.get("key") != key:
+        return CacheLoad(CacheStatus.STALE, f"made for another setup ({_diff(header.get('key', {}), key)})",
+                         path)
+    return CacheLoad(CacheStatus.LOADED, "", path, install(mega, kernels), len(kernels))
+
+
+def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = None,
+         device: str | None = None) -> CacheLoad:
+    """Loads the bundle for ``model`` before its first compile (``parallelize`` calls this).
+
+    In ``shared`` mode every rank must call it (rank 0 broadcasts the bundle); there it
+    also starts sharing rank 0's compiles with the other ranks until :func:`save`.
+
+    Args:
+        model: The parallelized, not yet run model.
+        config: Its config; ``config.cache`` says where and how.
+        plan: Its region plan (part of the key); default: the one ``parallelize`` recorded.
+        device: Device type for the key; default: the model's.
+
+    Returns:
+        What happened; a bundle not used was reported with a :class:`CacheWarning`
+        (``missing`` is not warned about: the first run has none).
+    """
+    cfg = config.cache
+    if cfg.mode == "off":
+        return CacheLoad(CacheStatus.OFF)
+    rank, world = _rank_world()
+    key = cache_key(model, config, plan=plan, device=device)
+    path = _bundle_path(cfg, rank, world)
+    data = None
+    if cfg.mode == "local" or rank == 0:
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            warnings.warn(f"aotdist cache: cannot read {path} on rank {rank} ({exc}); "
+                          "compiling normally.", CacheWarning, stacklevel=2)
+    if cfg.mode == "shared" and world > 1:
+        box = [data]
+        dist.broadcast_object_list(box, src=0)
+        data = box[0]
+    try:
+        result = _use(data, key, path)
+    except Exception as exc:  # a failure installing must never stop the job
+        result = CacheLoad(CacheStatus.CORRUPT, f"could not install it: {type(exc).__name__}: {exc}", path)
+    if result.status in (CacheStatus.STALE, CacheStatus.CORRUPT):
+        warnings.warn(f"aotdist cache: ignoring {path} on rank {rank}: {result.reason}; "
+                      "compiling normally (the bundle is replaced after the first step).",
+                      CacheWarning, stacklevel=2)
+    sharing = None
+    if cfg.mode == "shared" and world > 1 and result.status != CacheStatus.LOADED:
+        sharing = CompileSharing(rank=rank, timeout_s=cfg.share_timeout_s)
+        sharing.start()
+    model.__dict__[STATE_ATTR] = {"config": config, "key": key, "load": result,
+                                  "sharing": sharing, "saved": False}
+    return result
+
+
+def save(model: nn.Module, *, force: bool = False) -> str | None:
+    """Saves the compile artifacts after the first training step (forward and backward).
+
+    Call it on every rank (``shared`` mode: rank 0 writes, the others stop sharing).
+    The Lightning and Accelerate callbacks call it after the first optimizer step.
+
+    Args:
+        model: A model parallelized with ``cache.mode`` ``local`` or ``shared``, or a
+            module holding one (a LightningModule, a wrapper): its submodules are searched.
+        force: Save again even if this model saved already (later recompiles).
+
+    Returns:
+        The path written, or ``None`` (not this rank's job, nothing new, or cache off).
+    """
+    written = [_save_one(m, force=force) for m in model.modules() if STATE_ATTR in vars(m)]
+    return next((p for p in written if p is not None), None)
+
+
+def _save_one(model: nn.Module, *, force: bool) -> str | None:
+    state = vars(model).get(STATE_ATTR)
+    if state is None or (state["saved"] and not force):
+        return None
+    state["saved"] = True
+    if state["sharing"] is not None:
+        state["sharing"].stop()
+    cfg: CacheConfig = state["config"].cache
+    rank, world = _rank_world()
+    if cfg.mode == "shared" and rank != 0:
+        return None
+    if state["load"].status == CacheStatus.LOADED and not force:
+        return None  # the bundle it started from holds everything this run compiled
+    path = _bundle_path(cfg, rank, world)
+    try:
+        data = pack(state["key"])
+        if data is None:
+            return None
+        os.makedirs(cfg.dir, exist_ok=True)
+        write_atomic(path, data)
+    except Exception as exc:  # a full disk must not stop training
+        warnings.warn(f"aotdist cache: could not save {path} on rank {rank}: "
+                      f"{type(exc).__name__}: {exc}; the next run compiles again.",
+                      CacheWarning, stacklevel=2)
+        return None
+    return path

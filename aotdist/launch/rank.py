@@ -1,0 +1,124 @@
+"""The rank side of :func:`aotdist.launch.run_distributed`: one spawned process.
+
+Sets the ``torch.distributed`` environment, dies with its parent, initializes the process
+group, runs the function and reports the result (pickled) or the traceback, then leaves
+without interpreter teardown.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["_rank_main"]
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """On Linux, have the kernel kill this rank if the parent dies (no orphans)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    payload: bytes,
+    result_queue: Any,
+    stack_file: str,
+    parent_pid: int,
+) -> None:
+    """Entry point of one spawned rank."""
+    _die_with_parent(parent_pid)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    if hasattr(signal, "SIGUSR1"):
+        stack_out = open(stack_file, "w")  # stays open: faulthandler writes to it later
+        faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+
+    try:
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+        except BaseException:
+            report = (
+                "error",
+                rank,
+                traceback.format_exc()
+                + "\nfn or its arguments could not be loaded in the spawned process: define "
+                "fn at module level of a module a fresh interpreter can import (not in an "
+                "interactive session or `python -c`).",
+            )
+        else:
+            report = _run_fn(rank, world_size, backend, timeout, fn, args, kwargs)
+        result_queue.put(report)
+        # Flush the report before leaving the process group, so that it reaches the
+        # parent before the errors this rank's departure causes in its peers.
+        result_queue.close()
+        result_queue.join_thread()
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    # The report is delivered and the group closed: skip interpreter teardown. With torch
+    # 2.15, C++ teardown after Inductor compiled in the process can abort ("terminate
+    # called without an active exception", SIGABRT) although the work succeeded; seen once
+    # in CI-like runs of the cache tests.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run_fn(
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+) -> tuple[str, int, Any]:
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
+        result = fn(rank, world_size, *args, **kwargs)
+    except BaseException:
+        return ("error", rank, traceback.format_exc())
+    try:
+        return ("ok", rank, pickle.dumps(result))
+    except Exception:
+        return (
+            "error",
+            rank,
+            traceback.format_exc()
+            + f"\nthe value fn returned ({type(result).__name__}) cannot be pickled; "
+            "return plain data, tensors or state dicts instead.",
+        )

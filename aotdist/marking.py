@@ -1,0 +1,233 @@
+"""Marking regions for ``invoke_subgraph``: a per-region subclass of each instance's class.
+
+Marking swaps each region instance's class for a per-region subclass whose ``forward``
+is wrapped by ``torch.compiler.nested_compile_region``. This is the documented
+class-level decorator form, applied to the marked instances only: other instances of
+the user's class (in other models, or unmarked in this one) are untouched. FSDP2's
+``fully_shard`` uses the same class-swap technique.
+
+Why not bind a marked function to the instance (``block.forward = ...``)? With torch
+2.15, Dynamo's subgraph reuse then feeds the *first* traced block's parameters to every
+later block: a silent wrong result. The class swap keeps ``self`` a real argument of the
+region, whose parameters Dynamo lifts per call site. ``tests/unit/test_compile.py``
+guards this with blocks whose weights differ.
+
+The region class also carries the two fixes a region may need: outputs that alias an
+input are cloned inside the region (``invoke_subgraph`` forbids aliasing), and activation
+checkpointing wraps the region's forward.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import functools
+import types
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from aotdist import _compat
+from aotdist.errors import ConfigError, OrderingError
+from aotdist.regions import RegionPlan, find_regions
+from aotdist.state import STATE_ATTR, RegionState
+
+__all__ = ["is_compiled", "mark_regions", "unmark_regions"]
+
+
+def _copy_function(fn: Callable, *, new_code: bool = False) -> types.FunctionType:
+    """A fresh function object with ``fn``'s code, so marking never writes attributes on it.
+
+    With ``new_code`` the code object is a copy too: Dynamo caches compiled frames per
+    code object, so a region compiled as a frame of its own gets a cache of its own.
+    """
+    fn = getattr(fn, "__func__", fn)
+    if not isinstance(fn, types.FunctionType):
+        raise ConfigError(
+            f"cannot mark {fn!r}: a region's forward must be a plain Python function; "
+            "exclude this module class with exclude=[...]"
+        )
+    code = fn.__code__.replace() if new_code else fn.__code__
+    new = types.FunctionType(
+        code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__ = fn.__qualname__
+    new.__module__ = fn.__module__
+    new.__doc__ = fn.__doc__
+    return new
+
+
+def _clone_aliasing_outputs(fn: Callable) -> Callable:
+    """Wraps a forward so that no output aliases an input (invoke_subgraph forbids it)."""
+
+    @functools.wraps(fn)
+    def forward(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        inputs = [a for a in _compat.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)]
+
+        def dealias(t):
+            if isinstance(t, torch.Tensor) and (
+                any(t is a for a in inputs) or t._base is not None
+            ):
+                return t.clone()
+            return t
+
+        return _compat.tree_map(dealias, out)
+
+    return forward
+
+
+def _checkpointed(fn: Callable) -> Callable:
+    """Wraps a forward in non-reentrant activation checkpointing.
+
+    Outside the region: the checkpoint saves only the region's inputs, and under compile
+    the recompute is part of the compiled backward (the region's subgraph is still reused).
+    """
+    @functools.wraps(fn)
+    def forward(self, *args, **kwargs):
+        return _checkpoint(fn, self, *args, use_reentrant=False, **kwargs)
+
+    return forward
+
+
+def _reduce_as_base(self, protocol):
+    """Pickle and deepcopy a marked instance as an instance of the user's own class."""
+    return (copyreg._reconstructor, (type(self)._aotdist_base, object, None), vars(self).copy())
+
+
+def _region_class(base: type, region: str, *, clone_aliases: bool = False,
+                  checkpoint: bool = False, nested: bool = True) -> type:
+    fwd = _copy_function(base.forward)
+    if clone_aliases:
+        fwd = _clone_aliasing_outputs(fwd)
+    marked = torch.compiler.nested_compile_region(fwd) if nested else fwd
+    # For frames mode: the same forward without invoke_subgraph, with a code object of its own.
+    plain = _copy_function(base.forward, new_code=True)
+    if checkpoint:
+        marked, plain = _checkpointed(marked), _checkpointed(plain)
+    namespace = {
+        "forward": marked,
+        "_aotdist_plain_forward": plain,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "__reduce_ex__": _reduce_as_base,
+        "_aotdist_base": base,
+        "_aotdist_region": region,
+    }
+    return type(base.__name__, (base,), namespace)
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether aotdist has marked or compiled ``model``."""
+    return STATE_ATTR in vars(model)
+
+
+def _check_plan(model: nn.Module, plan: RegionPlan) -> None:
+    problems = []
+    for region in plan:
+        for fqn in region.fqns:
+            try:
+                mod = model.get_submodule(fqn)
+            except AttributeError:
+                problems.append(f"{region.name}: no submodule {fqn!r}")
+                continue
+            base = getattr(type(mod), "_aotdist_base", type(mod))
+            if base is not region.module_type:
+                problems.append(
+                    f"{region.name}: {fqn!r} is a {base.__name__}, the plan expects "
+                    f"{region.module_type.__name__}"
+                )
+    if problems:
+        raise ConfigError(
+            "the region plan does not fit this model (was it made for another model?): "
+            + "; ".join(problems) + ". Fix: build the plan with aotdist.find_regions(model)."
+        )
+
+
+def mark_regions(model: nn.Module, plan: RegionPlan | None = None, *,
+                 checkpoint: bool = False) -> RegionState:
+    """Marks every region instance of ``model`` for ``invoke_subgraph``; no compile.
+
+    Eager execution is unchanged by marking (``nested_compile_region`` is a no-op outside
+    ``torch.compile``). Used by :func:`compile_regions` and ``aotdist.parallelize``.
+
+    Args:
+        model: The model; its region instances change class, nothing else changes.
+        plan: The regions; ``find_regions(model)`` when ``None``.
+        checkpoint: Wrap each region instance's forward in activation checkpointing.
+
+    Raises:
+        OrderingError: ``model`` is already marked, or was marked and then sharded.
+        ConfigError: ``plan`` does not fit ``model``.
+    """
+    if is_compiled(model):
+        raise OrderingError(
+            "this model already has aotdist regions; applying twice would compound them. "
+            "Call aotdist.restore(model) first to start over."
+        )
+    plan = find_regions(model) if plan is None else plan
+    _check_plan(model, plan)
+    stale = [f for r in plan for f in r.fqns
+             if getattr(type(model.get_submodule(f)), "_aotdist_region", None) is not None]
+    if stale:
+        raise OrderingError(
+            f"{stale[:3]} were marked by aotdist and then wrapped again (fully_shard?); "
+            "their class cannot be swapped without losing that wrapper. Fix: rebuild the "
+            "model and apply aotdist.parallelize once."
+        )
+    state = RegionState(plan=plan, checkpoint=checkpoint)
+    for region in plan:
+        _apply_region_class(model, state, region.name)
+    model.__dict__[STATE_ATTR] = state
+    return state
+
+
+def _apply_region_class(model: nn.Module, state: RegionState, name: str, *,
+                        clone_aliases: bool = False, nested: bool = True):
+    region = state.plan.by_name(name)
+    cls = _region_class(region.module_type, name, clone_aliases=clone_aliases,
+                        checkpoint=state.checkpoint, nested=nested)
+    state.classes[name] = cls
+    for fqn in region.fqns:
+        model.get_submodule(fqn).__class__ = cls
+        state.marked[fqn] = name
+
+
+def _unmark_region(model: nn.Module, state: RegionState, name: str, *,
+                   neutralize: bool = False) -> None:
+    """Returns the region's instances to their own class.
+
+    An instance whose class was wrapped again after marking (``fully_shard`` does that)
+    keeps its class; with ``neutralize`` the region class's forward becomes the plain
+    forward of the user's class (eager, no checkpointing), otherwise it is an error.
+    """
+    region = state.plan.by_name(name)
+    for fqn in region.fqns:
+        mod = model.get_submodule(fqn)
+        base = getattr(type(mod), "_aotdist_base", None)
+        if base is None:
+            continue
+        if type(mod).__bases__ != (base,) and neutralize:
+            region_cls = next(c for c in type(mod).__mro__ if "_aotdist_region" in vars(c))
+            region_cls.forward = _copy_function(base.forward)
+            state.marked.pop(fqn, None)
+            continue
+        if type(mod).__bases__ != (base,):
+            raise OrderingError(
+                f"cannot unmark {fqn!r}: its class {type(mod).__name__} was wrapped again after "
+                "aotdist marked it (by fully_shard?). Restore before applying other wrappers."
+            )
+        mod.__class__ = base
+        state.marked.pop(fqn, None)
+
+
+def unmark_regions(model: nn.Module, *, neutralize: bool = False) -> None:
+    """Returns every marked instance to its own class. A no-op on an unmarked model."""
+    state = vars(model).get(STATE_ATTR)
+    if state is None:
+        return
+    for region in state.plan:
+        _unmark_region(model, state, region.name, neutralize=neutralize)

@@ -1,0 +1,38 @@
+"""What aotdist did to a model, recorded on the model itself.
+
+:func:`aotdist.compile_regions` / marking store a :class:`RegionState` on the root module
+under :data:`STATE_ATTR`; :func:`aotdist.parallelize` stores its record
+(``aotdist.parallelize.ParallelizeInfo``) under :data:`INFO_ATTR`. Both names live here,
+below every module that reads them, so that reading a record never needs the module that
+wrote it (``restore`` reads parallelize's record; ``metrics`` reads the region state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aotdist.modes import CompileMode
+from aotdist.regions import RegionPlan
+
+__all__ = ["INFO_ATTR", "STATE_ATTR", "RegionState"]
+
+STATE_ATTR = "_aotdist_state"
+INFO_ATTR = "_aotdist_parallelized"  # aotdist.parallelize's ParallelizeInfo
+
+
+@dataclass
+class RegionState:
+    """What aotdist did to a model; stored on the root module under ``_aotdist_state``."""
+
+    plan: RegionPlan
+    marked: dict[str, str] = field(default_factory=dict)  # instance fqn -> region name
+    fixes: dict[str, str] = field(default_factory=dict)  # region name -> fix applied
+    demoted: dict[str, str] = field(default_factory=dict)  # region name -> reason
+    backend: Callable | None = None  # aotdist.backends.recording.RecordingBackend
+    compiled: bool = False
+    checkpoint: bool = False  # activation checkpointing around each region instance
+    mode: CompileMode = CompileMode.GRAPH  # see aotdist.compile
+    classes: dict[str, type] = field(default_factory=dict)  # region name -> its class
+    frame_calls: dict[str, set[int]] = field(default_factory=dict)  # region -> id(instance)
+    fsdp_checked: bool = False

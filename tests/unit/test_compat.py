@@ -1,0 +1,56 @@
+"""The compatibility layer's fallbacks, the optional-dependency errors and the str enums."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+import aotdist
+from aotdist import _compat, metrics
+from aotdist._extras import require
+from aotdist.errors import MissingDependencyError
+from aotdist.modes import CacheStatus, CompileMode
+from aotdist.testing import TinyGPT, example_inputs
+
+
+def test_every_accessor_names_the_torch_versions_it_was_checked_on():
+    for name in _compat.__all__:
+        obj = getattr(_compat, name)
+        if callable(obj):
+            doc = obj.__doc__ or ""
+            assert ("2.11" in doc and "2.15" in doc) or "accelerate 1.x" in doc \
+                or "Accelerate" in doc or "accelerate" in doc, name
+
+
+def test_missing_optional_dependency_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao now raises ImportError
+    monkeypatch.delitem(sys.modules, "torchao.float8", raising=False)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'aotdist\[float8\]'") as info:
+        require("torchao.float8", feature="float8.enabled")
+    assert info.value.extra == "float8" and isinstance(info.value, ImportError)
+
+
+def test_metrics_figure_is_none_not_zero_when_the_torch_field_is_missing(monkeypatch):
+    fields = _compat.compilation_metric_fields()
+    assert fields is not None and "inductor_cumulative_compile_time_us" in fields
+    monkeypatch.setattr(_compat, "compilation_metric_fields",
+                        lambda: fields - {"inductor_cumulative_compile_time_us"})
+    model = TinyGPT(depth=2)
+    aotdist.compile_regions(model, backend="aot_eager")
+    (x,), _ = example_inputs(model)
+    torch._dynamo.reset()
+    with metrics.track(model) as m:
+        model(x).sum().backward()
+    assert m.backend_seconds is None and m.aot_autograd_seconds is None
+    assert m.dynamo_seconds is not None and m.dynamo_seconds > 0  # its fields exist
+    assert "backend n/a" in m.summary() and "aot_autograd n/a" in m.summary()
+    assert json.loads(json.dumps(m.to_dict()))["backend_seconds"] is None
+
+
+def test_modes_are_strings():
+    assert CompileMode.FRAMES == "frames" and f"{CompileMode.GRAPH}" == "graph"
+    assert json.dumps({"s": CacheStatus.LOADED}) == '{"s": "loaded"}'
+    assert CompileMode("graph") is CompileMode.GRAPH
