@@ -192,3 +192,14 @@ def test_private_torch_access_only_in_compat():
         if found:
             bad[str(path.relative_to(ROOT))] = found
     assert not bad, f"private torch/Accelerate access outside aotdist/_compat: {bad}"
+
+
+def test_every_subpackage_is_packaged():
+    """A subpackage missing from pyproject's list works editable and breaks as a wheel."""
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in _files().items() if path.name == "__init__.py"}
+    assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
