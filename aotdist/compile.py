@@ -453,6 +453,26 @@ def _check_no_fsdp_added(model: nn.Module) -> None:
         )
 
 
+def _root_call(self, *args, **kwargs):
+    return self._call_impl(*args, **kwargs)
+
+
+def _root_function() -> types.FunctionType:
+    """What graph mode compiles, called with the model: ``model._call_impl`` reached
+    through an aotdist function.
+
+    ``torch.compile(model._call_impl)`` only traces the root when Dynamo traces the root's
+    ``forward``. A root whose ``forward`` lives in torch (``nn.Sequential``) is in Dynamo's
+    skip files: torch 2.15 wraps such a ``_call_impl`` in a traceable frame itself
+    (``OptimizedModule._should_wrap_module_call_impl``), torch 2.11 does not, so there the
+    root runs eagerly and each region instance is compiled as a frame of its own. Tracing
+    from a function of ours, which calls ``_call_impl``, makes the whole model one graph on
+    both. The function gets a code object per model (Dynamo caches frames per code object),
+    and takes the model as ``self``, so graph sources read ``L['self'].<fqn>``.
+    """
+    return _copy_function(_root_call, new_code=True)
+
+
 def _compile_frames(model: nn.Module, state: RegionState, dynamic: bool | None) -> None:
     """Frames mode: one compiled forward per region, shared by its instances."""
     for region in state.plan:
@@ -537,7 +557,8 @@ def compile_regions(
         state.mode = "frames"
         _compile_frames(model, state, dynamic)
     else:
-        compiled = torch.compile(model._call_impl, backend=state.backend, dynamic=dynamic)
+        compiled = torch.compile(_root_function(), backend=state.backend, dynamic=dynamic)
+        compiled = functools.partial(compiled, model)  # compiled(model, *args, **kwargs)
         model._compiled_call_impl = _RegionGuardedCall(model, state, compiled)
     state.compiled = True
     return model
