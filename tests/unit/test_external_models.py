@@ -146,15 +146,14 @@ def test_vit_train_parity_and_metrics():
     assert m.demoted == {} and m.fixes == {}, m.summary()
     st = _stats(m, "EncoderBlock")
     assert st.instances == 3
-    assert st.subgraphs == 1, m.summary()
-    # Expected 3 call sites; torch 2.15 gives 2 + 1 inlined. encoder_layer_0's input is
-    # contiguous, strides (544, 32, 1); the later blocks get (32, 64, 1), the transposed
-    # layout MultiheadAttention(batch_first=True) returns, and invoke_subgraph reuse
-    # compares strides ("reuse failed -- input 1 tensor metadata mismatch" in
-    # TORCH_LOGS=+hierarchical_compile). Block 0 gets its own subgraph, which Dynamo
-    # inlines as single-use (config.inline_single_use_invoke_subgraph).
-    assert (st.call_sites, st.inlined) == (2, 1), m.summary()
-    assert st.call_sites + st.inlined == 3
+    # encoder_layer_0's input is contiguous, strides (544, 32, 1); the later blocks get
+    # (32, 64, 1), the transposed layout MultiheadAttention(batch_first=True) returns, and
+    # invoke_subgraph reuse compares strides ("reuse failed -- input 1 tensor metadata
+    # mismatch" in TORCH_LOGS=+hierarchical_compile on 2.15). So block 0 needs a trace of
+    # its own: torch 2.15 inlines it as single-use (call sites 2, 1 subgraph, 1 inlined),
+    # torch 2.11 keeps it a second subgraph (3 call sites, 2 subgraphs). aotdist promises
+    # every instance accounted for and blocks 1 and 2 sharing one subgraph.
+    _assert_two_layouts_reuse(st, m)
 
     # A second step reuses the compiled graph: no recompile.
     with aotdist.metrics.track(model) as m2:
@@ -179,13 +178,23 @@ def _compiled_eval_matches(model: nn.Module, block_fqns) -> aotdist.metrics.Comp
     return m
 
 
+def _assert_two_layouts_reuse(st, m) -> None:
+    """Three instances whose first input layout differs from the other two: each instance
+    is a call site or inlined, and at most two traces (the later blocks share one)."""
+    assert st.call_sites + st.inlined == 3, m.summary()
+    assert 1 <= st.subgraphs and st.subgraphs + st.inlined <= 2, m.summary()
+
+
 @pytest.mark.timeout(120)
 def test_vit_eval_no_grad_reuses_one_subgraph_for_all_blocks():
-    # Under no_grad in eval mode, MultiheadAttention returns contiguous outputs, so every
-    # block sees the same input strides and all three call the one subgraph.
+    # Under no_grad in eval mode, torch 2.15's MultiheadAttention returns contiguous
+    # outputs, so every block sees the same input strides and all three call one subgraph
+    # (3, 1, 0). torch 2.11's returns the transposed layout as in training, so block 0
+    # gets a subgraph of its own (3, 2, 0): the same promise as in training.
     m = _compiled_eval_matches(_vit(), VIT_FQNS)
     st = _stats(m, "EncoderBlock")
-    assert (st.call_sites, st.subgraphs, st.inlined) == (3, 1, 0), m.summary()
+    _assert_two_layouts_reuse(st, m)
+    assert st.call_sites == 3 and st.inlined == 0, m.summary()
 
 
 # --------------------------------------------------------------------------- torchvision ResNet-18
