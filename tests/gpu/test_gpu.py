@@ -87,9 +87,8 @@ def _nccl_train(rank: int, world_size: int, config: dict):
             dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
             losses.append(loss.item())
     params = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
-    weight = model.blocks[0].mlp.fc.weight
     return {"losses": losses, "params": params if rank == 0 else None, "metrics": t.to_dict(),
-            "weight_type": type(getattr(weight, "_local_tensor", weight)).__name__}
+            "weight_type": type(model.blocks[0].mlp.fc.weight.to_local()).__name__}
 
 
 def _reference(config: dict, world_size: int):
