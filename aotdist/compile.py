@@ -21,6 +21,7 @@ Two compile modes (:class:`aotdist.modes.CompileMode`), chosen from the model:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -129,8 +130,11 @@ def compile_regions(
         state.mode = CompileMode.FRAMES
         _compile_frames(model, state, dynamic)
     else:
-        compiled = torch.compile(_compat.call_impl(model), backend=state.backend,
+        # Through an aotdist function, not model._call_impl: see _compat.root_call_function
+        # (torch 2.11 does not trace an nn.Sequential root's _call_impl).
+        compiled = torch.compile(_compat.root_call_function(), backend=state.backend,
                                  dynamic=dynamic)
+        compiled = functools.partial(compiled, model)  # compiled(model, *args, **kwargs)
         _compat.set_compiled_call(model, _RegionGuardedCall(model, state, compiled))
     state.compiled = True
     return model

@@ -98,11 +98,44 @@ def _reduce_as_base(self, protocol):
     return (copyreg._reconstructor, (type(self)._aotdist_base, object, None), vars(self).copy())
 
 
+def _detach_no_grad_outputs(fn: Callable) -> Callable:
+    """Wraps a region forward so that an output that needs no gradient is ``detach()``-ed.
+
+    Dynamo evaluates the condition at trace time, so the subgraph carries an explicit
+    ``detach`` exactly where the traced output had ``requires_grad=False`` (a mask, a
+    pass-through of a tensor that needs no gradient). Semantically a no-op; it keeps
+    AOTAutograd's view of the output consistent with Dynamo's on torch releases whose
+    ``InvokeSubgraphAutogradOp`` marks every output as requiring grad (torch 2.11; fixed
+    by pytorch/pytorch#181208, which calls ``mark_non_differentiable``; 2.15 has it).
+    There, the next call site gets that output as an input requiring grad, the reused
+    subgraph's joint graph then wants a tangent the forward metadata did not plan for, and
+    AOTAutograd fails with ``outs_to_grad length (2) != tangents length (1)``.
+    """
+
+    @functools.wraps(fn)
+    def forward(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
+
+        def detach(t):
+            if (isinstance(t, torch.Tensor) and not t.requires_grad
+                    and (t.is_floating_point() or t.is_complex())):
+                return t.detach()
+            return t
+
+        return _compat.tree_map(detach, out)
+
+    return forward
+
+
 def _region_class(base: type, region: str, *, clone_aliases: bool = False,
                   checkpoint: bool = False, nested: bool = True) -> type:
     fwd = _copy_function(base.forward)
     if clone_aliases:
         fwd = _clone_aliasing_outputs(fwd)
+    if nested:
+        fwd = _detach_no_grad_outputs(fwd)
     marked = torch.compiler.nested_compile_region(fwd) if nested else fwd
     # For frames mode: the same forward without invoke_subgraph, with a code object of its own.
     plain = _copy_function(base.forward, new_code=True)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree
 
 from aotdist._compat._base import _attr, _unavailable
 
@@ -45,6 +47,33 @@ __all__ = [
 def call_impl(model: nn.Module) -> Callable:
     """``model._call_impl``, what ``nn.Module.compile`` compiles (torch 2.11, 2.15)."""
     return model._call_impl
+
+
+def _root_call(self, *args, **kwargs):
+    return self._call_impl(*args, **kwargs)
+
+
+def root_call_function() -> Callable:
+    """A fresh function ``f(model, *args, **kwargs)`` calling ``model._call_impl``: what
+    graph mode compiles (torch 2.11, 2.15).
+
+    ``torch.compile(model._call_impl)`` only traces the root when Dynamo traces the root's
+    ``forward``. A root whose ``forward`` lives in torch (``nn.Sequential``) is in Dynamo's
+    skip files: torch 2.15 wraps such a ``_call_impl`` in a traceable frame itself
+    (``OptimizedModule._should_wrap_module_call_impl``), torch 2.11 does not, so there the
+    root ran eagerly and each region instance was compiled as a frame of its own. Tracing
+    from a function of ours, which calls ``_call_impl``, makes the whole model one graph on
+    both. Each call returns a function with a code object of its own (Dynamo caches frames
+    per code object), and the model is its ``self``, so graph sources read
+    ``L['self'].<fqn>``.
+    """
+    fn = _root_call
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+
+
+def tree_map(fn: Callable, tree: Any) -> Any:
+    """``torch.utils._pytree.tree_map`` (torch 2.11, 2.15): maps over nested outputs."""
+    return _pytree.tree_map(fn, tree)
 
 
 def compiled_call(model: nn.Module) -> Callable | None:

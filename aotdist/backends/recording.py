@@ -121,6 +121,7 @@ class RecordingBackend:
             backend_seconds=0.0, gm=gm if self.keep_graphs else None,
         )
         node_regions = self._analyse(gm, record)
+        _warn_autograd_function_splits(gm, node_regions)
         record.standalone = self._standalone_region()
         start = time.perf_counter()
         try:
@@ -224,3 +225,37 @@ def _first_error_line(exc: BaseException) -> str:
             if line and not line.startswith(("backend=", "While executing")):
                 return f"{type(e).__name__}: {line}"[:300]
     return type(exc).__name__
+
+
+def _warn_autograd_function_splits(gm: torch.fx.GraphModule, node_regions: dict[str, str]
+                                   ) -> None:
+    """Warns (once per graph and region) when a region's call sites got distinct subgraphs
+    because its forward calls a ``torch.autograd.Function``.
+
+    torch 2.11's Dynamo reuses an ``invoke_subgraph`` only when every ``call_function``
+    target of the new trace *is* the previous trace's target
+    (``are_same_graph_modules``), and it traces each ``autograd.Function.apply`` (torchao
+    ``Float8Linear``'s matmul, for one) as a fresh ``trampoline_autograd_apply`` function.
+    Such a region compiles once per call site: correct, but not reused. torch 2.15
+    traces autograd.Functions differently and reuses the subgraph.
+    """
+    bodies: dict[str, set[str]] = {}
+    for node in gm.graph.nodes:
+        region = node_regions.get(node.name)
+        if region is not None and region != "<unknown>":
+            bodies.setdefault(region, set()).add(str(node.args[0].target))
+    for region, names in bodies.items():
+        if len(names) < 2:
+            continue
+        if not any("trampoline_autograd_apply" in getattr(n.target, "__name__", "")
+                   for name in names for n in getattr(gm, name).graph.nodes
+                   if n.op == "call_function"):
+            continue
+        warnings.warn(
+            f"aotdist region {region!r}: its call sites compiled as {len(names)} distinct "
+            "subgraphs, not one: its forward calls a torch.autograd.Function (e.g. "
+            f"torchao Float8Linear), and torch {torch.__version__} cannot reuse a subgraph "
+            "that does (each trace gets a fresh autograd-function trampoline). Results are "
+            "correct; compile time grows with the call sites. torch 2.15 reuses it.",
+            RegionCompileWarning, stacklevel=3,
+        )

@@ -136,9 +136,16 @@ def test_a_block_dynamo_inlined_is_not_reported_as_a_call_site():
                 x = block(x)
             return x
 
-    region = aotdist.capture(Net(), torch.randn(2, 8, 16), loss_fn=_loss).regions["GPTBlock"]
+    # blocks.0 is fed the raw graph input; torch 2.15 inlines its single-use trace,
+    # torch 2.11 keeps it a call site. Either way the report must match the graph: the
+    # call sites are exactly the invoke_subgraph calls, and the rest are inlined.
+    cap = aotdist.capture(Net(), torch.randn(2, 8, 16), loss_fn=_loss)
+    region = cap.regions["GPTBlock"]
+    gm = cap.graphs[0].gm
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(region.call_sites) == len(calls)
     assert len(region.call_sites) + region.inlined == 3
-    assert region.call_sites == ["blocks.1", "blocks.2"]
+    assert region.call_sites in (["blocks.1", "blocks.2"], ["blocks.0", "blocks.1", "blocks.2"])
 
 
 def test_to_dict_is_json_and_save_writes_code(tmp_path):

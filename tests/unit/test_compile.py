@@ -312,8 +312,15 @@ def test_metrics_attribute_call_sites_when_the_root_is_a_sequential():
 
 
 def test_inductor_options_default_turns_buffer_reuse_off_and_warns_when_forced():
-    from aotdist.backends.named import _make_backend
+    from aotdist.backends.named import _make_backend, inductor_buffer_reuse_is_unsafe
 
-    assert _make_backend("inductor", None, None, None).config["allow_buffer_reuse"] is False
+    config = _make_backend("inductor", None, None, None).config
+    if not inductor_buffer_reuse_is_unsafe():  # torch 2.11: the bug is absent, no workaround
+        assert "allow_buffer_reuse" not in config
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", aotdist.RegionCompileWarning)
+            _make_backend("inductor", None, {"allow_buffer_reuse": True}, None)
+        return
+    assert config["allow_buffer_reuse"] is False
     with pytest.warns(aotdist.RegionCompileWarning, match="allow_buffer_reuse"):
         _make_backend("inductor", None, {"allow_buffer_reuse": True}, None)

@@ -6,6 +6,7 @@ FSDP2 needs a process group: see tests/distributed/test_parallelize.py.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -89,9 +90,16 @@ def test_float8_compile_matches_float8_eager():
     assert aotdist.parallelize_info(model).float8_fqns == tuple(
         f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"))
     (x,), _ = example_inputs(model, 4)
-    with metrics.track(model) as t:
+    with warnings.catch_warnings(record=True) as caught, metrics.track(model) as t:
+        warnings.simplefilter("always")
         assert_parity(model, ref, (x,))
-    assert (t.regions["GPTBlock"].call_sites, t.regions["GPTBlock"].subgraphs) == (2, 1)
+    region = t.regions["GPTBlock"]
+    split = [w for w in caught if "torch.autograd.Function" in str(w.message)]
+    # One subgraph for both blocks; torch 2.11 cannot reuse a subgraph that calls an
+    # autograd.Function (Float8Linear's matmul), and aotdist must then say so.
+    assert region.call_sites == 2, t.summary()
+    assert (region.subgraphs == 1 and not split) or (region.subgraphs == 2 and split), (
+        t.summary(), [str(w.message) for w in caught])
     # a different float8 result than high precision: the conversion really happened
     hp = build_model("gpt", depth=2)
     hp.load_state_dict(ref.state_dict())

@@ -169,9 +169,13 @@ def test_user_attributes_do_not_split_regions_and_stay_correct():
     aotdist.compile_regions(model, backend="aot_eager")
     with metrics.track(model) as m:
         assert_parity(model, reference, (torch.randn(2, 8),))
-    # blocks.2 computes with another scale: Dynamo's reuse guards trace it separately.
+    # blocks.2 computes with another scale: Dynamo's reuse check traces it separately.
+    # torch 2.15 inlines that single-use trace (2 call sites, 1 subgraph, 1 inlined);
+    # torch 2.11 keeps it a subgraph (3 call sites, 2 subgraphs). Either way: two
+    # distinct computations, blocks.0 and blocks.1 share one subgraph, parity above.
     stats = m.regions["_Scaled"]
-    assert stats.call_sites + stats.inlined == 3 and stats.call_sites < 3, m.summary()
+    assert stats.call_sites + stats.inlined == 3, m.summary()
+    assert stats.subgraphs + stats.inlined == 2 and stats.subgraphs >= 1, m.summary()
 
 
 def test_include_matching_only_distinct_modules_is_config_error():

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Runs the GPU tier (pytest -m gpu) and `aotdist bench --device cuda` on a GPU machine that
+# has torch 2.11, torchvision, accelerate, lightning, pytest, pyyaml, matplotlib and
+# transformers but not aotdist's other dependencies, and no package registry.
+#
+#     scripts/gpu_wheels.sh      # first, on a machine with a registry (fills .gpu-wheels/)
+#     scripts/gpu_tier.sh        # then, on the GPU machine, from the checkout
+#     scripts/gpu_tier.sh --dry-run   # print the commands, check wheels and imports only
+#
+# The wheels are installed with --no-index --no-deps into $GPU_SITE (default /tmp/site),
+# outside any environment, and reach Python through PYTHONPATH together with the checkout
+# (aotdist is not installed: it is imported from here, and the bench's fresh processes
+# and the test ranks inherit PYTHONPATH). Results: pytest's output, and the bench report
+# in $BENCH_OUT (default bench-out-cuda/). Exit status: pytest's, else the bench's.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+SITE="${GPU_SITE:-/tmp/site}"
+WHEELS="${GPU_WHEELS_DIR:-$ROOT/.gpu-wheels}"
+BENCH_OUT="${BENCH_OUT:-bench-out-cuda}"
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
+
+run() {
+    echo "+ $*"
+    [[ $DRY == 1 ]] || "$@"
+}
+
+shopt -s nullglob
+wheels=("$WHEELS"/*.whl)
+if [[ ${#wheels[@]} -eq 0 ]]; then
+    echo "no wheels in $WHEELS. Fix: run scripts/gpu_wheels.sh on a machine with a package" \
+         "registry and bring .gpu-wheels/ along with the checkout." >&2
+    exit 2
+fi
+
+cd "$ROOT"
+run "$PY" -m pip install --no-index --no-deps --target "$SITE" --upgrade "${wheels[@]}" || exit $?
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+echo "+ export PYTHONPATH=$PYTHONPATH"
+
+# What the tier needs, importable (torchao and jsonargparse from the wheels when installed).
+missing=$("$PY" - <<'PY'
+import importlib.util
+need = ["torch", "torchvision", "accelerate", "lightning", "pytest", "pytest_timeout", "yaml",
+        "matplotlib", "torchao", "jsonargparse", "aotdist"]
+print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
+PY
+)
+if [[ -n "$missing" && $DRY == 0 ]]; then
+    echo "not importable: $missing (PYTHONPATH=$PYTHONPATH)" >&2
+    exit 2
+elif [[ -n "$missing" ]]; then
+    echo "(dry run) not importable yet: $missing"
+fi
+
+ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+echo "torch $("$PY" -c 'import torch; print(torch.__version__)'), CUDA devices: $ngpu"
+if [[ "$ngpu" -lt 1 && $DRY == 0 ]]; then
+    echo "no CUDA device visible: the GPU tier would only skip. Run it on a GPU machine." >&2
+    exit 2
+fi
+
+run "$PY" -m pytest -p no:cacheprovider -m gpu -v -rs tests/gpu
+status=$?
+
+# The bench's main job has a 2-rank FSDP2 case (NCCL: one GPU per rank); with one GPU,
+# the same models and depths on one process.
+if [[ "$ngpu" -ge 2 ]]; then
+    run "$PY" -m aotdist.cli bench --device cuda --out "$BENCH_OUT"
+else
+    run "$PY" -m aotdist.cli bench --device cuda --model gpt --depths 2,8,32 --nproc 1 \
+        --out "$BENCH_OUT"
+fi
+bench=$?
+[[ $status -ne 0 ]] && exit $status
+exit $bench
