@@ -14,7 +14,7 @@ from aotdist.cache import load as load_cache
 from aotdist.compile import check_not_compiled, compile_regions
 from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigWarning, OrderingError
-from aotdist.float8 import convert_to_float8
+from aotdist.float8 import convert_to_float8, warn_unverified_combination
 from aotdist.fsdp import check_not_sharded, default_mesh, shard
 from aotdist.marking import mark_regions
 from aotdist.regions import RegionPlan, find_regions
@@ -83,6 +83,7 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
     #    final modules: region signatures include their classes, and FSDP2 must shard the
     #    Float8Linear weights (with float8 all-gather they become torchao's weight subclass).
     float8_fqns = convert_to_float8(model, config.float8) if config.float8.enabled else []
+    warn_unverified_combination(config)
 
     # 2. Regions are found on the converted model.
     rc = config.regions

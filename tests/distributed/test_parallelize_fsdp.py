@@ -19,6 +19,9 @@ import torch.nn.functional as F
 
 import aotdist
 from aotdist import metrics
+from aotdist.errors import RegionCompileWarning
+from aotdist.config import as_config
+from aotdist.float8 import inductor_all_gather_matches_eager, warn_unverified_combination
 from aotdist.testing import build_model, example_inputs, run_distributed
 
 DEPTH = 3
@@ -355,11 +358,19 @@ def _inductor_everything(rank: int, world_size: int, config: dict):
 
 
 @pytest.mark.inductor
+@pytest.mark.xfail(not inductor_all_gather_matches_eager(), strict=True, raises=AssertionError,
+                   reason="torch 2.11: Inductor + FSDP float8 all-gather drifts from eager "
+                          "(parallelize warns; see aotdist.float8.inductor_all_gather_matches_eager)")
 def test_inductor_fsdp_float8_all_gather_ac():
     """The production stack: Inductor (C++ codegen on CPU), FSDP2, Float8 all-gather, AC."""
     config = {"fsdp": {"enabled": True}, "compile": {"backend": "inductor"},
               "float8": {**FLOAT8, "fsdp_all_gather": True}, "ac": {"enabled": True}}
-    (losses, params, m), _ = run_distributed(_inductor_everything, 2, config, timeout=540)
+    if inductor_all_gather_matches_eager():
+        (losses, params, m), _ = run_distributed(_inductor_everything, 2, config, timeout=540)
+    else:
+        with pytest.warns(RegionCompileWarning, match="fsdp_all_gather"):
+            warn_unverified_combination(as_config(config))
+        (losses, params, m), _ = run_distributed(_inductor_everything, 2, config, timeout=540)
     ref_losses, ref_params, _ = _reference(config, 2)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **_tol("float8"))
     for key, ref in ref_params.items():
