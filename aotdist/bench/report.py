@@ -188,7 +188,8 @@ def _plot(results: list[dict], path: Path) -> bool:
     ax2.set(ylabel="steady step (ms, median)", title="Step time per strategy")
     ax2.set_yscale("log")
     for ax in (ax1, ax2):
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # one depth: no compile-vs-depth line
+            ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
