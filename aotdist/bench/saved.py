@@ -28,8 +28,10 @@ __all__ = ["SavedBytes"]
 def _storages(t: torch.Tensor) -> Iterable[torch.UntypedStorage]:
     if _compat.is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
-        for name in names:
-            yield from _storages(getattr(t, name))
+        for name in names:  # DTensor also lists its device mesh: tensors only
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _storages(inner)
         return
     yield t.untyped_storage()
 

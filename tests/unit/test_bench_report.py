@@ -203,3 +203,13 @@ def test_saved_bytes_of_a_linear_relu_chain():
     with torch.no_grad(), SavedBytes() as s:
         model(torch.randn(2, 4))
     assert (s.total_bytes, s.saved_tensors) == (0, 0)
+
+
+def test_saved_bytes_counts_a_subclass_by_its_inner_tensors():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.randn(4), torch.randn(4)
+    t = TwoTensor(a, b).requires_grad_()
+    with SavedBytes() as s:
+        (t * t).sum()  # mul saves both operands: one TwoTensor, two inner storages
+    assert s.activation_bytes == 2 * 4 * 4
