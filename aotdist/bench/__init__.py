@@ -1,12 +1,15 @@
 """``aotdist bench``: compile time, step time and memory of the strategies, side by side.
 
 Every measurement runs in a fresh process with its own empty compiler cache directory
-(:mod:`aotdist.bench.runner`), so compile times are cold. Ratios in the report are
-computed from values measured in the same run (:mod:`aotdist.bench.report`).
+(:mod:`aotdist.bench.runner`), so compile times are cold. Cells repeat round robin
+(:func:`~aotdist.bench.plan.interleave`: every cell once per repeat), and every ratio is
+computed within one repeat, then reported as a median with its spread; a target whose
+spread straddles its bound is "noisy" (:mod:`aotdist.bench.stats`). The report records
+the load average at start and end (:mod:`aotdist.bench.report`).
 
-The main job (``aotdist bench`` with no arguments) is :data:`MAIN_JOB`: a depth sweep of
-the GPT model with every strategy in one process, torchvision's ViT at one depth, and
-the GPT model on 2 ranks with FSDP2.
+The main job (``aotdist bench`` with no arguments) is :data:`MAIN_JOB` with
+:data:`~aotdist.bench.plan.MAIN_SETTINGS` (3 repeats); ``--quick`` is
+:data:`QUICK_JOB` with :data:`~aotdist.bench.plan.QUICK_SETTINGS`.
 """
 
 from __future__ import annotations
@@ -19,76 +22,26 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from aotdist.bench.report import write_report
+from aotdist.bench.plan import (
+    ALL_STRATEGIES,
+    MAIN_JOB,
+    MAIN_SETTINGS,
+    QUICK_JOB,
+    QUICK_SETTINGS,
+    Case,
+    SubBench,
+    interleave,
+    plan_cases,
+)
+from aotdist.bench.report import load_snapshot, write_report
 from aotdist.bench.runner import PHASE_PREFIX, RESULT_PREFIX
 from aotdist.errors import BenchError, ConfigError
 
-__all__ = ["MAIN_JOB", "Case", "SubBench", "plan_cases", "run_bench"]
-
-ALL_STRATEGIES = ("eager", "full", "accelerate", "aotdist")
-
-
-@dataclass(frozen=True)
-class Case:
-    """One measurement: a model at a depth, compiled one way, on ``nproc`` ranks."""
-
-    model: str
-    depth: int
-    strategy: str
-    nproc: int = 1
-
-
-@dataclass(frozen=True)
-class SubBench:
-    """A group of measurements the report compares with each other."""
-
-    model: str
-    depths: tuple[int, ...]
-    nproc: int = 1
-    strategies: tuple[str, ...] = ALL_STRATEGIES
-
-
-# About 8 minutes on a contended 2-core CPU machine (inductor).
-MAIN_JOB = (
-    SubBench("gpt", (2, 8, 32)),  # compile time vs depth: the main claim
-    SubBench("vit", (8,)),  # torchvision's model, blocks in an nn.Sequential
-    SubBench("gpt", (8,), nproc=2),  # FSDP2 on 2 ranks (gloo on CPU, NCCL on GPUs)
-)
-
-
-def plan_cases(*, models: Sequence[str] | None = None, depths: Sequence[int] | None = None,
-               nprocs: Sequence[int] | None = None,
-               strategies: Sequence[str] | None = None) -> list[Case]:
-    """The measurements to run, in order.
-
-    With ``models``, ``depths`` and ``nprocs`` all ``None``: the main job
-    (:data:`MAIN_JOB`), restricted to ``strategies`` when given. Otherwise the grid of
-    the given values, defaulting to GPT, depths 2, 8, 32, one process.
-
-    Raises:
-        ConfigError: An unknown strategy or model, or a depth or rank count below 1.
-    """
-    from aotdist.bench.models import MODELS
-    from aotdist.bench.strategies import get_strategy
-
-    for s in strategies or ():
-        get_strategy(s)
-    bad = [m for m in models or () if m not in MODELS]
-    if bad:
-        raise ConfigError(f"unknown bench model(s) {bad}; choose from {', '.join(MODELS)}")
-    if any(d < 1 for d in depths or ()) or any(n < 1 for n in nprocs or ()):
-        raise ConfigError(f"depths and --nproc must be >= 1; got depths={depths}, "
-                          f"nproc={nprocs}")
-    if models is None and depths is None and nprocs is None:
-        subs = MAIN_JOB
-    else:
-        subs = tuple(SubBench(m, tuple(depths or (2, 8, 32)), nproc=n)
-                     for m in (models or ("gpt",)) for n in (nprocs or (1,)))
-    return [Case(sb.model, d, s, sb.nproc) for sb in subs for d in sb.depths
-            for s in (strategies or sb.strategies)]
+__all__ = ["ALL_STRATEGIES", "MAIN_JOB", "MAIN_SETTINGS", "QUICK_JOB", "QUICK_SETTINGS", "Case",
+           "SubBench", "interleave", "plan_cases", "run_bench"]
 
 
 def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
@@ -154,75 +107,63 @@ def _label(case: Case) -> str:
     return f"{case.strategy} {case.model} depth={case.depth}{ranks}"
 
 
-def _median_of(runs: list[dict]) -> dict:
-    """Repeated runs of one case: the run with the median cold compile, with the medians
-    of step time and memory and every run's figures under ``repeats``."""
-    import statistics
-
-    if len(runs) == 1:
-        return runs[0]
-    by_compile = sorted(runs, key=lambda r: r["compile_s"])
-    result = dict(by_compile[len(runs) // 2])
-    for key in ("steady_step_s", "peak_mem_mib"):
-        result[key] = statistics.median(r[key] for r in runs)
-    result["repeats"] = [{k: r[k] for k in ("compile_s", "steady_step_s", "peak_mem_mib")}
-                         for r in runs]
-    return result
-
-
 def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
-              steps: int = 20, warmup: int = 3, device: str = "cpu", float8: bool = False,
-              repeats: int = 1, out: str | Path = "bench-out", timeout: float = 1200.0,
-              profile: bool = False, progress: Callable[[str], None] = print) -> dict:
-    """Runs every measurement and writes bench.json/.md/.png to ``out``.
+              steps: int = MAIN_SETTINGS.steps, warmup: int = MAIN_SETTINGS.warmup,
+              device: str = "cpu", float8: bool = False, repeats: int = MAIN_SETTINGS.repeats,
+              out: str | Path = "bench-out", timeout: float = 1200.0, profile: bool = False,
+              progress: Callable[[str], None] = print) -> dict:
+    """Runs every cell ``repeats`` times, round robin, and writes bench.json/.md/.png.
 
     Args:
-        cases: What to measure; :func:`plan_cases` ``()`` (the main job) when ``None``.
+        cases: The cells; :func:`plan_cases` ``()`` (the main job) when ``None``.
         backend: The ``torch.compile`` backend of every compiling strategy.
-        steps: Steady steps timed per measurement (the median is reported).
+        steps: Steady steps timed per run (the median is the run's step time).
         warmup: Untimed steps between the cold step and the timed ones.
         device: ``cpu`` or ``cuda``.
         float8: Convert eligible Linear layers to torchao Float8 in every strategy.
-        repeats: Fresh processes per case; the report takes medians.
+        repeats: Runs per cell, each a fresh process; repeat ``r`` of every cell runs
+            before repeat ``r + 1`` of any. The report gives medians and spreads.
         out: Output directory.
-        timeout: Seconds one measurement may take before its processes are killed.
-        profile: Write cProfile / torch.profiler / compile-phase files per measurement
-            under ``out/profile`` (their timings are inflated by profiling).
-        progress: Receives one line per measurement and phase.
+        timeout: Seconds one run may take before its processes are killed.
+        profile: Write cProfile / torch.profiler / compile-phase files per run under
+            ``out/profile`` (their timings are inflated by profiling).
+        progress: Receives one line per run and phase.
 
     Returns:
         The report dict written to ``bench.json``.
 
     Raises:
-        BenchError: A measurement failed or timed out (its output tail is in the message).
+        BenchError: A run failed or timed out (its output tail is in the message).
         ConfigError: Bad arguments.
     """
     if steps < 1 or warmup < 0 or repeats < 1:
         raise ConfigError(f"need steps >= 1, warmup >= 0, repeats >= 1; got steps={steps}, "
                           f"warmup={warmup}, repeats={repeats}")
     cases = plan_cases() if cases is None else list(cases)
+    order = interleave(cases, repeats)
     out = Path(out)
-    profile_dir = str(out / "profile") if profile else None
-    results, started = [], time.perf_counter()
-    total = len(cases) * repeats
-    progress(f"aotdist bench: {len(cases)} measurements x {repeats} run(s), backend={backend}, "
-             f"device={device}, each a fresh process with an empty compiler cache")
-    for i, case in enumerate(cases):
-        runs = []
-        for k in range(repeats):
-            n = i * repeats + k + 1
-            progress(f"[{n}/{total}] {_label(case)}: cold step + {warmup} warm-up + {steps} "
-                     f"timed steps ({time.perf_counter() - started:.0f}s elapsed)")
-            r = _measure_in_fresh_process(case, backend=backend, steps=steps, warmup=warmup,
-                                          device=device, float8=float8, timeout=timeout,
-                                          profile_dir=profile_dir, progress=progress)
-            progress(f"        compile {r['compile_s']:.2f}s  step {r['steady_step_s']*1e3:.2f}ms"
-                     f"  peak +{r['peak_mem_mib']:.0f}MiB  frames {r['frames_compiled']}"
-                     f"  graph breaks {r['graph_breaks']}")
-            runs.append(r)
-        results.append(_median_of(runs))
+    load_start, runs, started = load_snapshot(), [], time.perf_counter()
+    progress(f"aotdist bench: {len(cases)} cells x {repeats} repeat(s), round robin, "
+             f"backend={backend}, device={device}, each run a fresh process with an empty "
+             f"compiler cache; load average {load_start['loadavg']} on {load_start['cpus']} "
+             "CPUs")
+    for n, (rep, case) in enumerate(order, start=1):
+        progress(f"[{n}/{len(order)}] repeat {rep + 1}/{repeats} {_label(case)}: cold step + "
+                 f"{warmup} warm-up + {steps} timed steps "
+                 f"({time.perf_counter() - started:.0f}s elapsed)")
+        profile_dir = str(out / "profile" / f"repeat{rep}") if profile else None
+        r = _measure_in_fresh_process(case, backend=backend, steps=steps, warmup=warmup,
+                                      device=device, float8=float8, timeout=timeout,
+                                      profile_dir=profile_dir, progress=progress)
+        progress(f"        compile {r['compile_s']:.2f}s  step {r['steady_step_s']*1e3:.2f}ms"
+                 f"  saved {r['saved_activation_bytes'] / 1024:.0f}KiB"
+                 f"  peak +{r['peak_mem_mib']:.0f}MiB  frames {r['frames_compiled']}"
+                 f"  graph breaks {r['graph_breaks']}")
+        runs.append({**r, "repeat": rep})
     settings = {"backend": backend, "steps": steps, "warmup": warmup, "device": device,
                 "float8": float8, "repeats": repeats, "profiled": profile,
                 "cases": [asdict(c) for c in cases],
-                "duration_s": time.perf_counter() - started}
-    return write_report(results, out, settings=settings)
+                "order": [[rep, asdict(c)] for rep, c in order],
+                "duration_s": time.perf_counter() - started,
+                "load_start": load_start, "load_end": load_snapshot()}
+    return write_report(runs, out, settings=settings)

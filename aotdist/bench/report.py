@@ -1,35 +1,37 @@
-"""Benchmark report: ratios from measured values, targets, a markdown table, a plot.
+"""Benchmark report: cells with median and spread, ratios per repeat with verdicts,
+the machine's load, a markdown table and a plot.
 
-Results are grouped by (model, ranks): a group's strategies and depths are compared
-with each other only. Every ratio records its numerator and denominator, both measured
-values of the same run.
+Runs are grouped by (model, ranks): a group's strategies and depths are compared with
+each other only. The arithmetic (medians, per-repeat ratios, met / missed / noisy) is in
+:mod:`aotdist.bench.stats`; this module writes it out.
 """
 
 from __future__ import annotations
 
 import json
-import operator
+import os
 import platform
 from pathlib import Path
 
-__all__ = ["TARGETS", "compute_ratios", "evaluate_targets", "group_of", "machine_description",
-           "write_report"]
-
-# (what the issue asks, ratio name with {d} for the group's largest depth, comparison, bound)
-TARGETS = (
-    ("cold compile: aotdist <= 0.4x full", "compile aotdist/full @depth{d}", "<=", 0.4),
-    ("cold compile: aotdist <= 1.1x accelerate", "compile aotdist/accelerate @depth{d}", "<=", 1.1),
-    ("compile growth smallest -> largest depth: aotdist <= 1.2x", "compile growth aotdist", "<=",
-     1.2),
-    ("steady step: aotdist <= 1.0x full", "step aotdist/full @depth{d}", "<=", 1.0),
-    ("steady step: aotdist < accelerate", "step aotdist/accelerate @depth{d}", "<", 1.0),
-    ("peak memory: aotdist <= eager", "memory aotdist/eager @depth{d}", "<=", 1.0),
-    ("warm start (cached artifacts) <= 0.2x cold", "first step warm/cold aotdist+cache @depth{d}",
-     "<=", 0.2),
-    ("2-rank cold start, rank 0 shares its compiles <= 0.7x independent compiles",
-     "first step aotdist+cache/aotdist @depth{d}", "<=", 0.7),
+from aotdist.bench.stats import (
+    TARGETS,
+    compute_ratios,
+    evaluate_targets,
+    group_of,
+    summarize_cells,
 )
-_OPS = {"<=": operator.le, "<": operator.lt}
+
+__all__ = ["TARGETS", "compute_ratios", "evaluate_targets", "group_of", "load_snapshot",
+           "machine_description", "write_report"]
+
+
+def load_snapshot() -> dict:
+    """The machine's load average (1, 5, 15 min) and CPU count, now."""
+    try:
+        load = list(os.getloadavg())
+    except OSError:  # not available on this platform
+        load = None
+    return {"loadavg": load, "cpus": os.cpu_count()}
 
 
 def machine_description() -> str:
@@ -50,82 +52,11 @@ def machine_description() -> str:
     return desc
 
 
-def group_of(result: dict) -> str:
-    """The comparison group of a result: its model, and its ranks under FSDP2."""
-    nproc = result.get("nproc", 1)
-    return result["model"] + (f" fsdp2x{nproc}" if nproc > 1 else "")
-
-
-def _groups(results: list[dict]) -> dict[str, list[dict]]:
+def _groups(rows: list[dict]) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = {}
-    for r in results:
+    for r in rows:
         groups.setdefault(group_of(r), []).append(r)
     return groups
-
-
-def compute_ratios(results: list[dict]) -> dict:
-    """Every ratio the report shows, each a quotient of two measured values.
-
-    Names are ``"<group>: <ratio>"``, e.g. ``"gpt: compile aotdist/full @depth32"``.
-    Each entry records its numerator and denominator so a reader (and the tests) can
-    check it was computed from measurements, not typed in.
-    """
-    ratios: dict[str, dict] = {}
-    for group, rows in _groups(results).items():
-        idx = {(r["strategy"], r["depth"]): r for r in rows}
-        depths = sorted({r["depth"] for r in rows})
-        strategies = sorted({r["strategy"] for r in rows})
-
-        def put(key: str, num: float | None, den: float | None, group=group):
-            if num is None or den is None or den <= 0:
-                return
-            ratios[f"{group}: {key}"] = {"value": num / den, "numerator": num,
-                                         "denominator": den}
-
-        for d in depths:
-            a = idx.get(("aotdist", d))
-            for peer in ("full", "accelerate"):
-                p = idx.get((peer, d))
-                if a and p:
-                    put(f"compile aotdist/{peer} @depth{d}", a["compile_s"], p["compile_s"])
-                    put(f"step aotdist/{peer} @depth{d}", a["steady_step_s"], p["steady_step_s"])
-            c = idx.get(("aotdist+cache", d))
-            if c and c.get("warm_first_step_s") is not None:
-                put(f"first step warm/cold aotdist+cache @depth{d}", c["warm_first_step_s"],
-                    c["first_step_s"])
-            if c and a and c["nproc"] > 1:  # sharing between ranks: cold vs independent
-                put(f"first step aotdist+cache/aotdist @depth{d}", c["first_step_s"],
-                    a["first_step_s"])
-            e = idx.get(("eager", d))
-            for s in strategies:
-                r = idx.get((s, d))
-                if r and e and s != "eager":
-                    put(f"memory {s}/eager @depth{d}", r["peak_mem_mib"], e["peak_mem_mib"])
-        if len(depths) >= 2:
-            lo, hi = depths[0], depths[-1]
-            for s in strategies:
-                a, b = idx.get((s, hi)), idx.get((s, lo))
-                if s != "eager" and a and b:
-                    put(f"compile growth {s} depth{hi}/depth{lo}", a["compile_s"], b["compile_s"])
-    return ratios
-
-
-def evaluate_targets(results: list[dict], ratios: dict) -> list[dict]:
-    """The issue's targets, each checked at its group's largest depth where measured."""
-    rows = []
-    for group, members in _groups(results).items():
-        depths = sorted({r["depth"] for r in members})
-        for text, pattern, op, bound in TARGETS:
-            name = pattern.format(d=depths[-1])
-            if name == "compile growth aotdist":
-                name = f"compile growth aotdist depth{depths[-1]}/depth{depths[0]}"
-            key = f"{group}: {name}"
-            if key not in ratios:
-                continue
-            value = ratios[key]["value"]
-            rows.append({"group": group, "target": text, "ratio": key, "value": value,
-                         "bound": bound, "op": op, "met": bool(_OPS[op](value, bound))})
-    return rows
 
 
 def _fmt_regions(r: dict) -> str:
@@ -133,31 +64,65 @@ def _fmt_regions(r: dict) -> str:
                      for n, s in r.get("regions", {}).items()) or "-"
 
 
+def _fig(cell: dict, key: str, scale: float = 1.0, fmt: str = ".2f") -> str:
+    """``median [min-max]`` of a cell's figure (the median alone for one run)."""
+    sp = cell.get("spread", {}).get(key)
+    if sp is None:
+        value = cell.get(key)
+        return "-" if value is None else f"{value * scale:{fmt}}"
+    text = f"{sp['median'] * scale:{fmt}}"
+    if sp["n"] > 1:
+        text += f" [{sp['min'] * scale:{fmt}}-{sp['max'] * scale:{fmt}}]"
+    return text
+
+
+def _load_line(settings: dict) -> str:
+    def one(snap: dict | None) -> str:
+        if not snap or snap.get("loadavg") is None:
+            return "n/a"
+        return "/".join(f"{v:.2f}" for v in snap["loadavg"])
+
+    start, end = settings.get("load_start"), settings.get("load_end")
+    cpus = (start or end or {}).get("cpus")
+    line = (f"Load average (1/5/15 min): {one(start)} at start, {one(end)} at end; "
+            f"{cpus} CPUs.")
+    peak = max((s["loadavg"][0] for s in (start, end) if s and s.get("loadavg")), default=0)
+    if cpus and peak > 0.5 * cpus:
+        line += " **The machine was busy: timings are not those of a quiet machine.**"
+    return line
+
+
 def _markdown(report: dict) -> str:
     results, settings = report["results"], report["settings"]
-    memory_metric = next((r["memory_metric"] for r in results), "")
-    lines = [f"Machine: {report['machine']}", "",
+    memory_metric = next((r["memory_metric"] for r in results if r.get("memory_metric")), "")
+    lines = [f"Machine: {report['machine']}", "", _load_line(settings), "",
              f"Settings: backend {settings['backend']}, device {settings['device']}, "
              f"float8 {settings['float8']}, cold step + {settings['warmup']} warm-up + "
-             f"{settings['steps']} timed steps (median), {settings['repeats']} fresh process(es) "
-             f"per cell, each with an empty compiler cache; run took "
-             f"{settings['duration_s'] / 60:.1f} min."
+             f"{settings['steps']} timed steps (median), {settings['repeats']} repeat(s) per "
+             f"cell, run round robin (every cell once per repeat), each run a fresh process "
+             f"with an empty compiler cache; run took {settings['duration_s'] / 60:.1f} min."
              + (" PROFILED: timings inflated." if settings.get("profiled") else ""), "",
-             f"Cold compile = first step wall time - median steady step. Peak memory: "
-             f"{memory_metric}.", ""]
+             "Figures: median [min-max] over the repeats. Cold compile = first step wall time "
+             f"- median steady step. Peak memory: {memory_metric}. Saved for backward: bytes "
+             "of the unique storages the training step's forward saves for backward "
+             "(saved-tensor hooks), parameters and buffers excluded: the activation memory a "
+             "GPU would hold.", ""]
     for group, rows in _groups(results).items():
         lines += [f"### {group}", "",
-                  "| strategy | depth | cold compile (s) | steady step (ms) | peak mem (MiB) | "
-                  "frames compiled | graph breaks | recompiles after step 1 | "
-                  "subgraphs/region |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| strategy | depth | cold compile (s) | steady step (ms) | saved for "
+                  "backward (KiB) | peak mem (MiB) | frames compiled | graph breaks | "
+                  "recompiles after step 1 | subgraphs/region |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(rows, key=lambda r: (r["depth"], r["strategy"])):
             lines.append(
-                f"| {r['strategy']} | {r['depth']} | {r['compile_s']:.2f} | "
-                f"{r['steady_step_s'] * 1e3:.2f} | {r['peak_mem_mib']:.0f} | "
-                f"{r['frames_compiled']} | {r['graph_breaks']} | "
-                f"{r['recompiles_after_first_step']} | {_fmt_regions(r)} |")
+                f"| {r['strategy']} | {r['depth']} | {_fig(r, 'compile_s')} | "
+                f"{_fig(r, 'steady_step_s', 1e3)} | "
+                f"{_fig(r, 'saved_activation_bytes', 1 / 1024, '.0f')} | "
+                f"{_fig(r, 'peak_mem_mib', 1, '.0f')} | {r['frames_compiled']} | "
+                f"{r['graph_breaks']} | {r['recompiles_after_first_step']} | "
+                f"{_fmt_regions(r)} |")
         lines.append("")
-    lines += ["### Where cold compile time goes (s)", "",
+    lines += ["### Where cold compile time goes (s, the run with the median cold compile)", "",
               "| group | strategy | depth | dynamo | aot_autograd | inductor | "
               "of which codegen | of which kernel compile wait | C++ compiles | "
               "outside compiler |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -170,13 +135,20 @@ def _markdown(report: dict) -> str:
             f"{c['aot_autograd']:.2f} | {c['inductor']:.2f} | {c['inductor_codegen']:.2f} | "
             f"{c['inductor_kernel_load_wait']:.2f} | {c['cpp_compiles']} | "
             f"{c['outside_compiler']:.2f} |")
-    lines += ["", "| ratio | value | numerator / denominator |", "|---|---|---|"]
-    lines += [f"| {k} | {v['value']:.2f}x | {v['numerator']:.4g} / {v['denominator']:.4g} |"
+    lines += ["", "Ratios: computed per repeat from the two runs of that repeat (they ran side "
+              "by side); value = median of the per-repeat ratios [min-max].", "",
+              "| ratio | value [min-max] | repeats | median numerator / denominator |",
+              "|---|---|---|---|"]
+    lines += [f"| {k} | {v['value']:.2f}x [{v['min']:.2f}-{v['max']:.2f}] | {v['repeats']} | "
+              f"{v['numerator']:.4g} / {v['denominator']:.4g} |"
               for k, v in report["ratios"].items()]
-    lines += ["", "Targets (from issue 6; checked at each group's largest depth):", "",
-              "| group | target | value | |", "|---|---|---|---|"]
-    lines += [f"| {t['group']} | {t['target']} | {t['value']:.2f}x | "
-              f"{'met' if t['met'] else '**missed**'} |" for t in report["targets"]]
+    lines += ["", "Targets (issue 16): met = every repeat meets the bound, missed = none does, "
+              "noisy = the spread straddles it (this run cannot tell).", "",
+              "| group | target | depth | value [min-max] | verdict |", "|---|---|---|---|---|"]
+    lines += [f"| {t['group']} | {t['target']} | {t['depth']} | {t['value']:.2f}x "
+              f"[{t['min']:.2f}-{t['max']:.2f}] | "
+              f"{'**missed**' if t['verdict'] == 'missed' else t['verdict']} |"
+              for t in report["targets"]]
     notes = sorted({f"{r['strategy']} on {group_of(r)}: {r['notes']}"
                     for r in results if r.get("notes")})
     if notes:
@@ -216,7 +188,8 @@ def _plot(results: list[dict], path: Path) -> bool:
     ax2.set(ylabel="steady step (ms, median)", title="Step time per strategy")
     ax2.set_yscale("log")
     for ax in (ax1, ax2):
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # one depth: no compile-vs-depth line
+            ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -224,12 +197,23 @@ def _plot(results: list[dict], path: Path) -> bool:
     return True
 
 
-def write_report(results: list[dict], out: Path, *, settings: dict | None = None) -> dict:
-    """Writes ``bench.json``, ``bench.md`` and ``bench.png`` under ``out``; prints the md."""
+def write_report(runs: list[dict], out: Path, *, settings: dict | None = None) -> dict:
+    """Writes ``bench.json``, ``bench.md`` and ``bench.png`` under ``out``; prints the md.
+
+    Args:
+        runs: Every measurement, each tagged with its ``repeat`` (0 when missing).
+        out: Output directory (created).
+        settings: How the runs were made (backend, steps, repeats, load snapshots...).
+
+    Returns:
+        The report: ``results`` (one entry per cell, medians and spreads), ``runs``,
+        ``ratios``, ``targets``, ``settings``, ``machine`` and ``plot``.
+    """
     out.mkdir(parents=True, exist_ok=True)
-    ratios = compute_ratios(results)
+    results = summarize_cells(runs)
+    ratios = compute_ratios(runs)
     report = {"machine": machine_description(), "settings": dict(settings or {}),
-              "results": results, "ratios": ratios,
+              "results": results, "runs": runs, "ratios": ratios,
               "targets": evaluate_targets(results, ratios)}
     report["settings"].setdefault("duration_s", 0.0)
     for key, default in (("backend", "?"), ("device", "?"), ("float8", False), ("warmup", 0),

@@ -9,7 +9,9 @@ hangs); each rank compiles into an empty cache directory of its own.
 
 A measurement: build the model (seeded), take the memory baseline, apply the strategy,
 time the first training step (cold compile), ``warmup`` more steps, then ``steps`` timed
-steps. Cold compile time is the first step's wall time minus the median steady step.
+steps, and one step whose forward runs under saved-tensor hooks
+(:mod:`aotdist.bench.saved`). Cold compile time is the first step's wall time minus the
+median steady step.
 """
 
 from __future__ import annotations
@@ -57,12 +59,28 @@ def _step_fn(model, opt, x, y, device: str):
     return step
 
 
+def _saved_for_backward(model, run_model, opt, x, y) -> dict:
+    """One more training step with :class:`~aotdist.bench.saved.SavedBytes` around the
+    forward: the bytes saved for backward (activations; parameters and buffers apart)."""
+    from aotdist.bench.models import training_loss
+    from aotdist.bench.saved import SavedBytes
+
+    opt.zero_grad(set_to_none=True)
+    with SavedBytes(exclude=[*model.parameters(), *model.buffers()]) as saved:
+        loss = training_loss(run_model(x), y)
+    loss.backward()
+    opt.zero_grad(set_to_none=True)
+    return {"saved_activation_bytes": saved.activation_bytes,
+            "saved_bytes_total": saved.total_bytes, "saved_tensors": saved.saved_tensors}
+
+
 def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
     """Builds the model, applies the strategy and times training steps.
 
     Args:
         spec: ``strategy``, ``model``, ``depth``, ``backend``, ``steps``, ``warmup``,
             ``batch``, ``device``, ``float8`` and optionally ``profile_dir``.
+            After the timed steps, one more step measures the bytes saved for backward.
         rank: This process's rank (under FSDP2).
         world_size: Ranks in the process group; > 1 shards with FSDP2.
 
@@ -110,6 +128,7 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
                 step()
             barrier()
             times = [step() for _ in range(spec["steps"])]
+            saved = _saved_for_backward(model, run_model, opt, x.to(device), y.to(device))
         if profile_dir:
             profile_steady_steps(step, profile_dir, label, phases)
     steady = statistics.median(times)
@@ -122,7 +141,7 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
         "first_step_s": first, "steady_step_s": steady, "step_times_s": times,
         "steady_step_iqr_s": [q[0], q[2]], "compile_s": compile_s,
         "compile_split_s": phases.split(m, compile_s=compile_s),
-        **memory.report(),
+        **memory.report(), **saved,
         "frames_compiled": m.frames_compiled, "graphs": m.graphs,
         "graph_breaks": m.num_graph_breaks,
         "frames_skipped": sum(m.unsupported.values()),  # Dynamo gave up: ran eager
@@ -176,7 +195,8 @@ def merge_ranks(results: list[dict]) -> dict:
     is what a training job waits for. Every rank's own result is kept under ``ranks``.
     """
     merged = dict(results[0])
-    for key in ("first_step_s", "steady_step_s", "compile_s", "peak_mem_mib", "peak_rss_mib"):
+    for key in ("first_step_s", "steady_step_s", "compile_s", "peak_mem_mib", "peak_rss_mib",
+                "saved_activation_bytes", "saved_bytes_total"):
         values = [r[key] for r in results if r.get(key) is not None]
         if values:
             merged[key] = max(values)

@@ -16,9 +16,9 @@ def test_bench_writes_report_with_measured_ratios(tmp_path):
     cases += [Case("gpt", 2, s, nproc=2) for s in ("eager", "aotdist")]
     lines: list[str] = []
     out = tmp_path / "bench"
-    run_bench(cases, backend="aot_eager", steps=2, warmup=0, out=out, timeout=300,
+    run_bench(cases, backend="aot_eager", steps=2, warmup=0, repeats=1, out=out, timeout=300,
               progress=lines.append)
-    assert any(ln.startswith("[8/8] aotdist gpt depth=2 x2 ranks") for ln in lines)
+    assert any(ln.startswith("[8/8] repeat 1/1 aotdist gpt depth=2 x2 ranks") for ln in lines)
     assert any("cold step (compile)" in ln for ln in lines)  # phase lines from the child
 
     report = json.loads((out / "bench.json").read_text())
@@ -32,6 +32,7 @@ def test_bench_writes_report_with_measured_ratios(tmp_path):
     for r in results.values():
         assert r["steady_step_s"] > 0 and len(r["step_times_s"]) == 2
         assert r["peak_mem_mib"] >= 0 and r["memory_metric"]
+        assert r["saved_activation_bytes"] > 0 and r["repeats"] == 1
         assert set(r["compile_split_s"]) >= {"dynamo", "aot_autograd", "inductor"}
         assert r["recompiles_after_first_step"] == 0
     assert results[("eager", 2, 1)]["compile_s"] == 0.0
@@ -57,11 +58,56 @@ def test_bench_writes_report_with_measured_ratios(tmp_path):
         assert ratios[key]["numerator"] == num and ratios[key]["denominator"] == den
     measured = {v for r in results.values()
                 for v in (r["compile_s"], r["steady_step_s"], r["peak_mem_mib"])}
+    measured |= {r["saved_activation_bytes"] for r in results.values()}
     for ratio in ratios.values():
         assert ratio["numerator"] in measured and ratio["denominator"] in measured
         assert ratio["value"] == pytest.approx(ratio["numerator"] / ratio["denominator"])
+        assert ratio["min"] == ratio["max"] == ratio["value"]  # one repeat: no spread
     for target in report["targets"]:
         assert target["value"] == ratios[target["ratio"]]["value"]
+
+
+def test_bench_quick_runs_end_to_end(tmp_path, capsys):
+    from aotdist.cli import main
+
+    out = tmp_path / "quick"
+    assert main(["bench", "--quick", "--backend", "aot_eager", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    s = report["settings"]
+    assert (s["repeats"], s["steps"], s["warmup"]) == (1, 5, 1)
+    assert {(r["strategy"], r["depth"]) for r in report["results"]} == {
+        (st, 2) for st in ("eager", "full", "accelerate", "aotdist")}
+    assert len(s["load_start"]["loadavg"]) == 3 and s["load_end"]["cpus"] >= 1
+    assert all(len(r["step_times_s"]) == 5 for r in report["results"])
+    assert "gpt: saved aotdist/full @depth2" in report["ratios"]
+    assert "Load average (1/5/15 min)" in (out / "bench.md").read_text()
+
+
+def test_bench_repeats_profile_and_float8(tmp_path):
+    """The options issue 15 found untested, each in a tiny configuration."""
+    from aotdist.cli import main
+
+    out = tmp_path / "opts"
+    lines = ["bench", "--model", "gpt", "--depths", "1", "--strategies", "eager,aotdist",
+             "--repeats", "2", "--steps", "2", "--warmup", "0", "--profile", "--float8",
+             "--backend", "aot_eager", "--out", str(out)]
+    assert main(lines) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["float8"] and report["settings"]["profiled"]
+    # round robin: repeat 0 of both cells, then repeat 1 of both
+    assert [(rep, c["strategy"]) for rep, c in report["settings"]["order"]] == [
+        (0, "eager"), (0, "aotdist"), (1, "eager"), (1, "aotdist")]
+    assert sorted((r["repeat"], r["strategy"]) for r in report["runs"]) == [
+        (0, "aotdist"), (0, "eager"), (1, "aotdist"), (1, "eager")]
+    assert all(r["float8"] for r in report["runs"])
+    cells = {r["strategy"]: r for r in report["results"]}
+    assert cells["aotdist"]["repeats"] == 2 and cells["aotdist"]["spread"]["compile_s"]["n"] == 2
+    ratio = report["ratios"]["gpt: memory aotdist/eager @depth1"]
+    assert ratio["repeats"] == 2 and [r["repeat"] for r in ratio["per_repeat"]] == [0, 1]
+    for rep in (0, 1):
+        files = {p.name for p in (out / "profile" / f"repeat{rep}").iterdir()}
+        assert {"gpt-d1-aotdist-np1.compile.pstats", "gpt-d1-aotdist-np1.step.txt",
+                "gpt-d1-aotdist-np1.phases.txt"} <= files
 
 
 def test_bench_rejects_unknown_strategy(tmp_path):

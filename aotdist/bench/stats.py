@@ -1,0 +1,193 @@
+"""Bench arithmetic on repeated runs: medians and spreads per cell, ratios per repeat,
+and verdicts on targets that noise cannot flip.
+
+A *run* is one measurement (one fresh process) of a cell, tagged with its ``repeat``
+index. Runs of the same repeat ran side by side (:func:`aotdist.bench.plan.interleave`),
+so every ratio is computed within one repeat, from two runs of that repeat, and the
+report gives the median of those per-repeat ratios with their min-max spread. A target
+is *met* when every repeat's ratio meets it, *missed* when none does, and *noisy* when
+the spread straddles the bound: the run cannot tell, and says so instead of guessing.
+"""
+
+from __future__ import annotations
+
+import operator
+import statistics
+
+__all__ = ["FIGURES", "TARGETS", "compute_ratios", "evaluate_targets", "group_of",
+           "summarize_cells", "verdict"]
+
+# Per-run figures a cell reports as median and spread.
+FIGURES = ("compile_s", "first_step_s", "steady_step_s", "peak_mem_mib",
+           "saved_activation_bytes", "saved_bytes_total", "warm_first_step_s")
+
+# (what issue 16 asks, ratio name with {d} for a depth, comparison, bound, which depths:
+# "every" depth of the group or only its "largest")
+TARGETS = (
+    ("steady step: aotdist <= 1.0x accelerate", "step aotdist/accelerate @depth{d}", "<=", 1.0,
+     "every"),
+    ("steady step: aotdist <= 1.05x full", "step aotdist/full @depth{d}", "<=", 1.05, "every"),
+    ("cold compile: aotdist <= 1.05x accelerate", "compile aotdist/accelerate @depth{d}", "<=",
+     1.05, "largest"),
+    ("cold compile: aotdist <= 0.4x full", "compile aotdist/full @depth{d}", "<=", 0.4,
+     "largest"),
+    ("compile growth smallest -> largest depth: aotdist <= 1.1x", "compile growth aotdist", "<=",
+     1.1, "largest"),
+    ("saved for backward: aotdist <= full", "saved aotdist/full @depth{d}", "<=", 1.0, "every"),
+    ("warm start (cached artifacts) <= 0.1x cold", "first step warm/cold aotdist+cache @depth{d}",
+     "<=", 0.1, "largest"),
+    ("2-rank cold start, rank 0 shares its compiles <= 0.7x independent compiles",
+     "first step aotdist+cache/aotdist @depth{d}", "<=", 0.7, "largest"),
+)
+_OPS = {"<=": operator.le, "<": operator.lt}
+
+
+def group_of(result: dict) -> str:
+    """The comparison group of a run or cell: its model, and its ranks under FSDP2."""
+    nproc = result.get("nproc", 1)
+    return result["model"] + (f" fsdp2x{nproc}" if nproc > 1 else "")
+
+
+def _groups(rows: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(group_of(r), []).append(r)
+    return groups
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def summarize_cells(runs: list[dict]) -> list[dict]:
+    """One entry per cell: the median of every figure in :data:`FIGURES`, its spread.
+
+    The cell's other fields (compile split, regions, graph counts) are those of its run
+    with the median cold compile. ``spread[figure]`` is ``{"median", "min", "max", "n"}``
+    and ``runs`` lists every run's figures with its repeat index.
+    """
+    cells: dict[tuple, list[dict]] = {}
+    for r in runs:
+        cells.setdefault((group_of(r), r["depth"], r["strategy"]), []).append(r)
+    out = []
+    for rows in cells.values():
+        by_compile = sorted(rows, key=lambda r: r["compile_s"])
+        cell = dict(by_compile[(len(rows) - 1) // 2])
+        cell.pop("repeat", None)
+        cell["spread"] = {}
+        for key in FIGURES:
+            values = [r[key] for r in rows if r.get(key) is not None]
+            if values:
+                cell["spread"][key] = _spread(values)
+                cell[key] = cell["spread"][key]["median"]
+        cell["repeats"] = len(rows)
+        cell["runs"] = [{"repeat": r.get("repeat", 0),
+                         **{k: r[k] for k in FIGURES if r.get(k) is not None}} for r in rows]
+        out.append(cell)
+    return out
+
+
+def _ratios_one_repeat(rows: list[dict]) -> dict[str, tuple[float, float]]:
+    """``name -> (numerator, denominator)`` from the runs of one repeat."""
+    found: dict[str, tuple[float, float]] = {}
+    for group, members in _groups(rows).items():
+        idx = {(r["strategy"], r["depth"]): r for r in members}
+        depths = sorted({r["depth"] for r in members})
+        strategies = sorted({r["strategy"] for r in members})
+
+        def put(key: str, num: float | None, den: float | None, group=group):
+            if num is not None and den is not None and den > 0:
+                found[f"{group}: {key}"] = (num, den)
+
+        for d in depths:
+            a = idx.get(("aotdist", d))
+            for peer in ("full", "accelerate"):
+                p = idx.get((peer, d))
+                if a and p:
+                    put(f"compile aotdist/{peer} @depth{d}", a["compile_s"], p["compile_s"])
+                    put(f"step aotdist/{peer} @depth{d}", a["steady_step_s"], p["steady_step_s"])
+                    put(f"saved aotdist/{peer} @depth{d}", a.get("saved_activation_bytes"),
+                        p.get("saved_activation_bytes"))
+            c = idx.get(("aotdist+cache", d))
+            if c and c.get("warm_first_step_s") is not None:
+                put(f"first step warm/cold aotdist+cache @depth{d}", c["warm_first_step_s"],
+                    c["first_step_s"])
+            if c and a and c["nproc"] > 1:  # sharing between ranks: cold vs independent
+                put(f"first step aotdist+cache/aotdist @depth{d}", c["first_step_s"],
+                    a["first_step_s"])
+            e = idx.get(("eager", d))
+            for s in strategies:
+                r = idx.get((s, d))
+                if r and e and s != "eager":
+                    put(f"memory {s}/eager @depth{d}", r["peak_mem_mib"], e["peak_mem_mib"])
+        if len(depths) >= 2:
+            lo, hi = depths[0], depths[-1]
+            for s in strategies:
+                a, b = idx.get((s, hi)), idx.get((s, lo))
+                if s != "eager" and a and b:
+                    put(f"compile growth {s} depth{hi}/depth{lo}", a["compile_s"], b["compile_s"])
+    return found
+
+
+def compute_ratios(runs: list[dict]) -> dict:
+    """Every ratio the report shows, computed per repeat from runs that ran side by side.
+
+    Names are ``"<group>: <ratio>"``, e.g. ``"gpt: compile aotdist/full @depth32"``.
+    Each entry: ``value`` (median of the per-repeat ratios), ``min`` and ``max`` (their
+    spread), ``numerator`` / ``denominator`` (medians of the measured values), and
+    ``per_repeat`` (every repeat's numerator, denominator and quotient), so a reader
+    (and the tests) can check each ratio was computed from measurements. Runs without a
+    ``repeat`` key count as repeat 0.
+    """
+    by_repeat: dict[int, list[dict]] = {}
+    for r in runs:
+        by_repeat.setdefault(r.get("repeat", 0), []).append(r)
+    per_name: dict[str, list[dict]] = {}
+    for rep in sorted(by_repeat):
+        for name, (num, den) in _ratios_one_repeat(by_repeat[rep]).items():
+            per_name.setdefault(name, []).append(
+                {"repeat": rep, "numerator": num, "denominator": den, "value": num / den})
+    ratios = {}
+    for name, rows in per_name.items():
+        values = [r["value"] for r in rows]
+        ratios[name] = {"value": statistics.median(values), "min": min(values),
+                        "max": max(values), "repeats": len(rows),
+                        "numerator": statistics.median(r["numerator"] for r in rows),
+                        "denominator": statistics.median(r["denominator"] for r in rows),
+                        "per_repeat": rows}
+    return ratios
+
+
+def verdict(ratio: dict, op: str, bound: float) -> str:
+    """``"met"`` when every repeat's ratio meets ``op bound``, ``"missed"`` when none
+    does, ``"noisy"`` when the spread (min-max) straddles the bound."""
+    meets = _OPS[op]
+    if meets(ratio["max"], bound):
+        return "met"
+    if not meets(ratio["min"], bound):
+        return "missed"
+    return "noisy"
+
+
+def evaluate_targets(results: list[dict], ratios: dict) -> list[dict]:
+    """Issue 16's targets, each checked at its group's largest depth or at every depth,
+    wherever both sides were measured."""
+    rows = []
+    for group, members in _groups(results).items():
+        depths = sorted({r["depth"] for r in members})
+        for text, pattern, op, bound, where in TARGETS:
+            for d in (depths if where == "every" else depths[-1:]):
+                name = pattern.format(d=d)
+                if name == "compile growth aotdist":
+                    name = f"compile growth aotdist depth{depths[-1]}/depth{depths[0]}"
+                key = f"{group}: {name}"
+                if key not in ratios:
+                    continue
+                r = ratios[key]
+                v = verdict(r, op, bound)
+                rows.append({"group": group, "depth": d, "target": text, "ratio": key,
+                             "value": r["value"], "min": r["min"], "max": r["max"],
+                             "bound": bound, "op": op, "verdict": v,
+                             "met": {"met": True, "missed": False}.get(v)})
+    return rows
