@@ -68,6 +68,11 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
         ConfigError: A bad config, or ``fsdp.enabled`` without a process group.
     """
     config = as_config(config)
+    graph_fsdp = config.fsdp.enabled and config.fsdp.mode == "graph"
+    if graph_fsdp:
+        from aotdist.graph_fsdp import check_graph_config
+
+        check_graph_config(config)
     _check_fresh(model)
     # Float8 conversion and FSDP2 must both come before the user's own fully_shard.
     check_not_sharded(model, allow_fsdp2=not (config.fsdp.enabled or config.float8.enabled))
@@ -95,7 +100,14 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
 
     # 4. fully_shard each region instance, then the root: one all-gather per instance,
     #    issued as it runs; the root unit holds what is outside the regions.
-    sharded = shard(model, plan, config.fsdp, mesh) if config.fsdp.enabled else []
+    #    Graph mode (fsdp.mode: graph) instead shards every parameter as a DTensor itself;
+    #    the collectives then live in the compiled graph (aotdist.graph_fsdp).
+    if graph_fsdp:
+        from aotdist.graph_fsdp import shard_graph
+
+        sharded = shard_graph(model, config, mesh)
+    else:
+        sharded = shard(model, plan, config.fsdp, mesh) if config.fsdp.enabled else []
 
     # 5. Compile last, so FSDP2's hooks (installed in 4) stay outside compiled code and
     #    fire per instance: with FSDP each region is compiled once as its own graph,
@@ -104,6 +116,10 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
         cc = config.compile
         compile_regions(model, plan, backend=cc.backend, mode=cc.mode, dynamic=cc.dynamic,
                         options=cc.options)
+    if graph_fsdp:  # outermost, eager: local shards in the modules for each forward
+        from aotdist.graph_fsdp import sharded_call
+
+        sharded_call(model, config)
 
     model.__dict__[INFO_ATTR] = ParallelizeInfo(
         config=config, plan=plan, float8_fqns=tuple(float8_fqns),
