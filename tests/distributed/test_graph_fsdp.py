@@ -23,6 +23,7 @@ BATCH_PER_RANK = 2
 VOCAB = 63  # not divisible by 2 or 4: uneven Shard(0) of tok.weight, head.weight, head.bias
 
 GRAPH = {"enabled": True, "mode": "graph"}
+_OLD_DYNAMO = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 15)
 CONFIGS = {
     "graph": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"}},
     "graph+noreshard": {"fsdp": {**GRAPH, "reshard_after_forward": False},
@@ -214,7 +215,14 @@ def test_one_graph_one_subgraph_no_recompiles(two_ranks, name):
         assert first["mode"] == "graph"
         assert first["graphs"] == 1 and first["num_graph_breaks"] == 0, first
         region = first["regions"]["GPTBlock"]
-        assert region["call_sites"] == DEPTH and region["subgraphs"] == 1, region
+        if _OLD_DYNAMO:
+            # torch 2.11: Dynamo's subgraph dedup raises KeyError('example_value') on a
+            # collective inside an autograd.Function inside invoke_subgraph; aotdist demotes
+            # the region (inlined into the one graph, with a warning): correct, no reuse.
+            assert "example_value" in first["demoted"].get("GPTBlock", ""), first
+            assert region["inlined"] == DEPTH, region
+        else:
+            assert region["call_sites"] == DEPTH and region["subgraphs"] == 1, region
         for later in res[name]["later"]:
             assert later["recompiles"] == [] and later["frames_compiled"] == 0, later
 
