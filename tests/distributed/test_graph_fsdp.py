@@ -254,3 +254,177 @@ def test_config_keys():
     with pytest.raises(ConfigError, match="fsdp_all_gather is not supported with fsdp.mode"):
         aotdist.parallelize(build_model("gpt", depth=2), {
             "fsdp": GRAPH, "float8": {"enabled": True, "fsdp_all_gather": True}})
+
+
+# --- mixed precision and checkpoints across modes (one more spawn) -------------------------
+
+MP = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+MODES = {
+    "graph": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"}},
+    "hooks": {"fsdp": {"enabled": True}, "compile": {"backend": "aot_eager"}},
+}
+
+
+def _full(sd) -> dict:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in sd.items()}
+
+
+def _sgd_steps(model, rank, world_size, steps):
+    import torch.distributed as dist
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for xs, ys in list(_batches(model, world_size))[:steps]:
+        loss = _loss(model, xs[rank], ys[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(loss := loss.detach().float(), op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+    return losses
+
+
+def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: str):
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    out = {"mp": {}, "dcp": {}}
+    for mode, cfg in MODES.items():  # mixed precision: graph mode against FSDP2's policy
+        torch._dynamo.reset()
+        model = _model()
+        aotdist.parallelize(model, {**cfg, "fsdp": {**cfg["fsdp"], **MP}})
+        losses = _sgd_steps(model, rank, world_size, 3)
+        out["mp"][mode] = {"losses": losses, "params": _full(model.state_dict()),
+                           "grad_dtype": str(next(model.parameters()).dtype)}
+    for src, dst in (("graph", "hooks"), ("hooks", "graph")):  # train, save, load elsewhere
+        torch._dynamo.reset()
+        model = _model()
+        aotdist.parallelize(model, MODES[src])
+        _sgd_steps(model, rank, world_size, 2)
+        sd = get_model_state_dict(model)
+        path = os.path.join(ckpt, src)
+        dcp.save(sd, checkpoint_id=path)
+        torch.manual_seed(123)
+        other = build_model("gpt", depth=DEPTH, vocab=VOCAB)
+        aotdist.parallelize(other, MODES[dst])
+        other_sd = get_model_state_dict(other)
+        dcp.load(other_sd, checkpoint_id=path)
+        loaded = _full(other_sd)
+        saved = _full(sd)
+        out["dcp"][f"{src}->{dst}"] = {
+            "keys": list(sd), "exact": all(torch.equal(loaded[k], saved[k]) for k in saved),
+            "params": saved if rank == 0 else None,
+            "trains": len(_sgd_steps(other, rank, world_size, 1)) == 1,  # usable after load
+        }
+    # a single-process eager checkpoint into graph mode
+    torch.manual_seed(5)
+    model = build_model("gpt", depth=DEPTH, vocab=VOCAB)
+    aotdist.parallelize(model, MODES["graph"])
+    sd = get_model_state_dict(model)
+    dcp.load(sd, checkpoint_id=plain_ckpt)
+    full = _full(sd)  # a collective: every rank
+    out["dcp"]["plain->graph"] = {"params": full if rank == 0 else None}
+    return out
+
+
+@pytest.fixture(scope="module")
+def modes(tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+
+    plain_ckpt = str(tmp_path_factory.mktemp("plain"))
+    torch.manual_seed(9)
+    plain = build_model("gpt", depth=DEPTH, vocab=VOCAB)
+    with pytest.warns(UserWarning):  # "no process group: saving in a single process"
+        dcp.save(plain.state_dict(), checkpoint_id=plain_ckpt)
+    ckpt = str(tmp_path_factory.mktemp("dcp"))
+    out = run_distributed(_modes_and_checkpoints, 2, ckpt, plain_ckpt, timeout=560)
+    return out, ckpt, plain.state_dict()
+
+
+def test_mixed_precision_matches_fsdp2_policy(modes):
+    (rank0, _), _, _ = modes
+    graph, hooks = rank0["mp"]["graph"], rank0["mp"]["hooks"]
+    assert graph["grad_dtype"] == "torch.float32"  # parameters stay fp32, compute in bf16
+    # both compute in bfloat16 (3 mantissa-byte bits): close to each other, not to fp32
+    torch.testing.assert_close(torch.tensor(graph["losses"]), torch.tensor(hooks["losses"]),
+                               rtol=2e-2, atol=2e-2)
+    for key, ref in hooks["params"].items():
+        torch.testing.assert_close(graph["params"][key], ref, rtol=2e-2, atol=2e-2)
+    ref_losses, _, _ = _reference("graph", 2)
+    assert graph["losses"] != pytest.approx(ref_losses[:3], abs=1e-6)  # bf16 really used
+
+
+@pytest.mark.parametrize("pair", ["graph->hooks", "hooks->graph"])
+def test_dcp_between_modes(modes, pair):
+    (rank0, rank1), ckpt, _ = modes
+    for res in (rank0, rank1):
+        assert res["dcp"][pair]["exact"] and res["dcp"][pair]["trains"]
+    plain = build_model("gpt", depth=DEPTH, vocab=VOCAB)
+    assert rank0["dcp"][pair]["keys"] == list(plain.state_dict())
+
+
+def test_dcp_graph_to_plain_and_back(modes):
+    import os
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    (rank0, _), ckpt, plain_sd = modes
+    torch.manual_seed(7)
+    plain = build_model("gpt", depth=DEPTH, vocab=VOCAB)
+    sd = plain.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=os.path.join(ckpt, "graph"))
+    for key, value in sd.items():
+        assert torch.equal(value, rank0["dcp"]["graph->hooks"]["params"][key]), key
+    for key, value in plain_sd.items():  # the plain checkpoint, loaded in graph mode
+        assert torch.equal(rank0["dcp"]["plain->graph"]["params"][key], value), key
+
+
+def _four(rank: int, world_size: int):
+    model = _model()
+    aotdist.parallelize(model, CONFIGS["graph"])
+    losses = _sgd_steps(model, rank, world_size, 3)
+    return losses, _full(model.state_dict())
+
+
+def test_four_ranks_match_eager():
+    out = run_distributed(_four, 4, timeout=400)
+    optim, accum, clip = TRAIN["graph"]
+    model = _model()
+    opt = _optimizer(optim, model.parameters())
+    ref_losses = []
+    for xs, ys in list(_batches(model, 4))[:3]:
+        total = 0.0
+        for x, y in zip(xs, ys, strict=True):
+            loss = _loss(model, x, y) / 4
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(total)
+    torch.testing.assert_close(torch.tensor(out[0][0]), torch.tensor(ref_losses),
+                               rtol=1e-5, atol=1e-5)
+    for key, ref in model.state_dict().items():
+        torch.testing.assert_close(out[0][1][key], ref, rtol=1e-5, atol=1e-5)
+
+
+def _rank_dies(rank: int, world_size: int):
+    model = _model()
+    aotdist.parallelize(model, CONFIGS["graph"])
+    if rank == 1:
+        raise RuntimeError("rank 1 lost its data loader")
+    (x,), y = example_inputs(model, 2)
+    _loss(model, x, y).backward()  # rank 0 waits in the graph's all-gather for rank 1
+
+
+def test_a_dying_rank_stops_the_others():
+    from aotdist.testing import DistributedTestError
+
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_rank_dies, 2, timeout=120)
+    assert info.value.rank == 1 and "lost its data loader" in str(info.value)
