@@ -31,18 +31,35 @@ CONFIGS = {
     "graph+ac+adamw+accum+clip": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"},
                                   "ac": {"enabled": True}},
     "graph+eager": {"fsdp": GRAPH, "compile": {"enabled": False}},
+    "graph+float8": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"},
+                     "float8": {"enabled": True}},
 }
 TRAIN = {  # optimizer, micro-batches per rank, clip_grad_norm_ max norm
     "graph": ("sgd", 1, None),
     "graph+noreshard": ("sgd", 1, None),
     "graph+ac+adamw+accum+clip": ("adamw", 2, 0.05),
     "graph+eager": ("adamw", 1, None),
+    "graph+float8": ("sgd", 1, None),
 }
 
 
-def _model():
+def _model(float8: dict | None = None):
     torch.manual_seed(0)
-    return build_model("gpt", depth=DEPTH, vocab=VOCAB)
+    model = build_model("gpt", depth=DEPTH, vocab=VOCAB)
+    if float8:  # the reference: the same conversion (head: vocab 63, kept high precision)
+        from aotdist.config import Float8Config
+        from aotdist.float8 import convert_to_float8
+
+        convert_to_float8(model, Float8Config(**float8))
+    return model
+
+
+def _tol(name: str) -> dict:
+    # float8 rounds to 3 mantissa bits: a last-bit difference in a reduction order can move
+    # one element to the next float8 value
+    # one element to the next float8 value. Seen (torch 2.15, torchao): the last block and
+    # the head match to 1e-7, earlier blocks drift as backward carries such flips (<= 4.4e-4).
+    return {"rtol": 1e-3, "atol": 5e-4} if "float8" in name else {"rtol": 1e-5, "atol": 1e-5}
 
 
 def _optimizer(kind: str, params):
@@ -67,31 +84,35 @@ def _loss(model, x, y):
 class _SavedTensors:
     """Records what autograd saves for backward; flags tensors equal to a gathered parameter."""
 
-    def __init__(self, params):
+    def __init__(self, named_params):
         # A parameter whose local shard is the whole tensor (``pos``: first dim 1, all on
         # rank 0) cannot be told from its shard, which checkpointing saves: skipped.
-        full = [(p.full_tensor().detach(), p.to_local().shape) for p in params]
-        self.full = [f for f, local in full if f.shape != local]
+        full = [(n, p.full_tensor().detach(), p.to_local().shape) for n, p in named_params]
+        self.full = [(n, f) for n, f, local in full if f.shape != local]
         self.count = self.bytes = self.gathered = self.gathered_bytes = 0
+        self.names = []
 
-    def _is_gathered(self, t: torch.Tensor) -> bool:
-        for p in self.full:
+    def _gathered_name(self, t: torch.Tensor) -> str | None:
+        for n, p in self.full:
             for q in (p, p.t()) if p.ndim == 2 else (p,):
                 if t.shape == q.shape and t.dtype == q.dtype and torch.equal(t, q):
-                    return True
-        return False
+                    return n
+        return None
 
     def pack(self, t):
         self.count += 1
         self.bytes += t.numel() * t.element_size()
-        if self._is_gathered(t.detach()):
+        name = self._gathered_name(t.detach())
+        if name is not None:
+            self.names.append(name)
             self.gathered += 1
             self.gathered_bytes += t.numel() * t.element_size()
         return t
 
     def to_dict(self) -> dict:
         return {"count": self.count, "bytes": self.bytes, "gathered": self.gathered,
-                "gathered_bytes": self.gathered_bytes, "regather": self.regather}
+                "gathered_bytes": self.gathered_bytes, "regather": self.regather,
+                "names": self.names}
 
     regather = 0
 
@@ -112,12 +133,12 @@ class _SavedTensors:
         graph_fsdp._pack_gathered = pack
 
 
-def _train(rank: int, world_size: int, name: str):
+def _train(rank: int, world_size: int, name: str, *, config: dict | None = None):
     import torch.distributed as dist
 
     optim, accum, clip = TRAIN[name]
     model = _model()
-    aotdist.parallelize(model, CONFIGS[name])
+    aotdist.parallelize(model, CONFIGS[name] if config is None else config)
     opt = _optimizer(optim, model.parameters())
     batches = list(_batches(model, world_size * accum))
     losses, saved, norms = [], None, []
@@ -125,7 +146,7 @@ def _train(rank: int, world_size: int, name: str):
     for step, (xs, ys) in enumerate(batches):
         hooks = None
         if step == STEPS - 1:  # the saved tensors of a compiled (not first) step
-            hooks = _SavedTensors(list(model.parameters()))
+            hooks = _SavedTensors(list(model.named_parameters()))
             hooks.watch_eager_packing()
         with metrics.track(model) as m:
             total = torch.zeros(())
@@ -150,10 +171,11 @@ def _train(rank: int, world_size: int, name: str):
         losses.append(total.item())
     params = {k: v.full_tensor() for k, v in model.state_dict().items()}
     types = {type(p).__name__ for p in model.parameters()}
+    float8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     grad_types = {type(p.grad).__name__ for p in model.parameters() if p.grad is not None}
     return {"losses": losses, "params": params if rank == 0 else None, "first": windows[0],
             "later": windows[1:], "saved": saved, "norms": norms, "param_types": types,
-            "keys": list(model.state_dict()), "grad_types": grad_types}
+            "keys": list(model.state_dict()), "grad_types": grad_types, "float8": float8}
 
 
 def _train_configs(rank: int, world_size: int, names: list[str]):
@@ -166,7 +188,7 @@ def _train_configs(rank: int, world_size: int, names: list[str]):
 
 def _reference(name: str, world_size: int):
     optim, accum, clip = TRAIN[name]
-    model = _model()
+    model = _model(CONFIGS[name].get("float8"))
     opt = _optimizer(optim, model.parameters())
     n = world_size * accum
     losses, norms = [], []
@@ -196,14 +218,14 @@ def test_matches_single_process_eager(two_ranks, name):
     ref_losses, ref_params, ref_norms = _reference(name, 2)
     assert rank1[name]["losses"] == got["losses"]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses),
-                               rtol=1e-5, atol=1e-5)
+                               **_tol(name))
     torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms),
-                               rtol=1e-5, atol=1e-5)
+                               **_tol(name))
     assert got["keys"] == list(ref_params)  # the plain model's keys
     assert got["param_types"] == {"DTensor"} and got["grad_types"] in (set(), {"DTensor"})
     initial = _model().state_dict()
     for key, ref in ref_params.items():
-        torch.testing.assert_close(got["params"][key], ref, rtol=1e-5, atol=1e-5,
+        torch.testing.assert_close(got["params"][key], ref, **_tol(name),
                                    msg=lambda m, k=key: f"{name}: {k} differs: {m}")
         assert not torch.equal(ref, initial[key]), f"{key} never trained: vacuous test"
 
@@ -232,13 +254,45 @@ def test_saved_for_backward(two_ranks, name):
     for res in two_ranks:
         saved = res[name]["saved"]
         assert saved["count"] > 0  # the hooks saw the step's saved tensors
-        if CONFIGS[name]["fsdp"].get("reshard_after_forward", True):
+        if "float8" in CONFIGS[name]:
+            # Known limit (torch 2.15, torchao): the partitioner keeps the gathered bias of
+            # each block's last Float8Linear (a 1-D copy); no gathered weight is saved.
+            assert set(saved["names"]) <= {f"blocks.{i}.mlp.proj.bias" for i in range(DEPTH)}
+        elif CONFIGS[name]["fsdp"].get("reshard_after_forward", True):
             assert saved["gathered"] == 0, saved  # backward gathers again
             if not CONFIGS[name]["compile"].get("enabled", True):
                 assert saved["regather"] >= 4 * DEPTH, saved
         else:
             # every block's linear weights at least stay gathered for backward
             assert saved["gathered"] >= 4 * DEPTH, saved
+
+
+def test_float8_layers_in_graph_mode(two_ranks):
+    assert two_ranks[0]["graph+float8"]["float8"] == 4 * DEPTH  # every block linear
+    assert two_ranks[0]["graph"]["float8"] == 0
+
+
+INDUCTOR = {"fsdp": GRAPH, "compile": {"backend": "inductor"}}
+
+
+def _inductor(rank: int, world_size: int):
+    return _train(rank, world_size, "graph", config=INDUCTOR)
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_inductor_matches_eager():
+    rank0, _ = run_distributed(_inductor, 2, timeout=580)
+    ref_losses, ref_params, _ = _reference("graph", 2)
+    torch.testing.assert_close(torch.tensor(rank0["losses"]), torch.tensor(ref_losses),
+                               rtol=1e-4, atol=1e-4)
+    for key, ref in ref_params.items():
+        torch.testing.assert_close(rank0["params"][key], ref, rtol=1e-4, atol=1e-4)
+    assert rank0["first"]["backend_seconds"] > 0  # Inductor really compiled
+    if not _OLD_DYNAMO:
+        assert rank0["first"]["regions"]["GPTBlock"]["subgraphs"] == 1
+    assert all(w["recompiles"] == [] for w in rank0["later"])
+    assert rank0["saved"]["gathered"] == 0
 
 
 def test_config_keys():
