@@ -144,7 +144,8 @@ class Capture:
             for i in g.inputs:
                 kinds[i["kind"]] = kinds.get(i["kind"], 0) + 1
             lines.append(f"  {g.name}: {g.num_ops} ops, saved {g.saved_count} "
-                         f"({g.saved_bytes} B), inputs {kinds}")
+                         f"({g.saved_bytes} B), inputs {kinds}"
+                         + (f", collectives {g.collectives}" if g.collectives else ""))
         lines += [f"  mutation: {x['graph']} {x['input']} {x['kind']}" for x in self.mutations]
         lines += [f"  subclass input: {x['graph']} {x['input']} {x['type']} "
                   f"inner {list(x['inner'])}" for x in self.subclass_inputs]
@@ -510,7 +511,10 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
                 old_forwards = _install_frames(model, state, recording, calls)
                 out = model(*args, **kwargs)
             else:
-                out = torch.compile(_runner(), backend=recording)(model, args, kwargs)
+                from aotdist.graph_fsdp import local_shards
+
+                with local_shards(model):  # graph-mode FSDP: regions read local shards
+                    out = torch.compile(_runner(), backend=recording)(model, args, kwargs)
             loss = loss_fn(out) if loss_fn is not None else out
             if (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
                 loss.backward()

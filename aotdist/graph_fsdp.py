@@ -33,8 +33,8 @@ class-swap marking that keeps Dynamo's subgraph reuse correct):
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +44,15 @@ from torch import nn
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError
 
-__all__ = ["ShardedCall", "GatherSpec", "check_graph_config", "shard_graph", "sharded_call"]
+__all__ = [
+    "GatherSpec",
+    "ShardedCall",
+    "check_graph_config",
+    "is_graph_sharded",
+    "local_shards",
+    "shard_graph",
+    "sharded_call",
+]
 
 GRAPH_ATTR = "_aotdist_graph_fsdp"
 
@@ -296,13 +304,37 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
     return done
 
 
-class ShardedCall:
-    """The model's call in graph mode: local shards in place for the forward, then back.
+def _slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    return [(m, n) for _, m in model.named_modules(remove_duplicate=False)
+            for n, p in m._parameters.items()
+            if isinstance(p, torch.distributed.tensor.DTensor)]
 
-    Runs eagerly, outside the compiled graph: puts ``p.to_local()`` of every DTensor
-    parameter into its module's ``_parameters`` (the gradient of the local shard flows back
-    to the DTensor as ``Shard(0)``), calls ``inner`` (the compiled or eager ``_call_impl``),
-    and restores the DTensor parameters, also when ``inner`` raises.
+
+@contextlib.contextmanager
+def local_shards(model: nn.Module, slots: list[tuple[nn.Module, str]] | None = None):
+    """Within: each DTensor parameter's module holds its local shard (``p.to_local()``,
+    whose gradient returns to the DTensor as ``Shard(0)``), which the module's gathering
+    property all-gathers where it is read. A no-op on a model graph mode did not shard."""
+    slots = _slots(model) if slots is None else slots
+    saved, locals_ = [], {}
+    try:
+        for mod, name in slots:
+            p = mod._parameters[name]
+            if id(p) not in locals_:  # a shared parameter: one local shard, one gradient
+                locals_[id(p)] = p.to_local()
+            saved.append((mod, name, p))
+            mod._parameters[name] = locals_[id(p)]
+        yield
+    finally:
+        for mod, name, p in saved:
+            mod._parameters[name] = p
+
+
+class ShardedCall:
+    """The model's call in graph mode: :func:`local_shards` around ``inner``.
+
+    Runs eagerly, outside the compiled graph, around ``inner`` (the compiled or eager
+    ``_call_impl``); the DTensor parameters are back in place when it returns or raises.
     """
 
     def __init__(self, model: nn.Module, inner, *, param_dtype: torch.dtype | None = None,
@@ -310,39 +342,21 @@ class ShardedCall:
         self._inner = inner
         self._param_dtype = param_dtype
         self._eager_reshard = eager_reshard
-        self._slots = [(m, n) for _, m in model.named_modules(remove_duplicate=False)
-                       for n, p in m._parameters.items() if p is not None]
-        if not any(isinstance(m._parameters[n], torch.distributed.tensor.DTensor)
-                   for m, n in self._slots):
-            warnings.warn("graph-mode FSDP: no sharded parameters found", stacklevel=2)
+        self._slots = _slots(model)
 
     @property
     def inner(self):
         """The wrapped call (the compiled ``_call_impl``, or the eager one)."""
         return self._inner
 
-    def __getattr__(self, name: str):  # the compiled call's attributes (metrics, cache)
-        return getattr(self._inner, name)
-
     def __call__(self, *args, **kwargs):
-        saved, locals_ = [], {}
-        try:
-            for mod, name in self._slots:
-                p = mod._parameters[name]
-                if id(p) not in locals_:
-                    locals_[id(p)] = p.to_local()
-                saved.append((mod, name, p))
-                mod._parameters[name] = locals_[id(p)]
+        with local_shards(None, self._slots):
             if self._param_dtype is not None:  # as FSDP2's root casts its forward inputs
                 args, kwargs = torch.utils._pytree.tree_map(self._cast, (args, kwargs))
             if self._eager_reshard:  # compiled graphs recompute the gathers themselves
                 with torch.autograd.graph.saved_tensors_hooks(_pack_gathered, _unpack_gathered):
                     return self._inner(*args, **kwargs)
             return self._inner(*args, **kwargs)
-        finally:
-            for mod, name, p in saved:
-                mod._parameters[name] = p
-
 
     def _cast(self, x):
         if isinstance(x, torch.Tensor) and x.is_floating_point():

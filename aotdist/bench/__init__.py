@@ -55,7 +55,8 @@ class SubBench:
 MAIN_JOB = (
     SubBench("gpt", (2, 8, 32)),  # compile time vs depth: the main claim
     SubBench("vit", (8,)),  # torchvision's model, blocks in an nn.Sequential
-    SubBench("gpt", (8,), nproc=2),  # FSDP2 on 2 ranks (gloo on CPU, NCCL on GPUs)
+    # FSDP2 on 2 ranks (gloo on CPU, NCCL on GPUs), and aotdist's graph-mode FSDP beside it
+    SubBench("gpt", (8,), nproc=2, strategies=(*ALL_STRATEGIES, "aotdist-graph")),
 )
 
 

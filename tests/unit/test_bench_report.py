@@ -14,9 +14,12 @@ def test_default_plan_is_the_main_job():
     cases = plan_cases()
     assert len(cases) == sum(len(sb.depths) * len(sb.strategies) for sb in MAIN_JOB)
     assert {(c.model, c.nproc) for c in cases} == {("gpt", 1), ("vit", 1), ("gpt", 2)}
-    assert {c.strategy for c in cases} == {"eager", "full", "accelerate", "aotdist"}
+    assert {c.strategy for c in cases} == {"eager", "full", "accelerate", "aotdist",
+                                           "aotdist-graph"}
+    assert {c.nproc for c in cases if c.strategy == "aotdist-graph"} == {2}
     only = plan_cases(strategies=["aotdist"])
-    assert {c.strategy for c in only} == {"aotdist"} and len(only) == len(cases) // 4
+    assert {c.strategy for c in only} == {"aotdist"}
+    assert len(only) == sum(c.strategy == "aotdist" for c in cases)
 
 
 def test_explicit_options_give_a_grid():
