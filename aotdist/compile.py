@@ -591,5 +591,7 @@ def restore(model: nn.Module) -> nn.Module:
     unmark_regions(model, neutralize=True)
     if isinstance(model._compiled_call_impl, _RegionGuardedCall):
         model._compiled_call_impl = None
+    elif isinstance(getattr(model._compiled_call_impl, "inner", None), _RegionGuardedCall):
+        model._compiled_call_impl.uncompile(model)  # graph-mode FSDP: its call stays, eager
     del model.__dict__[STATE_ATTR]
     return model

@@ -338,16 +338,22 @@ class ShardedCall:
     """
 
     def __init__(self, model: nn.Module, inner, *, param_dtype: torch.dtype | None = None,
-                 eager_reshard: bool = False):
+                 reshard: bool = True, compiled: bool = True):
         self._inner = inner
         self._param_dtype = param_dtype
-        self._eager_reshard = eager_reshard
+        self._reshard = reshard
+        self._eager_reshard = reshard and not compiled
         self._slots = _slots(model)
 
     @property
     def inner(self):
         """The wrapped call (the compiled ``_call_impl``, or the eager one)."""
         return self._inner
+
+    def uncompile(self, model: nn.Module) -> None:
+        """Calls ``model``'s eager ``_call_impl`` from now on (``aotdist.restore``)."""
+        self._inner = model._call_impl
+        self._eager_reshard = self._reshard
 
     def __call__(self, *args, **kwargs):
         with local_shards(None, self._slots):
@@ -370,7 +376,7 @@ def sharded_call(model: nn.Module, config: AOTDistConfig) -> None:
     model._compiled_call_impl = ShardedCall(
         model, model._call_impl if inner is None else inner,
         param_dtype=_dtype(config.fsdp.param_dtype),
-        eager_reshard=inner is None and config.fsdp.reshard_after_forward)
+        reshard=config.fsdp.reshard_after_forward, compiled=inner is not None)
 
 
 def is_graph_sharded(model: nn.Module) -> bool:

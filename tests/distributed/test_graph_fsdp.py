@@ -373,6 +373,14 @@ def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: st
             "params": saved if rank == 0 else None,
             "trains": len(_sgd_steps(other, rank, world_size, 1)) == 1,  # usable after load
         }
+    # after aotdist.restore the graph-mode model runs eagerly, same numbers
+    (x,), _ = example_inputs(model, 2, generator=torch.Generator().manual_seed(3))
+    before = model(x)
+    aotdist.restore(model)
+    after = model(x)
+    out["restore_same"] = torch.allclose(before, after, rtol=1e-5, atol=1e-6)
+    out["restore_compiled"] = aotdist.compile.is_compiled(model)
+    out["breaking"] = _graph_break_region(rank, world_size)
     # a single-process eager checkpoint into graph mode
     torch.manual_seed(5)
     model = build_model("gpt", depth=DEPTH, vocab=VOCAB)
@@ -382,6 +390,55 @@ def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: st
     full = _full(sd)  # a collective: every rank
     out["dcp"]["plain->graph"] = {"params": full if rank == 0 else None}
     return out
+
+
+class BreakingBlock(torch.nn.Module):
+    """A block with a graph break: it cannot be an invoke_subgraph."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, dim + 1)  # dim + 1: odd, uneven shards
+        self.out = torch.nn.Linear(dim + 1, dim)
+
+    def forward(self, x):
+        h = self.fc(x).relu()
+        torch._dynamo.graph_break()
+        return x + self.out(h)
+
+
+class BreakingNet(torch.nn.Module):
+    def __init__(self, dim: int = 16, depth: int = 3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(BreakingBlock(dim) for _ in range(depth))
+        self.head = torch.nn.Linear(dim, 5)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _graph_break_region(rank: int, world_size: int):
+    """Graph mode on a region with a graph break: a warning naming it, eager numbers."""
+    import warnings
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = BreakingNet()
+    ref = BreakingNet()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", aotdist.RegionCompileWarning)
+        aotdist.parallelize(model, MODES["graph"])
+        model(x).square().mean().backward()
+    ref(x).square().mean().backward()  # every rank the same input: the averaged gradient
+    grads_ok = all(
+        torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    return {"warnings": [str(w.message) for w in caught
+                         if issubclass(w.category, aotdist.RegionCompileWarning)],
+            "grads_ok": grads_ok}
 
 
 @pytest.fixture(scope="module")
@@ -437,6 +494,16 @@ def test_dcp_graph_to_plain_and_back(modes):
         assert torch.equal(value, rank0["dcp"]["graph->hooks"]["params"][key]), key
     for key, value in plain_sd.items():  # the plain checkpoint, loaded in graph mode
         assert torch.equal(rank0["dcp"]["plain->graph"]["params"][key], value), key
+
+
+def test_restore_and_graph_break_fallback(modes):
+    (rank0, rank1), _, _ = modes
+    for res in (rank0, rank1):
+        assert res["restore_same"] and not res["restore_compiled"]
+        brk = res["breaking"]
+        assert brk["grads_ok"]
+        assert any("BreakingBlock" in w and "cannot be a reusable subgraph" in w
+                   for w in brk["warnings"]), brk["warnings"]
 
 
 def _four(rank: int, world_size: int):
