@@ -24,8 +24,11 @@ class-swap marking that keeps Dynamo's subgraph reuse correct):
   ``invoke_subgraph`` (a DTensor ``redistribute`` there fails at AOT time).
 - The gather's backward reduce-scatters the gradient (average over the mesh). Uneven first
   dims are padded to ``ceil(n / world) * world`` for both collectives and cut after.
-- ``reshard_after_forward: true`` wraps each gather in selective activation checkpointing
-  that recomputes it: nothing gathered is saved for backward, backward gathers again.
+- ``reshard_after_forward: true`` wraps each gather (only the gather: pad, cast,
+  collective) in non-reentrant activation checkpointing; the partitioner recomputes it in
+  backward, so nothing gathered is saved for backward. (Selective checkpointing with a
+  MUST_RECOMPUTE policy, as SimpleFSDP uses, gives the same graphs on torch 2.15 and logs
+  a warning at every compile.)
   ``false`` keeps the gathered parameters for backward.
 - ``param_dtype`` casts the shard before the gather (the gather moves ``param_dtype``);
   ``reduce_dtype`` casts the gradient before the reduce-scatter.
@@ -140,18 +143,6 @@ class _AverageGrad(torch.autograd.Function):
         return out.to(ctx.local_dtype), None
 
 
-def _recompute_policy(ctx, func, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.MUST_RECOMPUTE  # everything in a gather: pad, cast, collective
-
-
-def _recompute_context():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(_recompute_policy)
-
-
 def _gather_fn(local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
     fn = _AverageGrad if not spec.shape else _GatherShard
     return fn.apply(local, spec)
@@ -163,8 +154,7 @@ def gather(local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
             and torch.compiler.is_compiling()):
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(_gather_fn, local, spec, use_reentrant=False,
-                          context_fn=_recompute_context)
+        return checkpoint(_gather_fn, local, spec, use_reentrant=False)
     return _gather_fn(local, spec)
 
 
