@@ -25,40 +25,37 @@ class-swap marking that keeps Dynamo's subgraph reuse correct):
 - The gather's backward reduce-scatters the gradient (average over the mesh). Uneven first
   dims are padded to ``ceil(n / world) * world`` for both collectives and cut after.
 - ``reshard_after_forward: true`` wraps each gather (only the gather: pad, cast,
-  collective) in non-reentrant activation checkpointing; the partitioner recomputes it in
-  backward, so nothing gathered is saved for backward. (Selective checkpointing with a
-  MUST_RECOMPUTE policy, as SimpleFSDP uses, gives the same graphs on torch 2.15 and logs
-  a warning at every compile.)
+  collective) in selective activation checkpointing with a ``MUST_RECOMPUTE`` policy (as
+  SimpleFSDP does): backward gathers again, nothing gathered is saved for backward. Plain
+  checkpointing gives the same graphs on torch 2.15 but not on 2.11, where the
+  partitioner then saves the gathered parameters (seen in the saved-tensor test).
   ``false`` keeps the gathered parameters for backward.
-- ``param_dtype`` casts the shard before the gather (the gather moves ``param_dtype``);
-  ``reduce_dtype`` casts the gradient before the reduce-scatter.
+- ``param_dtype`` casts before the gather, ``reduce_dtype`` before the reduce-scatter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from aotdist.config import AOTDistConfig
-from aotdist.errors import ConfigError
+from aotdist.errors import ConfigError, RegionCompileWarning
+from aotdist.regions import RegionPlan, find_regions
 
 __all__ = [
     "GatherSpec",
     "ShardedCall",
     "check_graph_config",
-    "is_graph_sharded",
+    "graph_plan",
     "local_shards",
     "shard_graph",
     "sharded_call",
 ]
-
-GRAPH_ATTR = "_aotdist_graph_fsdp"
-
 
 @dataclass(frozen=True)
 class GatherSpec:
@@ -143,6 +140,18 @@ class _AverageGrad(torch.autograd.Function):
         return out.to(ctx.local_dtype), None
 
 
+def _recompute_policy(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_RECOMPUTE  # everything in a gather: pad, cast, collective
+
+
+def _recompute_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_recompute_policy)
+
+
 def _gather_fn(local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
     fn = _AverageGrad if not spec.shape else _GatherShard
     return fn.apply(local, spec)
@@ -154,7 +163,8 @@ def gather(local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
             and torch.compiler.is_compiling()):
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(_gather_fn, local, spec, use_reentrant=False)
+        return checkpoint(_gather_fn, local, spec, use_reentrant=False,
+                          context_fn=_recompute_context)
     return _gather_fn(local, spec)
 
 
@@ -185,10 +195,7 @@ def _param_property(name: str) -> property:
             return p  # outside a forward: the sharded DTensor, as under FSDP2
         return gather(p, type(self)._aotdist_gather[name])
 
-    def setter(self, value):
-        nn.Module.__setattr__(self, name, value)  # register_parameter's checks
-
-    return property(getter, setter)
+    return property(getter, lambda self, value: nn.Module.__setattr__(self, name, value))
 
 
 def _reduce_as_base(self, protocol):
@@ -230,6 +237,29 @@ def check_graph_config(config: AOTDistConfig) -> None:
             "float8.fsdp_all_gather: false (weights are gathered in high precision and cast to "
             "float8 in the graph), or use fsdp.mode: hooks."
         )
+
+
+def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> RegionPlan:
+    """The plan without regions whose instances own parameters themselves (not in a child).
+
+    Such an instance would need the gathering property on its own class, which the region
+    marking swaps on demotion; it is left unmarked instead: compiled inline in the one
+    graph, collectives included, with a warning naming it.
+    """
+    owning = sorted({r.module_type.__name__ for r in plan for f in r.fqns
+                     if any(p is not None for p in model.get_submodule(f)._parameters.values())})
+    if not owning:
+        return plan
+    warnings.warn(
+        f"fsdp.mode: graph: region(s) {owning} hold parameters on the region module itself, "
+        "which graph mode cannot feed to a reused subgraph; they are compiled inline in the "
+        "one graph instead (correct, no reuse). Fix: move those parameters into a child "
+        "module, or use fsdp.mode: hooks.",
+        RegionCompileWarning, stacklevel=3,
+    )
+    rc = config.regions
+    return find_regions(model, include=rc.include, exclude=(*(rc.exclude or ()), *owning),
+                        min_repeats=rc.min_repeats)
 
 
 def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
@@ -290,7 +320,6 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
         if specs:
             mod.__class__ = _gather_class(type(mod), tuple(specs))
             done.append(fqn)
-    model.__dict__[GRAPH_ATTR] = tuple(done)
     return done
 
 
@@ -367,8 +396,3 @@ def sharded_call(model: nn.Module, config: AOTDistConfig) -> None:
         model, model._call_impl if inner is None else inner,
         param_dtype=_dtype(config.fsdp.param_dtype),
         reshard=config.fsdp.reshard_after_forward, compiled=inner is not None)
-
-
-def is_graph_sharded(model: nn.Module) -> bool:
-    """Whether :func:`shard_graph` sharded ``model``."""
-    return GRAPH_ATTR in vars(model)

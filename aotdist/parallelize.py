@@ -92,6 +92,10 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
     rc = config.regions
     plan = find_regions(model, include=rc.include, exclude=rc.exclude,
                         min_repeats=rc.min_repeats)
+    if graph_fsdp:  # drops (with a warning) regions graph mode cannot feed their shards
+        from aotdist.graph_fsdp import graph_plan
+
+        plan = graph_plan(model, plan, config)
 
     # 3. Mark regions (with activation checkpointing around each instance) *before*
     #    fully_shard: marking swaps each instance's class, and fully_shard swaps it again

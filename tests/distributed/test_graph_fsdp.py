@@ -381,6 +381,7 @@ def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: st
     out["restore_same"] = torch.allclose(before, after, rtol=1e-5, atol=1e-6)
     out["restore_compiled"] = aotdist.compile.is_compiled(model)
     out["breaking"] = _graph_break_region(rank, world_size)
+    out["scaled"] = _graph_break_region(rank, world_size, ScaledBlock)
     # a single-process eager checkpoint into graph mode
     torch.manual_seed(5)
     model = build_model("gpt", depth=DEPTH, vocab=VOCAB)
@@ -406,10 +407,22 @@ class BreakingBlock(torch.nn.Module):
         return x + self.out(h)
 
 
-class BreakingNet(torch.nn.Module):
-    def __init__(self, dim: int = 16, depth: int = 3):
+class ScaledBlock(torch.nn.Module):
+    """A block owning a parameter itself (a layer scale), not only through children."""
+
+    def __init__(self, dim: int):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(BreakingBlock(dim) for _ in range(depth))
+        self.fc = torch.nn.Linear(dim, dim)
+        self.gamma = torch.nn.Parameter(torch.rand(dim))
+
+    def forward(self, x):
+        return x + self.gamma * self.fc(x).tanh()
+
+
+class BreakingNet(torch.nn.Module):
+    def __init__(self, dim: int = 16, depth: int = 3, block=BreakingBlock):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(block(dim) for _ in range(depth))
         self.head = torch.nn.Linear(dim, 5)
 
     def forward(self, x):
@@ -418,14 +431,14 @@ class BreakingNet(torch.nn.Module):
         return self.head(x)
 
 
-def _graph_break_region(rank: int, world_size: int):
-    """Graph mode on a region with a graph break: a warning naming it, eager numbers."""
+def _graph_break_region(rank: int, world_size: int, block=BreakingBlock):
+    """Graph mode on a region it cannot reuse: a warning naming it, eager numbers."""
     import warnings
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = BreakingNet()
-    ref = BreakingNet()
+    model = BreakingNet(block=block)
+    ref = BreakingNet(block=block)
     ref.load_state_dict(model.state_dict())
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
     with warnings.catch_warnings(record=True) as caught:
@@ -504,6 +517,10 @@ def test_restore_and_graph_break_fallback(modes):
         assert brk["grads_ok"]
         assert any("BreakingBlock" in w and "cannot be a reusable subgraph" in w
                    for w in brk["warnings"]), brk["warnings"]
+        scaled = res["scaled"]
+        assert scaled["grads_ok"]
+        assert any("ScaledBlock" in w and "hold parameters on the region module" in w
+                   for w in scaled["warnings"]), scaled["warnings"]
 
 
 def _four(rank: int, world_size: int):
