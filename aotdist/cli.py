@@ -64,11 +64,12 @@ def _inspect(rank: int, world_size: int, opts: dict) -> str:
 
     model = _build(opts["model"], opts["depth"])
     config: dict = {"compile": {"enabled": False}}
+    fsdp_mode = opts.get("fsdp_mode", "hooks")
     if opts["fsdp"]:
-        config["fsdp"] = {"enabled": True, "mode": opts["fsdp_mode"]}
+        config["fsdp"] = {"enabled": True, "mode": fsdp_mode}
     if opts["float8"]:
         config["float8"] = {"enabled": True,
-                            "fsdp_all_gather": opts["fsdp"] and opts["fsdp_mode"] == "hooks"}
+                            "fsdp_all_gather": opts["fsdp"] and fsdp_mode == "hooks"}
     plan = aotdist.find_regions(model)
     if opts["fsdp"] or opts["float8"]:
         aotdist.parallelize(model, config)

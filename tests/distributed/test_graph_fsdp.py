@@ -382,6 +382,13 @@ def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: st
     out["restore_compiled"] = aotdist.compile.is_compiled(model)
     out["breaking"] = _graph_break_region(rank, world_size)
     out["scaled"] = _graph_break_region(rank, world_size, ScaledBlock)
+    torch._dynamo.reset()  # capture of a graph-mode model: collectives per graph
+    model = _model()
+    aotdist.parallelize(model, {"fsdp": GRAPH, "compile": {"enabled": False}})
+    cap = aotdist.capture(model, x, backend="aot_eager",
+                          loss_fn=lambda o: o.float().mean())
+    out["capture"] = {g.name: g.collectives for g in cap.graphs}
+    out["capture_summary"] = cap.summary()
     # a single-process eager checkpoint into graph mode
     torch.manual_seed(5)
     model = build_model("gpt", depth=DEPTH, vocab=VOCAB)
@@ -521,6 +528,16 @@ def test_restore_and_graph_break_fallback(modes):
         assert scaled["grads_ok"]
         assert any("ScaledBlock" in w and "hold parameters on the region module" in w
                    for w in scaled["warnings"]), scaled["warnings"]
+
+
+def test_capture_shows_collectives(modes):
+    (rank0, _), _, _ = modes
+    graphs = rank0["capture"]
+    fwd = next(v for k, v in graphs.items() if k.endswith("forward"))
+    bwd = next(v for k, v in graphs.items() if k.endswith("backward"))
+    assert fwd.get("all_gather_into_tensor", 0) > 0, graphs
+    assert bwd.get("reduce_scatter_tensor", 0) > 0, graphs
+    assert "collectives" in rank0["capture_summary"]
 
 
 def _four(rank: int, world_size: int):
