@@ -36,6 +36,7 @@ from aotdist.capture_recorder import _Recorder
 from aotdist.capture_report import Capture, RegionCapture
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fsdp import fsdp_modules, fsdp_params
+from aotdist.graph_fsdp import local_shards
 from aotdist.marking import _copy_function, mark_regions, unmark_regions
 from aotdist.metrics import track
 from aotdist.modes import CompileMode
@@ -139,7 +140,8 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
                 old_forwards = _install_frames(model, state, recording, calls)
                 out = model(*args, **kwargs)
             else:
-                out = torch.compile(_runner(), backend=recording)(model, args, kwargs)
+                with local_shards(model):  # graph-mode FSDP: regions read local shards
+                    out = torch.compile(_runner(), backend=recording)(model, args, kwargs)
             loss = loss_fn(out) if loss_fn is not None else out
             if (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
                 loss.backward()

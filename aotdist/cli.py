@@ -68,10 +68,12 @@ def _inspect(rank: int, world_size: int, opts: dict) -> str:
 
     model = _build(opts["model"], opts["depth"])
     config: dict = {"compile": {"enabled": False}}
+    fsdp_mode = opts.get("fsdp_mode", "hooks")
     if opts["fsdp"]:
-        config["fsdp"] = {"enabled": True}
+        config["fsdp"] = {"enabled": True, "mode": fsdp_mode}
     if opts["float8"]:
-        config["float8"] = {"enabled": True, "fsdp_all_gather": opts["fsdp"]}
+        config["float8"] = {"enabled": True,
+                            "fsdp_all_gather": opts["fsdp"] and fsdp_mode == "hooks"}
     plan = aotdist.find_regions(model)
     if opts["fsdp"] or opts["float8"]:
         aotdist.parallelize(model, config)
@@ -97,7 +99,8 @@ def _inspect(rank: int, world_size: int, opts: dict) -> str:
 
 
 def _cmd_inspect(args) -> int:
-    opts = {k: getattr(args, k) for k in ("model", "depth", "fsdp", "float8", "out", "backend")}
+    opts = {k: getattr(args, k) for k in ("model", "depth", "fsdp", "fsdp_mode", "float8", "out",
+                                          "backend")}
     if args.fsdp or args.nproc > 1:
         from aotdist.launch import run_distributed
 
@@ -151,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--backend", default="aot_eager", help="aot_eager or inductor")
     i.add_argument("--nproc", type=int, default=1, help="ranks (gloo on CPU); with --fsdp")
     i.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (aotdist.parallelize)")
+    i.add_argument("--fsdp-mode", default="hooks", choices=("hooks", "graph"),
+                   help="with --fsdp: FSDP2 units (hooks) or graph-mode FSDP (collectives in "
+                   "the graph, shown per graph)")
     i.add_argument("--float8", action="store_true",
                    help="torchao Float8 training (float8 all-gather with --fsdp)")
     i.add_argument("--out", default=None, help="save capture.json and one .py per graph")

@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_FSDP_MODES = ("hooks", "graph")
 _FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
@@ -109,21 +110,33 @@ class FSDPConfig(_Section):
         param_dtype: Mixed precision: the dtype parameters are all-gathered and
             computed in (``bfloat16``, ``float16``, ``float32``); ``null`` keeps theirs.
         reduce_dtype: Mixed precision: the dtype gradients are reduced in.
+        mode: ``hooks``: FSDP2 ``fully_shard`` units, each region compiled as its own
+            graph inside FSDP2's eager hooks. ``graph``: aotdist shards the parameters
+            as DTensors itself and puts the all-gather / reduce-scatter in the one
+            whole-model graph, each region an ``invoke_subgraph`` fed its own shards
+            (see ``aotdist.graph_fsdp``).
     """
 
     _key: typing.ClassVar[str] = "fsdp"
     enabled: bool = False
+    mode: str = "hooks"
     reshard_after_forward: bool = True
     param_dtype: str | None = None
     reduce_dtype: str | None = None
 
     def _rule_problems(self) -> list[str]:
-        return [
+        out = [
             f"fsdp.{name}: unknown dtype {value!r}; use one of {list(_DTYPES)} or null"
             for name, value in (("param_dtype", self.param_dtype),
                                 ("reduce_dtype", self.reduce_dtype))
             if value is not None and value not in _DTYPES
         ]
+        if self.mode not in _FSDP_MODES:
+            out.append(f"fsdp.mode: unknown mode {self.mode!r}; use one of {list(_FSDP_MODES)}")
+        elif self.mode == "graph" and not self.enabled:
+            out.append("fsdp.mode: graph shards the model, but fsdp.enabled is false. Fix: set "
+                       "fsdp.enabled: true, or drop fsdp.mode")
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -61,6 +61,17 @@ class GraphCapture:
     def num_ops(self) -> int:
         return sum(self.op_counts.values())
 
+    @property
+    def collectives(self) -> dict[str, int]:
+        """Functional collectives in the graph (graph-mode FSDP's all-gathers and
+        reduce-scatters), by op name without the namespace, ``wait_tensor`` left out."""
+        out: dict[str, int] = {}
+        for target, n in self.op_counts.items():
+            if "_c10d_functional" in target and "wait_tensor" not in target:
+                key = target.split(".")[-2] if target.count(".") >= 2 else target
+                out[key] = out.get(key, 0) + n
+        return out
+
     def to_dict(self) -> dict:
         """JSON-able copy without the ``GraphModule`` (``code`` is kept)."""
         return {k: v for k, v in vars(self).items() if k != "gm"}

@@ -16,6 +16,7 @@ from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigWarning, OrderingError
 from aotdist.float8 import convert_to_float8, warn_unverified_combination
 from aotdist.fsdp import check_not_sharded, default_mesh, shard
+from aotdist.graph_fsdp import check_graph_config, graph_plan, shard_graph, sharded_call
 from aotdist.marking import mark_regions
 from aotdist.regions import RegionPlan, find_regions
 from aotdist.state import INFO_ATTR, STATE_ATTR
@@ -69,6 +70,9 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
         ConfigError: A bad config, or ``fsdp.enabled`` without a process group.
     """
     config = as_config(config)
+    graph_fsdp = config.fsdp.enabled and config.fsdp.mode == "graph"
+    if graph_fsdp:
+        check_graph_config(config)
     _check_fresh(model)
     # Float8 conversion and FSDP2 must both come before the user's own fully_shard.
     check_not_sharded(model, allow_fsdp2=not (config.fsdp.enabled or config.float8.enabled))
@@ -89,6 +93,8 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
     rc = config.regions
     plan = find_regions(model, include=rc.include, exclude=rc.exclude,
                         min_repeats=rc.min_repeats)
+    if graph_fsdp:  # drops (with a warning) regions graph mode cannot feed their shards
+        plan = graph_plan(model, plan, config)
 
     # 3. Mark regions (with activation checkpointing around each instance) *before*
     #    fully_shard: marking swaps each instance's class, and fully_shard swaps it again
@@ -97,7 +103,12 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
 
     # 4. fully_shard each region instance, then the root: one all-gather per instance,
     #    issued as it runs; the root unit holds what is outside the regions.
-    sharded = shard(model, plan, config.fsdp, mesh) if config.fsdp.enabled else []
+    #    Graph mode (fsdp.mode: graph) instead shards every parameter as a DTensor itself;
+    #    the collectives then live in the compiled graph (aotdist.graph_fsdp).
+    if graph_fsdp:
+        sharded = shard_graph(model, config, mesh)
+    else:
+        sharded = shard(model, plan, config.fsdp, mesh) if config.fsdp.enabled else []
 
     # 5. Compile last, so FSDP2's hooks (installed in 4) stay outside compiled code and
     #    fire per instance: with FSDP each region is compiled once as its own graph,
@@ -106,6 +117,8 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
         cc = config.compile
         compile_regions(model, plan, backend=cc.backend, mode=cc.mode, dynamic=cc.dynamic,
                         options=cc.options)
+    if graph_fsdp:  # outermost, eager: local shards in the modules for each forward
+        sharded_call(model, config)
 
     model.__dict__[INFO_ATTR] = ParallelizeInfo(
         config=config, plan=plan, float8_fqns=tuple(float8_fqns),

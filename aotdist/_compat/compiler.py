@@ -12,6 +12,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
+try:  # graph-mode FSDP's traceable collectives (see functional_collectives)
+    import torch.distributed._functional_collectives as _funcol
+except ImportError:  # a torch built without distributed support
+    _funcol = None
+
 from aotdist._compat._base import _attr, _unavailable
 
 __all__ = [
@@ -69,6 +74,18 @@ def root_call_function() -> Callable:
     """
     fn = _root_call
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+
+
+def functional_collectives():
+    """``torch.distributed._functional_collectives``: the traceable collectives graph-mode
+    FSDP puts in the graph (torch 2.11, 2.15). ``all_gather_single`` /
+    ``reduce_scatter_single`` are the newer names (2.15); 2.11 has ``all_gather_tensor`` /
+    ``reduce_scatter_tensor`` only: callers probe for either. Imported with this module,
+    not here: Dynamo cannot trace ``importlib`` inside the graph that calls this."""
+    if _funcol is None:
+        raise _unavailable("torch.distributed._functional_collectives (a torch built with "
+                     "distributed support)")
+    return _funcol
 
 
 def tree_map(fn: Callable, tree: Any) -> Any:
@@ -224,13 +241,6 @@ def tree_leaves(tree: Any) -> list:
     import torch.utils._pytree as pytree
 
     return pytree.tree_leaves(tree)
-
-
-def tree_map(fn: Callable, tree: Any) -> Any:
-    """``torch.utils._pytree.tree_map`` (torch 2.11, 2.15)."""
-    import torch.utils._pytree as pytree
-
-    return pytree.tree_map(fn, tree)
 
 
 

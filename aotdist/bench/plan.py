@@ -99,7 +99,9 @@ def plan_cases(*, models: Sequence[str] | None = None, depths: Sequence[int] | N
         subs = QUICK_JOB if quick else MAIN_JOB
     else:
         default_depths = (2,) if quick else (2, 8, 32)
-        subs = tuple(SubBench(m, tuple(depths or default_depths), nproc=n)
+        # On several ranks, aotdist's graph-mode FSDP runs beside the FSDP2 strategies.
+        subs = tuple(SubBench(m, tuple(depths or default_depths), nproc=n,
+                              strategies=ALL_STRATEGIES + (("aotdist-graph",) if n > 1 else ()))
                      for m in (models or ("gpt",)) for n in (nprocs or (1,)))
     return [Case(sb.model, d, s, sb.nproc) for sb in subs for d in sb.depths
             for s in (strategies or sb.strategies)]

@@ -165,6 +165,27 @@ def _aotdist(model: nn.Module, setup: Setup) -> nn.Module:
     })
 
 
+@register_strategy("aotdist-graph", description="aotdist.parallelize with fsdp.mode: graph "
+                   "under --nproc: DTensor shards, all-gather / reduce-scatter inside the one "
+                   "whole-model graph, regions invoke_subgraph (as aotdist in one process)",
+                   notes=lambda model: "" if _graph_sharded(model) else
+                   "one process: no sharding, same as aotdist")
+def _aotdist_graph(model: nn.Module, setup: Setup) -> nn.Module:
+    import aotdist
+
+    return aotdist.parallelize(model, {
+        "compile": {"backend": setup.backend},
+        "fsdp": {"enabled": setup.fsdp, "mode": "graph" if setup.fsdp else "hooks"},
+        "float8": {"enabled": setup.float8},
+    })
+
+
+def _graph_sharded(model: nn.Module) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 ARTIFACTS_ENV = "AOTDIST_BENCH_ARTIFACTS"
 
 

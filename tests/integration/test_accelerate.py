@@ -177,7 +177,7 @@ def eager_losses():
     return _run(cmd, ROOT)
 
 
-@pytest.mark.parametrize("config", ["regional_compile", "fsdp2"])
+@pytest.mark.parametrize("config", ["regional_compile", "fsdp2", "fsdp_graph"])
 def test_recipe_under_accelerate_launch_matches_eager(config, eager_losses):
     losses = _run(_launch("--aotdist-config", f"configs/aotdist/{config}.yaml",
                           "--backend", "aot_eager", "--steps", "4"), ROOT)

@@ -310,6 +310,8 @@ def _model_parallel_runs(rank: int, world_size: int):
         "eager_float8": (ShardedByUser(float8=True), []),
         "aotdist_float8": (GPTModule(), [RegionalCompile({**AOT, "float8": FLOAT8})]),
         "user_parallelize": (ParallelizedByUser(), [RegionalCompile(AOT)]),
+        "aotdist_graph": (GPTModule(), [RegionalCompile(
+            {**AOT, "fsdp": {"enabled": True, "mode": "graph"}})]),
     }
     out = {}
     for name, (module, callbacks) in runs.items():
@@ -330,7 +332,8 @@ def test_model_parallel_fsdp2_with_and_without_float8():
     rank0 = run_distributed(_model_parallel_runs, 2, timeout=420)[0]
     for eager, compiled, tol in (("eager", "aotdist", {"rtol": 1e-5, "atol": 1e-6}),
                                  ("eager_float8", "aotdist_float8", {"rtol": 1e-4, "atol": 1e-5}),
-                                 ("eager", "user_parallelize", {"rtol": 1e-5, "atol": 1e-6})):
+                                 ("eager", "user_parallelize", {"rtol": 1e-5, "atol": 1e-6}),
+                                 ("eager", "aotdist_graph", {"rtol": 1e-5, "atol": 1e-6})):
         torch.testing.assert_close(torch.tensor(rank0[compiled]["losses"]),
                                    torch.tensor(rank0[eager]["losses"]), **tol)
         _assert_same_params(rank0[compiled]["params"], rank0[eager]["params"], **tol)
@@ -340,6 +343,8 @@ def test_model_parallel_fsdp2_with_and_without_float8():
     assert rank0["user_parallelize"]["how"] == "user"  # not applied a second time
     assert rank0["aotdist_float8"]["weight"] == "WeightWithDynamicFloat8CastTensor"
     assert rank0["aotdist"]["sharded"] == "FSDPModule"  # FSDP2's class around the block
+    assert rank0["aotdist_graph"]["sharded"] == "GPTBlock"  # graph mode: no FSDP2 unit
+    assert rank0["aotdist_graph"]["logged"]["aotdist/graphs"] == 1
     # Float8 really changed the numbers (the comparison above is not fp32 vs fp32)
     assert rank0["eager_float8"]["losses"][1:] != rank0["eager"]["losses"][1:]
 

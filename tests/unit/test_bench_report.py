@@ -213,3 +213,10 @@ def test_saved_bytes_counts_a_subclass_by_its_inner_tensors():
     with SavedBytes() as s:
         (t * t).sum()  # mul saves both operands: one TwoTensor, two inner storages
     assert s.activation_bytes == 2 * 4 * 4
+
+
+def test_graph_mode_fsdp_runs_beside_fsdp2_on_several_ranks():
+    two = plan_cases(nprocs=[2], depths=[2])
+    assert {c.strategy for c in two} == {"eager", "full", "accelerate", "aotdist", "aotdist-graph"}
+    one = plan_cases(nprocs=[1], depths=[2])
+    assert "aotdist-graph" not in {c.strategy for c in one}

@@ -1,0 +1,396 @@
+"""Graph-mode FSDP (``fsdp.mode: graph``): the collectives inside the one whole-model graph.
+
+FSDP2's hooks are ``torch._dynamo.disable``-d, so under ``fsdp.mode: hooks`` each region
+compiles as a graph of its own inside eager hooks. Graph mode follows the SimpleFSDP
+design instead (torchtitan ``experiments/simple_fsdp``, arXiv 2411.00284): aotdist shards
+every parameter itself as a DTensor (``Shard(0)`` on the 1-D mesh, FSDP2's placement),
+and the all-gather / reduce-scatter are differentiable functional collectives that the
+compiler sees, so the model stays one Dynamo graph and each region stays one reused
+``invoke_subgraph``.
+
+How a region sees its parameters, while ``self`` stays a real argument of the region (the
+class-swap marking that keeps Dynamo's subgraph reuse correct):
+
+- ``named_parameters()`` / ``state_dict()`` / the optimizer see the DTensor parameters
+  (``Shard(0)``), as under FSDP2; ``clip_grad_norm_`` and DCP work on them.
+- Each module that owns parameters gets a per-(class, shapes) subclass with a property per
+  parameter (as ``torch.nn.utils.parametrize`` does). Outside a forward the property
+  returns the DTensor shard (FSDP2's behaviour). During a forward the model's call wrapper
+  (:class:`ShardedCall`, eager, outside the compiled graph) puts each parameter's *local
+  shard* (``to_local()``: its gradient returns to the DTensor as ``Shard(0)``) in the
+  module's ``_parameters``; the property then all-gathers it with
+  ``torch.distributed._functional_collectives`` inside whatever graph reads it. Inside a
+  region that is the region's subgraph, fed its own local shards: no DTensor enters an
+  ``invoke_subgraph`` (a DTensor ``redistribute`` there fails at AOT time).
+- The gather's backward reduce-scatters the gradient (average over the mesh). Uneven first
+  dims are padded to ``ceil(n / world) * world`` for both collectives and cut after.
+- ``reshard_after_forward: true`` wraps each gather (only the gather: pad, cast,
+  collective) in selective activation checkpointing with a ``MUST_RECOMPUTE`` policy (as
+  SimpleFSDP does): backward gathers again, nothing gathered is saved for backward. Plain
+  checkpointing gives the same graphs on torch 2.15 but not on 2.11, where the
+  partitioner then saves the gathered parameters (seen in the saved-tensor test).
+  ``false`` keeps the gathered parameters for backward.
+- ``param_dtype`` casts before the gather, ``reduce_dtype`` before the reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from aotdist import _compat
+from aotdist.config import AOTDistConfig
+from aotdist.errors import ConfigError, RegionCompileWarning
+from aotdist.regions import RegionPlan, find_regions
+
+__all__ = [
+    "GatherSpec",
+    "ShardedCall",
+    "check_graph_config",
+    "graph_plan",
+    "local_shards",
+    "shard_graph",
+    "sharded_call",
+]
+
+@dataclass(frozen=True)
+class GatherSpec:
+    """How one parameter is gathered: a constant of its module's class (one per shape)."""
+
+    shape: tuple[int, ...]  # the full (unsharded) shape
+    group: str  # the process group's name (functional collectives take it in graphs)
+    world: int
+    reshard: bool
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+    @property
+    def padded(self) -> int:
+        """The first dim padded to a multiple of the world size."""
+        chunk = -(-self.shape[0] // self.world) if self.shape else 1
+        return chunk * self.world
+
+
+def _all_gather(x: torch.Tensor, group: str) -> torch.Tensor:
+    funcol = _compat.functional_collectives()
+    # torch >= 2.15 renamed all_gather_tensor (kept, deprecated); 2.11 has only the old name
+    fn = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return funcol.wait_tensor(fn(x, 0, group))
+
+
+def _reduce_scatter_avg(x: torch.Tensor, group: str) -> torch.Tensor:
+    funcol = _compat.functional_collectives()
+    fn = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return funcol.wait_tensor(fn(x, "avg", 0, group))
+
+
+def _all_reduce_avg(x: torch.Tensor, group: str) -> torch.Tensor:
+    funcol = _compat.functional_collectives()
+    return funcol.wait_tensor(funcol.all_reduce(x, "avg", group))
+
+
+def _pad0(t: torch.Tensor, size: int) -> torch.Tensor:
+    if t.shape[0] == size:
+        return t
+    return torch.cat([t, t.new_zeros((size - t.shape[0], *t.shape[1:]))])
+
+
+class _GatherShard(torch.autograd.Function):
+    """All-gather of a ``Shard(0)`` local shard; backward: reduce-scatter, averaged."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
+        ctx.spec, ctx.local_rows, ctx.local_dtype = spec, local.shape[0], local.dtype
+        x = local if spec.param_dtype is None else local.to(spec.param_dtype)
+        x = _pad0(x, spec.padded // spec.world).contiguous()
+        full = _all_gather(x, spec.group)
+        if spec.reshard and not torch.compiler.is_compiling():
+            full._aotdist_regather = (local, spec)  # eager: see _pack_gathered
+        return full if spec.padded == spec.shape[0] else full[: spec.shape[0]]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec = ctx.spec
+        g = grad if spec.reduce_dtype is None else grad.to(spec.reduce_dtype)
+        g = _pad0(g, spec.padded).contiguous()
+        out = _reduce_scatter_avg(g, spec.group)
+        return out[: ctx.local_rows].to(ctx.local_dtype), None
+
+
+class _AverageGrad(torch.autograd.Function):
+    """A replicated (0-dim) parameter: identity forward, gradient averaged over the mesh."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
+        ctx.spec, ctx.local_dtype = spec, local.dtype
+        return local.clone() if spec.param_dtype is None else local.to(spec.param_dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec = ctx.spec
+        g = grad if spec.reduce_dtype is None else grad.to(spec.reduce_dtype)
+        out = _all_reduce_avg(g.contiguous(), spec.group)
+        return out.to(ctx.local_dtype), None
+
+
+def _recompute_policy(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_RECOMPUTE  # everything in a gather: pad, cast, collective
+
+
+def _recompute_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_recompute_policy)
+
+
+def _gather_fn(local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
+    fn = _AverageGrad if not spec.shape else _GatherShard
+    return fn.apply(local, spec)
+
+
+def gather(local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
+    """The full parameter from this rank's local shard (differentiable, traceable)."""
+    if (spec.reshard and spec.shape and torch.is_grad_enabled() and local.requires_grad
+            and torch.compiler.is_compiling()):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(_gather_fn, local, spec, use_reentrant=False,
+                          context_fn=_recompute_context)
+    return _gather_fn(local, spec)
+
+
+def _pack_gathered(t: torch.Tensor):
+    """Eager ``reshard_after_forward``: a gathered parameter (or a view of one) that autograd
+    saves is kept as its local shard and gathered again when backward unpacks it."""
+    base = t if hasattr(t, "_aotdist_regather") else t._base
+    src = getattr(base, "_aotdist_regather", None) if base is not None else None
+    if src is None:
+        return t
+    return (src, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+
+def _unpack_gathered(packed):
+    if isinstance(packed, torch.Tensor):
+        return packed
+    (local, spec), size, stride, offset = packed
+    with torch.no_grad():
+        x = local if spec.param_dtype is None else local.to(spec.param_dtype)
+        full = _all_gather(_pad0(x, spec.padded // spec.world).contiguous(), spec.group)
+    return full.as_strided(size, stride, offset)
+
+
+def _param_property(name: str) -> property:
+    def getter(self):
+        p = self._parameters[name]
+        if p is None or isinstance(p, torch.distributed.tensor.DTensor):
+            return p  # outside a forward: the sharded DTensor, as under FSDP2
+        return gather(p, type(self)._aotdist_gather[name])
+
+    return property(getter, lambda self, value: nn.Module.__setattr__(self, name, value))
+
+
+def _reduce_as_base(self, protocol):
+    import copyreg
+
+    return (copyreg._reconstructor, (type(self)._aotdist_gather_base, object, None),
+            vars(self).copy())
+
+
+@functools.cache
+def _gather_class(base: type, specs: tuple[tuple[str, GatherSpec], ...]) -> type:
+    """``base`` with a gathering property per parameter; one class per (base, specs)."""
+    namespace = {name: _param_property(name) for name, _ in specs}
+    namespace.update(
+        _aotdist_gather=dict(specs), _aotdist_gather_base=base,
+        __module__=base.__module__, __qualname__=base.__qualname__,
+        __reduce_ex__=_reduce_as_base,
+    )
+    return type(base.__name__, (base,), namespace)
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+def check_graph_config(config: AOTDistConfig) -> None:
+    """Refuses what graph mode cannot do, before anything changes.
+
+    Raises:
+        ConfigError: Float8 all-gather with ``fsdp.mode: graph``.
+    """
+    if config.float8.enabled and config.float8.fsdp_all_gather:
+        raise ConfigError(
+            "float8.fsdp_all_gather is not supported with fsdp.mode: graph: torchao's float8 "
+            "all-gather is built on FSDP2's fsdp_pre_all_gather/fsdp_post_all_gather "
+            "extension hooks of its weight tensor subclass, which only fully_shard calls; graph "
+            "mode gathers plain local shards with functional collectives inside a region's "
+            "invoke_subgraph, where no tensor subclass may enter. Fix: set "
+            "float8.fsdp_all_gather: false (weights are gathered in high precision and cast to "
+            "float8 in the graph), or use fsdp.mode: hooks."
+        )
+
+
+def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> RegionPlan:
+    """The plan without regions whose instances own parameters themselves (not in a child).
+
+    Such an instance would need the gathering property on its own class, which the region
+    marking swaps on demotion; it is left unmarked instead: compiled inline in the one
+    graph, collectives included, with a warning naming it.
+    """
+    owning = sorted({r.module_type.__name__ for r in plan for f in r.fqns
+                     if any(p is not None for p in model.get_submodule(f)._parameters.values())})
+    if not owning:
+        return plan
+    warnings.warn(
+        f"fsdp.mode: graph: region(s) {owning} hold parameters on the region module itself, "
+        "which graph mode cannot feed to a reused subgraph; they are compiled inline in the "
+        "one graph instead (correct, no reuse). Fix: move those parameters into a child "
+        "module, or use fsdp.mode: hooks.",
+        RegionCompileWarning, stacklevel=3,
+    )
+    rc = config.regions
+    return find_regions(model, include=rc.include, exclude=(*(rc.exclude or ()), *owning),
+                        min_repeats=rc.min_repeats)
+
+
+def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
+    """Shards every parameter of ``model`` as a ``Shard(0)`` DTensor for graph mode.
+
+    No communication: every rank keeps its chunk of the (identically initialized) full
+    parameter, as ``fully_shard`` does. Shared parameters stay shared.
+
+    Args:
+        model: The marked (not yet compiled) model; its parameter-owning modules change class.
+        config: The config (``fsdp`` section used).
+        mesh: A 1-D device mesh.
+
+    Returns:
+        FQNs of the modules whose parameters were sharded.
+
+    Raises:
+        ConfigError: ``mesh`` is not 1-D, or parameters sit on another device type.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if mesh.ndim != 1:
+        raise ConfigError(f"fsdp.mode: graph needs a 1-D device mesh; got {mesh.ndim}-D {mesh}. "
+                          "Fix: pass mesh=init_device_mesh(device_type, (world_size,)).")
+    fc = config.fsdp
+    group = mesh.get_group()
+    world, rank = mesh.size(), mesh.get_local_rank()
+    done, new_params = [], {}
+    for fqn, mod in list(model.named_modules()):
+        specs = []
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            spec = GatherSpec(
+                shape=tuple(p.shape), group=group.group_name, world=world,
+                reshard=fc.reshard_after_forward, param_dtype=_dtype(fc.param_dtype),
+                reduce_dtype=_dtype(fc.reduce_dtype),
+            )
+            specs.append((name, spec))
+            if id(p) not in new_params:
+                if isinstance(p, DTensor):
+                    raise ConfigError(f"parameter {fqn}.{name} is already a DTensor; graph mode "
+                                      "shards plain parameters. Fix: pass the unsharded model.")
+                if p.device.type != mesh.device_type:
+                    raise ConfigError(
+                        f"parameter {fqn}.{name} is on {p.device}, the mesh on "
+                        f"{mesh.device_type}. Fix: move the model to the mesh's device first.")
+                if p.ndim == 0:
+                    local, placement = p.detach(), Replicate()
+                else:
+                    chunk = spec.padded // world
+                    lo, hi = min(rank * chunk, p.shape[0]), min((rank + 1) * chunk, p.shape[0])
+                    local, placement = p.detach()[lo:hi].clone(), Shard(0)
+                dt = DTensor.from_local(local, mesh, [placement], run_check=False,
+                                        shape=p.shape, stride=p.stride())
+                new_params[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            mod._parameters[name] = new_params[id(p)]
+        if specs:
+            mod.__class__ = _gather_class(type(mod), tuple(specs))
+            done.append(fqn)
+    return done
+
+
+def _slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    return [(m, n) for _, m in model.named_modules(remove_duplicate=False)
+            for n, p in m._parameters.items()
+            if isinstance(p, torch.distributed.tensor.DTensor)]
+
+
+@contextlib.contextmanager
+def local_shards(model: nn.Module, slots: list[tuple[nn.Module, str]] | None = None):
+    """Within: each DTensor parameter's module holds its local shard (``p.to_local()``,
+    whose gradient returns to the DTensor as ``Shard(0)``), which the module's gathering
+    property all-gathers where it is read. A no-op on a model graph mode did not shard."""
+    slots = _slots(model) if slots is None else slots
+    saved, locals_ = [], {}
+    try:
+        for mod, name in slots:
+            p = mod._parameters[name]
+            if id(p) not in locals_:  # a shared parameter: one local shard, one gradient
+                locals_[id(p)] = p.to_local()
+            saved.append((mod, name, p))
+            mod._parameters[name] = locals_[id(p)]
+        yield
+    finally:
+        for mod, name, p in saved:
+            mod._parameters[name] = p
+
+
+class ShardedCall:
+    """The model's call in graph mode: :func:`local_shards` around ``inner``.
+
+    Runs eagerly, outside the compiled graph, around ``inner`` (the compiled or eager
+    ``_call_impl``); the DTensor parameters are back in place when it returns or raises.
+    """
+
+    def __init__(self, model: nn.Module, inner, *, param_dtype: torch.dtype | None = None,
+                 reshard: bool = True, compiled: bool = True):
+        self._inner = inner
+        self._param_dtype = param_dtype
+        self._reshard = reshard
+        self._eager_reshard = reshard and not compiled
+        self._slots = _slots(model)
+
+    @property
+    def inner(self):
+        """The wrapped call (the compiled ``_call_impl``, or the eager one)."""
+        return self._inner
+
+    def uncompile(self, model: nn.Module) -> None:
+        """Calls ``model``'s eager ``_call_impl`` from now on (``aotdist.restore``)."""
+        self._inner = _compat.call_impl(model)
+        self._eager_reshard = self._reshard
+
+    def __call__(self, *args, **kwargs):
+        with local_shards(None, self._slots):
+            if self._param_dtype is not None:  # as FSDP2's root casts its forward inputs
+                args, kwargs = _compat.tree_map(self._cast, (args, kwargs))
+            if self._eager_reshard:  # compiled graphs recompute the gathers themselves
+                with torch.autograd.graph.saved_tensors_hooks(_pack_gathered, _unpack_gathered):
+                    return self._inner(*args, **kwargs)
+            return self._inner(*args, **kwargs)
+
+    def _cast(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(self._param_dtype)
+        return x
+
+
+def sharded_call(model: nn.Module, config: AOTDistConfig) -> None:
+    """Wraps ``model``'s call (compiled or not) in :class:`ShardedCall`."""
+    inner = _compat.compiled_call(model)
+    _compat.set_compiled_call(model, ShardedCall(
+        model, _compat.call_impl(model) if inner is None else inner,
+        param_dtype=_dtype(config.fsdp.param_dtype),
+        reshard=config.fsdp.reshard_after_forward, compiled=inner is not None))

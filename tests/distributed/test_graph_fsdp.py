@@ -1,0 +1,585 @@
+"""Graph-mode FSDP (``fsdp.mode: graph``) on 2 CPU ranks (gloo) against single-process eager.
+
+Each rank trains on its slice of every global batch (split again into micro-batches with
+gradient accumulation where a config says so); the reference is one process training the
+same model eagerly on the same slices, every loss divided by the number of slices, which
+is what the averaged reduce-scatter computes. The vocabulary (63) makes the embedding and
+head first dims indivisible by the world size. All configs run in one spawn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import aotdist
+from aotdist import metrics
+from aotdist.testing import build_model, example_inputs, run_distributed
+
+DEPTH = 3
+STEPS = 4
+BATCH_PER_RANK = 2
+VOCAB = 63  # not divisible by 2 or 4: uneven Shard(0) of tok.weight, head.weight, head.bias
+
+GRAPH = {"enabled": True, "mode": "graph"}
+_OLD_DYNAMO = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 15)
+CONFIGS = {
+    "graph": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"}},
+    "graph+noreshard": {"fsdp": {**GRAPH, "reshard_after_forward": False},
+                        "compile": {"backend": "aot_eager"}},
+    "graph+ac+adamw+accum+clip": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"},
+                                  "ac": {"enabled": True}},
+    "graph+eager": {"fsdp": GRAPH, "compile": {"enabled": False}},
+    "graph+float8": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"},
+                     "float8": {"enabled": True}},
+}
+TRAIN = {  # optimizer, micro-batches per rank, clip_grad_norm_ max norm
+    "graph": ("sgd", 1, None),
+    "graph+noreshard": ("sgd", 1, None),
+    "graph+ac+adamw+accum+clip": ("adamw", 2, 0.05),
+    "graph+eager": ("adamw", 1, None),
+    "graph+float8": ("sgd", 1, None),
+}
+
+
+def _model(float8: dict | None = None):
+    torch.manual_seed(0)
+    model = build_model("gpt", depth=DEPTH, vocab=VOCAB)
+    if float8:  # the reference: the same conversion (head: vocab 63, kept high precision)
+        from aotdist.config import Float8Config
+        from aotdist.float8 import convert_to_float8
+
+        convert_to_float8(model, Float8Config(**float8))
+    return model
+
+
+def _tol(name: str) -> dict:
+    # float8 rounds to 3 mantissa bits: a last-bit difference in a reduction order can move
+    # one element to the next float8 value
+    # one element to the next float8 value. Seen (torch 2.15, torchao): the last block and
+    # the head match to 1e-7, earlier blocks drift as backward carries such flips (<= 4.4e-4).
+    return {"rtol": 1e-3, "atol": 5e-4} if "float8" in name else {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.5)
+    # eps well above roundoff: the key bias's gradient is 0 up to roundoff (softmax ignores
+    # it), and Adam with a tiny eps turns that noise into full-size, order-dependent steps
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)
+
+
+def _batches(model, n_slices: int):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        (x,), y = example_inputs(model, BATCH_PER_RANK * n_slices, generator=g)
+        yield x.chunk(n_slices), y.chunk(n_slices)
+
+
+def _loss(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+class _SavedTensors:
+    """Records what autograd saves for backward; flags tensors equal to a gathered parameter."""
+
+    def __init__(self, named_params):
+        # A parameter whose local shard is the whole tensor (``pos``: first dim 1, all on
+        # rank 0) cannot be told from its shard, which checkpointing saves: skipped.
+        full = [(n, p.full_tensor().detach(), p.to_local().shape) for n, p in named_params]
+        self.full = [(n, f) for n, f, local in full if f.shape != local]
+        self.count = self.bytes = self.gathered = self.gathered_bytes = 0
+        self.names = []
+
+    def _gathered_name(self, t: torch.Tensor) -> str | None:
+        for n, p in self.full:
+            for q in (p, p.t()) if p.ndim == 2 else (p,):
+                if t.shape == q.shape and t.dtype == q.dtype and torch.equal(t, q):
+                    return n
+        return None
+
+    def pack(self, t):
+        self.count += 1
+        self.bytes += t.numel() * t.element_size()
+        name = self._gathered_name(t.detach())
+        if name is not None:
+            self.names.append(name)
+            self.gathered += 1
+            self.gathered_bytes += t.numel() * t.element_size()
+        return t
+
+    def to_dict(self) -> dict:
+        return {"count": self.count, "bytes": self.bytes, "gathered": self.gathered,
+                "gathered_bytes": self.gathered_bytes, "regather": self.regather,
+                "names": self.names}
+
+    regather = 0
+
+    def watch_eager_packing(self):
+        """Eager graph mode packs saved tensors itself (inner hooks hide them from ours):
+        record what its pack hook keeps, and how many it will gather again."""
+        from aotdist import graph_fsdp
+
+        original = graph_fsdp._pack_gathered
+
+        def pack(t):
+            out = original(t)
+            if isinstance(out, torch.Tensor):
+                return self.pack(out)
+            self.regather += 1
+            return out
+
+        graph_fsdp._pack_gathered = pack
+
+
+def _train(rank: int, world_size: int, name: str, *, config: dict | None = None):
+    import torch.distributed as dist
+
+    optim, accum, clip = TRAIN[name]
+    model = _model()
+    aotdist.parallelize(model, CONFIGS[name] if config is None else config)
+    opt = _optimizer(optim, model.parameters())
+    batches = list(_batches(model, world_size * accum))
+    losses, saved, norms = [], None, []
+    windows = []
+    for step, (xs, ys) in enumerate(batches):
+        hooks = None
+        if step == STEPS - 1:  # the saved tensors of a compiled (not first) step
+            hooks = _SavedTensors(list(model.named_parameters()))
+            hooks.watch_eager_packing()
+        with metrics.track(model) as m:
+            total = torch.zeros(())
+            for i in range(accum):
+                k = rank * accum + i
+                if hooks is not None:
+                    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
+                        loss = _loss(model, xs[k], ys[k]) / accum
+                else:
+                    loss = _loss(model, xs[k], ys[k]) / accum
+                loss.backward()
+                total += loss.detach()
+            if clip is not None:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor()
+                             .item())
+            opt.step()
+            opt.zero_grad()
+        windows.append(m.to_dict())
+        if hooks is not None:
+            saved = hooks.to_dict()
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        losses.append(total.item())
+    params = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    types = {type(p).__name__ for p in model.parameters()}
+    float8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    grad_types = {type(p.grad).__name__ for p in model.parameters() if p.grad is not None}
+    return {"losses": losses, "params": params if rank == 0 else None, "first": windows[0],
+            "later": windows[1:], "saved": saved, "norms": norms, "param_types": types,
+            "keys": list(model.state_dict()), "grad_types": grad_types, "float8": float8}
+
+
+def _train_configs(rank: int, world_size: int, names: list[str]):
+    out = {}
+    for name in names:
+        torch._dynamo.reset()
+        out[name] = _train(rank, world_size, name)
+    return out
+
+
+def _reference(name: str, world_size: int):
+    optim, accum, clip = TRAIN[name]
+    model = _model(CONFIGS[name].get("float8"))
+    opt = _optimizer(optim, model.parameters())
+    n = world_size * accum
+    losses, norms = [], []
+    for xs, ys in _batches(model, n):
+        total = 0.0
+        for x, y in zip(xs, ys, strict=True):
+            loss = _loss(model, x, y) / n
+            loss.backward()
+            total += loss.item()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}, norms
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(_train_configs, 2, list(CONFIGS), timeout=560)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_single_process_eager(two_ranks, name):
+    rank0, rank1 = two_ranks
+    got = rank0[name]
+    ref_losses, ref_params, ref_norms = _reference(name, 2)
+    assert rank1[name]["losses"] == got["losses"]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses),
+                               **_tol(name))
+    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms),
+                               **_tol(name))
+    assert got["keys"] == list(ref_params)  # the plain model's keys
+    assert got["param_types"] == {"DTensor"} and got["grad_types"] in (set(), {"DTensor"})
+    initial = _model().state_dict()
+    for key, ref in ref_params.items():
+        torch.testing.assert_close(got["params"][key], ref, **_tol(name),
+                                   msg=lambda m, k=key: f"{name}: {k} differs: {m}")
+        assert not torch.equal(ref, initial[key]), f"{key} never trained: vacuous test"
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "graph+eager"])
+def test_one_graph_one_subgraph_no_recompiles(two_ranks, name):
+    for res in two_ranks:
+        first = res[name]["first"]
+        assert first["mode"] == "graph"
+        assert first["graphs"] == 1 and first["num_graph_breaks"] == 0, first
+        region = first["regions"]["GPTBlock"]
+        if _OLD_DYNAMO:
+            # torch 2.11: Dynamo's subgraph dedup raises KeyError('example_value') on a
+            # collective inside an autograd.Function inside invoke_subgraph; aotdist demotes
+            # the region (inlined into the one graph, with a warning): correct, no reuse.
+            assert "example_value" in first["demoted"].get("GPTBlock", ""), first
+            assert region["inlined"] == DEPTH, region
+        else:
+            assert region["call_sites"] == DEPTH and region["subgraphs"] == 1, region
+        for later in res[name]["later"]:
+            assert later["recompiles"] == [] and later["frames_compiled"] == 0, later
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_saved_for_backward(two_ranks, name):
+    for res in two_ranks:
+        saved = res[name]["saved"]
+        assert saved["count"] > 0  # the hooks saw the step's saved tensors
+        if "float8" in CONFIGS[name]:
+            # Known limit (torch 2.15, torchao): the partitioner keeps the gathered bias of
+            # each block's last Float8Linear (a 1-D copy); no gathered weight is saved.
+            assert set(saved["names"]) <= {f"blocks.{i}.mlp.proj.bias" for i in range(DEPTH)}
+        elif CONFIGS[name]["fsdp"].get("reshard_after_forward", True):
+            assert saved["gathered"] == 0, saved  # backward gathers again
+            if not CONFIGS[name]["compile"].get("enabled", True):
+                assert saved["regather"] >= 4 * DEPTH, saved
+        else:
+            # every block's linear weights at least stay gathered for backward
+            assert saved["gathered"] >= 4 * DEPTH, saved
+
+
+def test_float8_layers_in_graph_mode(two_ranks):
+    assert two_ranks[0]["graph+float8"]["float8"] == 4 * DEPTH  # every block linear
+    assert two_ranks[0]["graph"]["float8"] == 0
+
+
+INDUCTOR = {"fsdp": GRAPH, "compile": {"backend": "inductor"}}
+
+
+def _inductor(rank: int, world_size: int):
+    return _train(rank, world_size, "graph", config=INDUCTOR)
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_inductor_matches_eager():
+    rank0, _ = run_distributed(_inductor, 2, timeout=580)
+    ref_losses, ref_params, _ = _reference("graph", 2)
+    torch.testing.assert_close(torch.tensor(rank0["losses"]), torch.tensor(ref_losses),
+                               rtol=1e-4, atol=1e-4)
+    for key, ref in ref_params.items():
+        torch.testing.assert_close(rank0["params"][key], ref, rtol=1e-4, atol=1e-4)
+    assert rank0["first"]["backend_seconds"] > 0  # Inductor really compiled
+    if not _OLD_DYNAMO:
+        assert rank0["first"]["regions"]["GPTBlock"]["subgraphs"] == 1
+    assert all(w["recompiles"] == [] for w in rank0["later"])
+    assert rank0["saved"]["gathered"] == 0
+
+
+def test_config_keys():
+    from aotdist.errors import ConfigError
+
+    cfg = aotdist.AOTDistConfig.from_dict({"fsdp": {"enabled": True, "mode": "graph"}})
+    assert cfg.fsdp.mode == "graph"
+    assert aotdist.AOTDistConfig().fsdp.mode == "hooks"
+    with pytest.raises(ConfigError, match="fsdp.mode: unknown mode 'simple'"):
+        aotdist.AOTDistConfig.from_dict({"fsdp": {"enabled": True, "mode": "simple"}})
+    with pytest.raises(ConfigError, match="fsdp.enabled: true"):
+        aotdist.AOTDistConfig.from_dict({"fsdp": {"mode": "graph"}})
+    with pytest.raises(ConfigError, match="fsdp_all_gather is not supported with fsdp.mode"):
+        aotdist.parallelize(build_model("gpt", depth=2), {
+            "fsdp": GRAPH, "float8": {"enabled": True, "fsdp_all_gather": True}})
+
+
+# --- mixed precision and checkpoints across modes (one more spawn) -------------------------
+
+MP = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+MODES = {
+    "graph": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"}},
+    "hooks": {"fsdp": {"enabled": True}, "compile": {"backend": "aot_eager"}},
+}
+
+
+def _full(sd) -> dict:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in sd.items()}
+
+
+def _sgd_steps(model, rank, world_size, steps):
+    import torch.distributed as dist
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for xs, ys in list(_batches(model, world_size))[:steps]:
+        loss = _loss(model, xs[rank], ys[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(loss := loss.detach().float(), op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+    return losses
+
+
+def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: str):
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    out = {"mp": {}, "dcp": {}}
+    for mode, cfg in MODES.items():  # mixed precision: graph mode against FSDP2's policy
+        torch._dynamo.reset()
+        model = _model()
+        aotdist.parallelize(model, {**cfg, "fsdp": {**cfg["fsdp"], **MP}})
+        losses = _sgd_steps(model, rank, world_size, 3)
+        out["mp"][mode] = {"losses": losses, "params": _full(model.state_dict()),
+                           "grad_dtype": str(next(model.parameters()).dtype)}
+    for src, dst in (("graph", "hooks"), ("hooks", "graph")):  # train, save, load elsewhere
+        torch._dynamo.reset()
+        model = _model()
+        aotdist.parallelize(model, MODES[src])
+        _sgd_steps(model, rank, world_size, 2)
+        sd = get_model_state_dict(model)
+        path = os.path.join(ckpt, src)
+        dcp.save(sd, checkpoint_id=path)
+        torch.manual_seed(123)
+        other = build_model("gpt", depth=DEPTH, vocab=VOCAB)
+        aotdist.parallelize(other, MODES[dst])
+        other_sd = get_model_state_dict(other)
+        dcp.load(other_sd, checkpoint_id=path)
+        loaded = _full(other_sd)
+        saved = _full(sd)
+        out["dcp"][f"{src}->{dst}"] = {
+            "keys": list(sd), "exact": all(torch.equal(loaded[k], saved[k]) for k in saved),
+            "params": saved if rank == 0 else None,
+            "trains": len(_sgd_steps(other, rank, world_size, 1)) == 1,  # usable after load
+        }
+    # after aotdist.restore the graph-mode model runs eagerly, same numbers
+    (x,), _ = example_inputs(model, 2, generator=torch.Generator().manual_seed(3))
+    before = model(x)
+    aotdist.restore(model)
+    after = model(x)
+    out["restore_same"] = torch.allclose(before, after, rtol=1e-5, atol=1e-6)
+    out["restore_compiled"] = aotdist.compile.is_compiled(model)
+    out["breaking"] = _graph_break_region(rank, world_size)
+    out["scaled"] = _graph_break_region(rank, world_size, ScaledBlock)
+    torch._dynamo.reset()  # capture of a graph-mode model: collectives per graph
+    model = _model()
+    aotdist.parallelize(model, {"fsdp": GRAPH, "compile": {"enabled": False}})
+    cap = aotdist.capture(model, x, backend="aot_eager",
+                          loss_fn=lambda o: o.float().mean())
+    out["capture"] = {g.name: g.collectives for g in cap.graphs}
+    out["capture_summary"] = cap.summary()
+    # a single-process eager checkpoint into graph mode
+    torch.manual_seed(5)
+    model = build_model("gpt", depth=DEPTH, vocab=VOCAB)
+    aotdist.parallelize(model, MODES["graph"])
+    sd = get_model_state_dict(model)
+    dcp.load(sd, checkpoint_id=plain_ckpt)
+    full = _full(sd)  # a collective: every rank
+    out["dcp"]["plain->graph"] = {"params": full if rank == 0 else None}
+    return out
+
+
+class BreakingBlock(torch.nn.Module):
+    """A block with a graph break: it cannot be an invoke_subgraph."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, dim + 1)  # dim + 1: odd, uneven shards
+        self.out = torch.nn.Linear(dim + 1, dim)
+
+    def forward(self, x):
+        h = self.fc(x).relu()
+        torch._dynamo.graph_break()
+        return x + self.out(h)
+
+
+class ScaledBlock(torch.nn.Module):
+    """A block owning a parameter itself (a layer scale), not only through children."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, dim)
+        self.gamma = torch.nn.Parameter(torch.rand(dim))
+
+    def forward(self, x):
+        return x + self.gamma * self.fc(x).tanh()
+
+
+class BreakingNet(torch.nn.Module):
+    def __init__(self, dim: int = 16, depth: int = 3, block=BreakingBlock):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(block(dim) for _ in range(depth))
+        self.head = torch.nn.Linear(dim, 5)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _graph_break_region(rank: int, world_size: int, block=BreakingBlock):
+    """Graph mode on a region it cannot reuse: a warning naming it, eager numbers."""
+    import warnings
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = BreakingNet(block=block)
+    ref = BreakingNet(block=block)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", aotdist.RegionCompileWarning)
+        aotdist.parallelize(model, MODES["graph"])
+        model(x).square().mean().backward()
+    ref(x).square().mean().backward()  # every rank the same input: the averaged gradient
+    grads_ok = all(
+        torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    return {"warnings": [str(w.message) for w in caught
+                         if issubclass(w.category, aotdist.RegionCompileWarning)],
+            "grads_ok": grads_ok}
+
+
+@pytest.fixture(scope="module")
+def modes(tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+
+    plain_ckpt = str(tmp_path_factory.mktemp("plain"))
+    torch.manual_seed(9)
+    plain = build_model("gpt", depth=DEPTH, vocab=VOCAB)
+    with pytest.warns(UserWarning):  # "no process group: saving in a single process"
+        dcp.save(plain.state_dict(), checkpoint_id=plain_ckpt)
+    ckpt = str(tmp_path_factory.mktemp("dcp"))
+    out = run_distributed(_modes_and_checkpoints, 2, ckpt, plain_ckpt, timeout=560)
+    return out, ckpt, plain.state_dict()
+
+
+def test_mixed_precision_matches_fsdp2_policy(modes):
+    (rank0, _), _, _ = modes
+    graph, hooks = rank0["mp"]["graph"], rank0["mp"]["hooks"]
+    assert graph["grad_dtype"] == "torch.float32"  # parameters stay fp32, compute in bf16
+    # both compute in bfloat16 (3 mantissa-byte bits): close to each other, not to fp32
+    torch.testing.assert_close(torch.tensor(graph["losses"]), torch.tensor(hooks["losses"]),
+                               rtol=2e-2, atol=2e-2)
+    for key, ref in hooks["params"].items():
+        torch.testing.assert_close(graph["params"][key], ref, rtol=2e-2, atol=2e-2)
+    ref_losses, _, _ = _reference("graph", 2)
+    assert graph["losses"] != pytest.approx(ref_losses[:3], abs=1e-6)  # bf16 really used
+
+
+@pytest.mark.parametrize("pair", ["graph->hooks", "hooks->graph"])
+def test_dcp_between_modes(modes, pair):
+    (rank0, rank1), ckpt, _ = modes
+    for res in (rank0, rank1):
+        assert res["dcp"][pair]["exact"] and res["dcp"][pair]["trains"]
+    plain = build_model("gpt", depth=DEPTH, vocab=VOCAB)
+    assert rank0["dcp"][pair]["keys"] == list(plain.state_dict())
+
+
+def test_dcp_graph_to_plain_and_back(modes):
+    import os
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    (rank0, _), ckpt, plain_sd = modes
+    torch.manual_seed(7)
+    plain = build_model("gpt", depth=DEPTH, vocab=VOCAB)
+    sd = plain.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=os.path.join(ckpt, "graph"))
+    for key, value in sd.items():
+        assert torch.equal(value, rank0["dcp"]["graph->hooks"]["params"][key]), key
+    for key, value in plain_sd.items():  # the plain checkpoint, loaded in graph mode
+        assert torch.equal(rank0["dcp"]["plain->graph"]["params"][key], value), key
+
+
+def test_restore_and_graph_break_fallback(modes):
+    (rank0, rank1), _, _ = modes
+    for res in (rank0, rank1):
+        assert res["restore_same"] and not res["restore_compiled"]
+        brk = res["breaking"]
+        assert brk["grads_ok"]
+        assert any("BreakingBlock" in w and "cannot be a reusable subgraph" in w
+                   for w in brk["warnings"]), brk["warnings"]
+        scaled = res["scaled"]
+        assert scaled["grads_ok"]
+        assert any("ScaledBlock" in w and "hold parameters on the region module" in w
+                   for w in scaled["warnings"]), scaled["warnings"]
+
+
+def test_capture_shows_collectives(modes):
+    (rank0, _), _, _ = modes
+    graphs = rank0["capture"]
+    fwd = next(v for k, v in graphs.items() if k.endswith("forward"))
+    bwd = next(v for k, v in graphs.items() if k.endswith("backward"))
+    assert fwd.get("all_gather_into_tensor", 0) > 0, graphs
+    assert bwd.get("reduce_scatter_tensor", 0) > 0, graphs
+    assert "collectives" in rank0["capture_summary"]
+
+
+def _four(rank: int, world_size: int):
+    model = _model()
+    aotdist.parallelize(model, CONFIGS["graph"])
+    losses = _sgd_steps(model, rank, world_size, 3)
+    return losses, _full(model.state_dict())
+
+
+def test_four_ranks_match_eager():
+    out = run_distributed(_four, 4, timeout=400)
+    optim, accum, clip = TRAIN["graph"]
+    model = _model()
+    opt = _optimizer(optim, model.parameters())
+    ref_losses = []
+    for xs, ys in list(_batches(model, 4))[:3]:
+        total = 0.0
+        for x, y in zip(xs, ys, strict=True):
+            loss = _loss(model, x, y) / 4
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(total)
+    torch.testing.assert_close(torch.tensor(out[0][0]), torch.tensor(ref_losses),
+                               rtol=1e-5, atol=1e-5)
+    for key, ref in model.state_dict().items():
+        torch.testing.assert_close(out[0][1][key], ref, rtol=1e-5, atol=1e-5)
+
+
+def _rank_dies(rank: int, world_size: int):
+    model = _model()
+    aotdist.parallelize(model, CONFIGS["graph"])
+    if rank == 1:
+        raise RuntimeError("rank 1 lost its data loader")
+    (x,), y = example_inputs(model, 2)
+    _loss(model, x, y).backward()  # rank 0 waits in the graph's all-gather for rank 1
+
+
+def test_a_dying_rank_stops_the_others():
+    from aotdist.testing import DistributedTestError
+
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_rank_dies, 2, timeout=120)
+    assert info.value.rank == 1 and "lost its data loader" in str(info.value)
