@@ -33,7 +33,11 @@ __all__ = [
     "higher_order_operator_type",
     "import_compiler_stack",
     "inductor_compile_fx",
+    "inductor_disable_buffer_reuse",
     "inductor_joint_pre_pass",
+    "inductor_post_grad_post_pass",
+    "inductor_buffer_reuse_default",
+    "inductor_takes_pass_lists",
     "inductor_wrapper",
     "is_traceable_wrapper_subclass",
     "lookup_backend",
@@ -277,6 +281,38 @@ def inductor_joint_pre_pass() -> Any:
     """The current ``torch._inductor.config.joint_custom_pre_pass`` (torch 2.11, 2.15)."""
     config = importlib.import_module("torch._inductor.config")
     return getattr(config, "joint_custom_pre_pass", None)
+
+
+def inductor_post_grad_post_pass() -> Any:
+    """The current ``torch._inductor.config.post_grad_custom_post_pass`` (torch 2.11,
+    2.15): ``None``, one pass, or (torch 2.15) a list of passes."""
+    config = importlib.import_module("torch._inductor.config")
+    return getattr(config, "post_grad_custom_post_pass", None)
+
+
+def inductor_buffer_reuse_default() -> bool:
+    """The current ``torch._inductor.config.allow_buffer_reuse`` (torch 2.11, 2.15)."""
+    config = importlib.import_module("torch._inductor.config")
+    return bool(getattr(config, "allow_buffer_reuse", True))
+
+
+def inductor_takes_pass_lists() -> bool:
+    """Whether Inductor's custom-pass slots take a list of passes
+    (``torch._inductor.custom_graph_pass.get_custom_graph_passes``: torch 2.15; absent in
+    2.11)."""
+    return _attr("torch._inductor.custom_graph_pass", "get_custom_graph_passes") is not None
+
+
+def inductor_disable_buffer_reuse() -> None:
+    """Sets ``torch._inductor.config.allow_buffer_reuse = False`` in the config scope
+    being compiled (torch 2.15).
+
+    Meant for a post-grad pass of a backend whose options set ``allow_buffer_reuse``:
+    ``compile_fx`` wraps every inner compile (forward, and the backward compiled later)
+    in ``config.patch(options)``, so the value goes back when that one graph is compiled.
+    """
+    config = importlib.import_module("torch._inductor.config")
+    config.allow_buffer_reuse = False
 
 
 def inductor_compile_fx() -> tuple[Callable, Callable]:

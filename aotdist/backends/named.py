@@ -1,21 +1,23 @@
 """The backend for a ``torch.compile`` backend name or callable, as aotdist uses it.
 
-``inductor`` gets Inductor's own wrapper with aotdist's default options (buffer reuse
-off on the torch releases with the reuse bug: see README "Known limits"), scoped to this model's compiles; another name is
+``inductor`` gets Inductor's own wrapper with aotdist's default options (on the torch
+releases with the buffer-reuse bug, a post-grad pass that makes reuse safe: see
+:mod:`aotdist.backends.reuse`), scoped to this model's compiles; another name is
 checked against the registered backends; a callable is used as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from aotdist import _compat
 from aotdist.errors import ConfigError, RegionCompileWarning
 
-__all__ = ["_make_backend", "inductor_buffer_reuse_is_unsafe"]
+__all__ = ["_make_backend", "inductor_buffer_reuse_is_unsafe", "inductor_options"]
 
 
 def inductor_buffer_reuse_is_unsafe() -> bool:
@@ -28,28 +30,70 @@ def inductor_buffer_reuse_is_unsafe() -> bool:
     No cheap feature probe exists (showing it takes an Inductor C++ compile), so this is a
     version gate. Checked: torch 2.11.0 (absent: parity holds with buffer reuse on) and
     2.15.0 (present). 2.12-2.14 were not checked and count as affected, the safe side:
-    the workaround only costs memory.
+    the pass only rewrites graphs that have the pattern.
     """
     version = torch.torch_version.TorchVersion(torch.__version__)
     return version >= (2, 12)
 
 
+_REUSE_PASS_ON = [True]
+
+
+@contextlib.contextmanager
+def _without_reuse_pass() -> Iterator[None]:
+    """Backends made inside leave out aotdist's buffer-reuse pass (to reproduce the torch
+    bug in tests)."""
+    _REUSE_PASS_ON.append(False)
+    try:
+        yield
+    finally:
+        _REUSE_PASS_ON.pop()
+
+
+def inductor_options(options: dict | None) -> dict:
+    """The Inductor options aotdist compiles with: ``options`` plus, on a torch with the
+    buffer-reuse bug, aotdist's post-grad pass (:mod:`aotdist.backends.reuse`), which
+    makes buffer reuse safe, so reuse stays on unless ``options`` turns it off.
+
+    A ``post_grad_custom_post_pass`` of the user (in ``options`` or Inductor's config)
+    runs first, chained with aotdist's.
+
+    Raises:
+        ConfigError: A user post-grad pass is set and this torch takes one pass only.
+    """
+    options = dict(options or {})
+    if not inductor_buffer_reuse_is_unsafe():
+        return options
+    reuse = options.setdefault("allow_buffer_reuse", _compat.inductor_buffer_reuse_default())
+    if not reuse:
+        return options
+    if not _REUSE_PASS_ON[-1]:
+        warnings.warn(
+            f"allow_buffer_reuse=True without aotdist's pass: with torch {torch.__version__}, "
+            "Inductor's buffer reuse can overwrite an activation a reused region saved for "
+            "backward (wrong gradients, see README 'Known limits').",
+            RegionCompileWarning, stacklevel=4,
+        )
+        return options
+    from aotdist.backends.reuse import reuse_pass
+
+    user = options.get("post_grad_custom_post_pass", _compat.inductor_post_grad_post_pass())
+    users = list(user) if isinstance(user, (list, tuple)) else [] if user is None else [user]
+    if users and not _compat.inductor_takes_pass_lists():
+        raise ConfigError(
+            f"post_grad_custom_post_pass={user!r}: with torch {torch.__version__} Inductor "
+            "takes one post-grad pass and aotdist needs that slot for its buffer-reuse "
+            "pass. Fix: pass options={'allow_buffer_reuse': False} to keep your pass."
+        )
+    options["post_grad_custom_post_pass"] = [*users, reuse_pass()] if users else reuse_pass()
+    return options
+
+
 def _make_backend(backend: str | Callable, mode: str | None, options: dict | None,
                   dynamic: bool | None) -> Callable:
     if backend == "inductor":
-        options = dict(options or {})
-        if inductor_buffer_reuse_is_unsafe():
-            if options.get("allow_buffer_reuse"):
-                warnings.warn(
-                    f"allow_buffer_reuse=True: with torch {torch.__version__}, Inductor's "
-                    "buffer reuse can overwrite an activation a reused region saved for "
-                    "backward (wrong gradients, see README 'Known limits'). aotdist turns "
-                    "it off by default.",
-                    RegionCompileWarning, stacklevel=3,
-                )
-            # Scoped to this model's compiles: the wrapper applies options as config patches.
-            options.setdefault("allow_buffer_reuse", False)
-        return _compat.inductor_wrapper(mode, options, dynamic)
+        # Scoped to this model's compiles: the wrapper applies options as config patches.
+        return _compat.inductor_wrapper(mode, inductor_options(options), dynamic)
     if callable(backend) and not isinstance(backend, str):
         if mode is not None or options:
             raise ConfigError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 import pickle
 import types
 import warnings
@@ -311,16 +312,87 @@ def test_metrics_attribute_call_sites_when_the_root_is_a_sequential():
     assert m.regions["GPTBlock"].call_sites == 3 and m.regions["GPTBlock"].subgraphs == 1
 
 
-def test_inductor_options_default_turns_buffer_reuse_off_and_warns_when_forced():
-    from aotdist.backends.named import _make_backend, inductor_buffer_reuse_is_unsafe
+def test_inductor_options_install_the_reuse_pass_and_keep_buffer_reuse_on():
+    from aotdist.backends.named import (
+        _make_backend, _without_reuse_pass, inductor_buffer_reuse_is_unsafe,
+    )
 
     config = _make_backend("inductor", None, None, None).config
-    if not inductor_buffer_reuse_is_unsafe():  # torch 2.11: the bug is absent, no workaround
+    if not inductor_buffer_reuse_is_unsafe():  # torch 2.11: the bug is absent, no pass
         assert "allow_buffer_reuse" not in config
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", aotdist.RegionCompileWarning)
-            _make_backend("inductor", None, {"allow_buffer_reuse": True}, None)
+        assert "post_grad_custom_post_pass" not in config
         return
-    assert config["allow_buffer_reuse"] is False
-    with pytest.warns(aotdist.RegionCompileWarning, match="allow_buffer_reuse"):
-        _make_backend("inductor", None, {"allow_buffer_reuse": True}, None)
+    assert config["allow_buffer_reuse"] is True
+    assert config["post_grad_custom_post_pass"].uuid() == "aotdist.forward_aliased_outputs.v1"
+    # the user can still turn reuse off (then no pass), and chain a pass of their own
+    off = _make_backend("inductor", None, {"allow_buffer_reuse": False}, None).config
+    assert off == {"allow_buffer_reuse": False}
+    mine = lambda graph: None  # noqa: E731
+    chained = _make_backend("inductor", None, {"post_grad_custom_post_pass": mine}, None).config
+    passes = chained["post_grad_custom_post_pass"]
+    assert passes[0] is mine and passes[1].uuid() == "aotdist.forward_aliased_outputs.v1"
+    with pytest.warns(aotdist.RegionCompileWarning, match="allow_buffer_reuse"), \
+            _without_reuse_pass():
+        bare = _make_backend("inductor", None, {"allow_buffer_reuse": True}, None).config
+    assert "post_grad_custom_post_pass" not in bare
+
+
+def _region_call_graph(out_of_sub):
+    """An outer graph calling one subgraph ``sub(x, w)`` whose outputs are
+    ``(x * w, out_of_sub(x))``, unpacked by ``getitem`` and used after the call."""
+    sub_graph = torch.fx.Graph()
+    x, w = sub_graph.placeholder("x"), sub_graph.placeholder("w")
+    prod = sub_graph.call_function(torch.ops.aten.mul.Tensor, (x, w))
+    sub_graph.output((prod, out_of_sub(sub_graph, x)))
+    root = nn.Module()
+    root.sub = torch.fx.GraphModule(nn.Module(), sub_graph)
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    sub = graph.get_attr("sub")
+    call = graph.call_function(torch.ops.higher_order.invoke_subgraph, (sub, "sub", a, b))
+    out0 = graph.call_function(operator.getitem, (call, 0))
+    saved = graph.call_function(operator.getitem, (call, 1))
+    total = graph.call_function(torch.ops.aten.add.Tensor, (out0, saved))
+    graph.output(total)
+    return torch.fx.GraphModule(root, graph)
+
+
+def test_reuse_pass_forwards_a_region_output_that_is_its_input():
+    from aotdist.backends.reuse import forward_aliased_outputs
+
+    gm = _region_call_graph(lambda g, x: x)
+    report = forward_aliased_outputs(gm.graph)
+    assert report.forwarded == ["getitem_1"] and report.views == []
+    add = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor)
+    assert add.args[1].name == "a"  # the outer argument, not the region's output
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    a, b = torch.randn(3), torch.randn(3)
+    assert torch.equal(gm(a, b), a * b + a)
+    # a graph without the pattern is left alone
+    plain = _region_call_graph(lambda g, x: g.call_function(torch.ops.aten.neg.default, (x,)))
+    before = str(plain.graph)
+    assert forward_aliased_outputs(plain.graph).forwarded == []
+    assert str(plain.graph) == before
+
+
+def test_reuse_pass_turns_buffer_reuse_off_for_a_graph_with_a_view_of_an_input():
+    import torch._inductor.config as inductor_config
+
+    from aotdist.backends.reuse import forward_aliased_outputs, reuse_pass
+
+    def view(g, x):
+        return g.call_function(torch.ops.aten.view.default, (x, [3]))
+
+    gm = _region_call_graph(view)
+    before = str(gm.graph)
+    report = forward_aliased_outputs(gm.graph)
+    assert report.views == ["getitem_1"] and report.forwarded == []
+    assert str(gm.graph) == before  # not rewritten
+    the_pass = reuse_pass()
+    prior = inductor_config.allow_buffer_reuse
+    with inductor_config.patch(allow_buffer_reuse=True):  # what compile_fx does per graph
+        the_pass(gm.graph)
+        assert inductor_config.allow_buffer_reuse is False
+    assert inductor_config.allow_buffer_reuse == prior  # scoped to that one graph
+    assert the_pass.reports[-1].views == ["getitem_1"]

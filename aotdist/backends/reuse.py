@@ -1,0 +1,142 @@
+"""An Inductor post-grad pass that makes buffer reuse safe around reused regions.
+
+The bug it works around (torch 2.15; absent in 2.11): a reused region's partitioned
+forward may return one of its own *inputs* as an activation saved for backward
+(``partitioned_fw_subgraph_0_0`` returns ``(out, primals_0, ...)``, ``primals_0`` being
+the block's input). Inductor's outer graph takes the ``getitem`` of that output for a new
+buffer, not for an alias of the argument it passed in, so it counts the argument dead
+after the call and reuses its storage for a later kernel, which overwrites the saved
+activation: the backward computes a wrong gradient (TinyGPT depth 2: ``blocks.1.ln1``'s
+weight gradient ~70% off).
+
+:func:`forward_aliased_outputs` replaces every use of such a ``getitem`` with the outer
+argument itself, so Inductor sees the argument live for as long as the saved activation.
+An output that is a *view* of an input (a chain of view ops from a placeholder) is not
+rewritten; the pass then turns buffer reuse off for that one graph instead (the safe
+side). The pass runs on every graph Inductor compiles (forward, backward, inference, and
+the region subgraphs themselves), so a backward region that passes a gradient through is
+covered the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from aotdist import _compat
+
+__all__ = ["AliasReport", "forward_aliased_outputs", "reuse_pass"]
+
+
+@dataclass
+class AliasReport:
+    """What :func:`forward_aliased_outputs` found in one graph.
+
+    Attributes:
+        forwarded: Names of the ``getitem`` nodes replaced by the outer argument.
+        views: Names of the ``getitem`` nodes that are views of an argument (not rewritten;
+            buffer reuse must stay off for this graph).
+    """
+
+    forwarded: list[str] = field(default_factory=list)
+    views: list[str] = field(default_factory=list)
+
+
+def _submodule(gm: torch.nn.Module, target: str) -> torch.nn.Module | None:
+    mod = gm
+    for part in target.split("."):
+        mod = getattr(mod, part, None)
+        if mod is None:
+            return None
+    return mod
+
+
+def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The placeholder ``node`` is a chain of view ops of, or ``None``."""
+    while (node.op == "call_function" and getattr(node.target, "is_view", False)
+           and node.args and isinstance(node.args[0], torch.fx.Node)):
+        node = node.args[0]
+    return node if node.op == "placeholder" else None
+
+
+def forward_aliased_outputs(graph: torch.fx.Graph | torch.fx.GraphModule) -> AliasReport:
+    """Replaces each region output that is the region's own input by the outer argument.
+
+    For every ``getitem(invoke_subgraph(subgraph, name, *args), i)`` whose subgraph
+    returns its placeholder ``k`` as output ``i``, the uses of the ``getitem`` become uses
+    of ``args[k]``: the same tensor at run time, but now visible to Inductor's liveness.
+
+    Args:
+        graph: A post-grad FX graph (or its module) whose owning module holds the
+            subgraphs its ``invoke_subgraph`` calls name.
+
+    Returns:
+        The nodes forwarded, and the ones left alone because they are views of an input.
+    """
+    gm = graph if isinstance(graph, torch.fx.GraphModule) else graph.owning_module
+    graph = gm.graph if isinstance(graph, torch.fx.GraphModule) else graph
+    invoke = torch.ops.higher_order.invoke_subgraph
+    report = AliasReport()
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not invoke:
+            continue
+        target = node.args[0]
+        sub = (_submodule(gm, target.target) if gm is not None and isinstance(
+            target, torch.fx.Node) and target.op == "get_attr" else None)
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
+        outputs = next(n for n in reversed(sub.graph.nodes) if n.op == "output").args[0]
+        operands = node.args[2:]
+        if not isinstance(outputs, (list, tuple)) or len(placeholders) != len(operands):
+            continue
+        for user in list(node.users):
+            if user.target is not operator.getitem or not isinstance(user.args[1], int):
+                continue
+            out = outputs[user.args[1]]
+            if not isinstance(out, torch.fx.Node):
+                continue
+            if out.op == "placeholder":
+                arg = operands[placeholders.index(out)]
+                if isinstance(arg, torch.fx.Node):
+                    user.replace_all_uses_with(arg)
+                    report.forwarded.append(user.name)
+            elif user.users and _view_base(out) is not None:
+                report.views.append(user.name)
+    return report
+
+
+@functools.cache
+def _pass_class() -> type:
+    class ReusePass(_compat.custom_graph_pass_base()):
+        """:func:`forward_aliased_outputs` as an Inductor post-grad pass; buffer reuse off
+        for a graph where a region returns a view of its input. ``reports`` keeps what it
+        did to the last graphs it saw (for tests and debugging)."""
+
+        def __init__(self) -> None:
+            self.reports: list[AliasReport] = []
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            report = forward_aliased_outputs(graph)
+            if report.forwarded or report.views:
+                self.reports.append(report)
+                del self.reports[:-64]
+            if report.views:
+                _compat.inductor_disable_buffer_reuse()
+
+        def uuid(self) -> str:
+            return "aotdist.forward_aliased_outputs.v1"
+
+    return ReusePass
+
+
+def reuse_pass():
+    """A new instance of the post-grad pass (a ``CustomGraphPass``).
+
+    Raises:
+        TorchFeatureUnavailable: This torch has no ``CustomGraphPass``.
+    """
+    return _pass_class()()
