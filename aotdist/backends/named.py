@@ -15,23 +15,45 @@ import torch
 from aotdist import _compat
 from aotdist.errors import ConfigError, RegionCompileWarning
 
-__all__ = ["_make_backend"]
+__all__ = ["_make_backend", "inductor_options"]
+
+
+def inductor_options(options: dict | None = None, *, warn: bool = True) -> dict:
+    """The Inductor options (config patches) of every aotdist compile: ``options`` with
+    aotdist's defaults filled in.
+
+    The one place that decides them: :func:`aotdist.compile_regions` (through
+    ``_make_backend``), ``aotdist.capture(..., backend="inductor")`` (through
+    :func:`aotdist.backends.aot.aot_backend`), and so the cache and the bench's aotdist
+    strategy, which compile through those.
+
+    Default: ``allow_buffer_reuse=False`` (Inductor's buffer reuse can overwrite an
+    activation a reused region saved for backward; see README "Known limits").
+
+    Args:
+        options: The user's options; their values win over the defaults.
+        warn: Warn when the user turns buffer reuse back on.
+
+    Returns:
+        A new dict.
+    """
+    options = dict(options or {})
+    if warn and options.get("allow_buffer_reuse"):
+        warnings.warn(
+            "allow_buffer_reuse=True: with torch 2.15, Inductor's buffer reuse can "
+            "overwrite an activation a reused region saved for backward (wrong "
+            "gradients, see README 'Known limits'). aotdist turns it off by default.",
+            RegionCompileWarning, stacklevel=4,
+        )
+    options.setdefault("allow_buffer_reuse", False)
+    return options
 
 
 def _make_backend(backend: str | Callable, mode: str | None, options: dict | None,
                   dynamic: bool | None) -> Callable:
     if backend == "inductor":
-        options = dict(options or {})
-        if options.get("allow_buffer_reuse"):
-            warnings.warn(
-                "allow_buffer_reuse=True: with torch 2.15, Inductor's buffer reuse can "
-                "overwrite an activation a reused region saved for backward (wrong "
-                "gradients, see README 'Known limits'). aotdist turns it off by default.",
-                RegionCompileWarning, stacklevel=3,
-            )
         # Scoped to this model's compiles: the wrapper applies options as config patches.
-        options.setdefault("allow_buffer_reuse", False)
-        return _compat.inductor_wrapper(mode, options, dynamic)
+        return _compat.inductor_wrapper(mode, inductor_options(options), dynamic)
     if callable(backend) and not isinstance(backend, str):
         if mode is not None or options:
             raise ConfigError(

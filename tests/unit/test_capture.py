@@ -225,3 +225,28 @@ def test_inspect_cli_prints_plan_and_summary_and_saves(tmp_path, capsys):
     assert (tmp_path / "GPTBlock.forward0.py").exists()
     assert main(["inspect", "--model", f"{__name__}:tiny_factory"]) == 0
     assert "(no built-in example inputs" not in capsys.readouterr().out
+
+
+def test_capture_with_inductor_uses_the_options_of_compile_regions(monkeypatch):
+    # One decision for every aotdist compile: capture's rebuilt Inductor gets the same
+    # config patches (buffer reuse off) as compile_regions' Inductor wrapper.
+    from aotdist import _compat
+    from aotdist.backends.named import _make_backend, inductor_options
+
+    seen = []
+    real = _compat.inductor_compile_fx
+
+    def fake_compile_fx(gm, example_inputs, *, inner_compile, config_patches):
+        seen.append(dict(config_patches))
+        return gm.forward  # no C++ compile: the options are what is checked
+
+    monkeypatch.setattr(_compat, "inductor_compile_fx", lambda: (fake_compile_fx, real()[1]))
+    model = TinyGPT(depth=2)
+    (x,), _ = example_inputs(model)
+    aotdist.capture(model, x, loss_fn=_loss, backend="inductor")
+    assert seen, "capture's inductor backend never ran"
+    expected = _make_backend("inductor", None, None, None).config
+    for patches in seen:
+        patches.pop("joint_custom_pre_pass")
+        assert patches == inductor_options()
+        assert patches.get("allow_buffer_reuse") == expected.get("allow_buffer_reuse")
