@@ -210,3 +210,10 @@ def test_no_data_files_ship_inside_the_package():
     shipped = [p for src in SOURCES.values() for p in src.rglob("*")
                if p.is_file() and p.suffix not in (".py", ".pyc", ".typed")]
     assert shipped == [], f"move these out of the package (e.g. to docs/): {shipped}"
+
+
+def test_readme_names_only_exported_testing_helpers():
+    import aotdist.testing
+
+    for name in ("assert_parity", "run_distributed", "TinyGPT", "example_inputs"):
+        assert name in aotdist.testing.__all__ and hasattr(aotdist.testing, name), name
