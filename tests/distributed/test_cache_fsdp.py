@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import aotdist
 from aotdist.testing import build_model, example_inputs, run_distributed
 
-pytestmark = pytest.mark.inductor
+pytestmark = [pytest.mark.inductor, pytest.mark.slow]  # a 90 s spawn on 2 cores
 
 STEPS = 2
 

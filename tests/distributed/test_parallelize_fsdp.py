@@ -22,6 +22,9 @@ from aotdist import metrics
 from aotdist.testing import build_model, example_inputs, run_distributed
 
 DEPTH = 3
+# every test spawns ranks that train several configurations: 20-90 s each on 2 cores
+pytestmark = pytest.mark.slow
+
 STEPS = 5
 BATCH_PER_RANK = 2
 FLOAT8 = {"enabled": True, "exclude": ["head"]}

@@ -138,6 +138,7 @@ def _orders(rank: int, world_size: int):
     return out
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_hook_before_and_after_prepare_with_ddp():
     rank0 = run_distributed(_orders, 2, timeout=300)[0]
     eager = rank0["eager"]
@@ -178,6 +179,7 @@ def eager_losses():
     return _run(cmd, ROOT)
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 @pytest.mark.parametrize("config", ["regional_compile", "fsdp2"])
 def test_recipe_under_accelerate_launch_matches_eager(config, eager_losses):
     losses = _run(_launch("--aotdist-config", f"configs/aotdist/{config}.yaml",
@@ -187,6 +189,7 @@ def test_recipe_under_accelerate_launch_matches_eager(config, eager_losses):
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_fsdp2_save_state_resume_and_plain_keys(tmp_path, eager_losses):
     common = ("--aotdist-config", "configs/aotdist/fsdp2.yaml", "--backend", "aot_eager")
     first = _run(_launch(*common, "--steps", "2", "--save-dir", str(tmp_path / "ckpt")), ROOT)

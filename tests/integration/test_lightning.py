@@ -328,6 +328,7 @@ def _ddp_runs(rank: int, world_size: int):
     return out
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_ddp_two_processes():
     ranks = run_distributed(_ddp_runs, 2, timeout=300)
     eager, compiled = ranks[0]["eager"], ranks[0]["aotdist"]
@@ -369,6 +370,7 @@ def _model_parallel_runs(rank: int, world_size: int):
     return out
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_model_parallel_fsdp2_with_and_without_float8():
     rank0 = run_distributed(_model_parallel_runs, 2, timeout=420)[0]
     for eager, compiled, tol in (("eager", "aotdist", {"rtol": 1e-5, "atol": 1e-6}),
@@ -415,6 +417,7 @@ def test_shipped_lightning_configs_parse(path, monkeypatch):
     assert callbacks[0].config.compile.backend == "inductor"
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 @pytest.mark.inductor
 def test_recipe_runs_end_to_end(tmp_path):
     cmd = [sys.executable, str(ROOT / "recipes" / "train_lightning.py"), "fit",
@@ -441,6 +444,7 @@ def test_recipe_defaults_add_the_callback_once(monkeypatch):
     assert type(cli.trainer.strategy).__name__ == "ModelParallelStrategy"
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_ddp_spawn_two_processes():
     """ddp_spawn pickles the callback into fresh processes; weights come back to this one."""
     ref = GPTModule()
