@@ -32,6 +32,7 @@ from torch import nn
 from aotdist import _compat
 from aotdist.backends.aot import aot_backend, backend_name
 from aotdist.backends.recording import RecordingBackend
+from aotdist.backends.recovery import _RegionGuardedCall
 from aotdist.capture_recorder import _Recorder
 from aotdist.capture_report import Capture, RegionCapture
 from aotdist.errors import ConfigError, OrderingError
@@ -141,7 +142,9 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
                 out = model(*args, **kwargs)
             else:
                 with local_shards(model):  # graph-mode FSDP: regions read local shards
-                    out = torch.compile(_runner(), backend=recording)(model, args, kwargs)
+                    out = _run_demoting(model, state, recorder,
+                                        torch.compile(_runner(), backend=recording), args,
+                                        kwargs)
             loss = loss_fn(out) if loss_fn is not None else out
             if (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
                 loss.backward()
@@ -155,8 +158,32 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
         if marked_here:
             _unmark(model)
     report.metrics = metrics
+    report.demoted = dict(state.demoted)
+    for name, reason in state.demoted.items():
+        report.regions[name].demoted = reason
     _finish(report, recorder, calls, model)
     return report
+
+
+def _run_demoting(model: nn.Module, state, recorder: _Recorder, compiled, args, kwargs):
+    """``compiled(model, args, kwargs)``; a region that cannot be an ``invoke_subgraph``
+    (in-place buffer mutation in training, a graph break...) is fixed or demoted to
+    inline compilation as :func:`aotdist.compile_regions` does (same warning), what the
+    failed attempt recorded is dropped, and the step is traced again."""
+    guard = _RegionGuardedCall(model, state, compiled)
+    report = recorder.report
+    for _ in range(2 * len(state.plan) + 1):
+        try:
+            return compiled(model, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is a region failure
+            if not guard._handle(exc):
+                raise
+        recorder.reset()
+        report.graphs.clear()
+        report.mutations.clear()
+        report.subclass_inputs.clear()
+        report.fixes.clear()
+    return compiled(model, args, kwargs)
 
 
 def _unmark(model: nn.Module) -> None:

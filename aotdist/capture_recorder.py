@@ -48,6 +48,13 @@ class _Recorder:
         self.recording: RecordingBackend | None = None
         self.subgraphs: dict[int, GraphCapture] = {}  # id(sub gm) -> its capture
 
+    def reset(self) -> None:
+        """Forgets the graphs of a failed attempt (the step is traced again)."""
+        self.dynamo.clear()
+        self.by_context.clear()
+        self.subgraphs.clear()
+        self.current = None
+
     # Dynamo level ---------------------------------------------------------------------
     def dynamo_backend(self, aot):
         def backend(gm, example_inputs):

@@ -33,6 +33,8 @@ class RegionCapture:
         inlined: Instances whose ops Dynamo inlined into the surrounding graph instead.
         forward: One :class:`GraphCapture` per distinct forward subgraph.
         backward: One per distinct backward subgraph.
+        demoted: Why the region could not be a reusable subgraph (it was compiled inline
+            instead, as ``compile_regions`` does), or ``None``.
     """
 
     name: str
@@ -43,6 +45,7 @@ class RegionCapture:
     inlined: int = 0
     forward: list[GraphCapture] = field(default_factory=list)
     backward: list[GraphCapture] = field(default_factory=list)
+    demoted: str | None = None
 
     @property
     def forward_gm(self) -> torch.fx.GraphModule | None:
@@ -79,6 +82,8 @@ class Capture:
         subclass_inputs: Tensor-subclass inputs: ``graph``, ``input``, ``type``, ``inner``.
         fsdp_inputs: FSDP2-managed inputs: ``input``, ``param``, sharded and unsharded shapes.
         fixes: What aotdist repaired in the graphs (storage resizes).
+        demoted: Region name -> why it was compiled inline instead of as a reusable
+            subgraph (e.g. in-place buffer mutation in training: BatchNorm in ``train()``).
         metrics: Compile metrics of the step (graph breaks, recompiles, times).
         mode: ``graph`` or ``frames``.
         backend: The backend the step was compiled with.
@@ -90,6 +95,7 @@ class Capture:
     subclass_inputs: list[dict] = field(default_factory=list)
     fsdp_inputs: list[dict] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)
+    demoted: dict[str, str] = field(default_factory=dict)
     metrics: CompileMetrics = field(default_factory=CompileMetrics)
     mode: CompileMode = CompileMode.GRAPH
     backend: str = ""
@@ -101,7 +107,7 @@ class Capture:
             "regions": {n: r.to_dict() for n, r in self.regions.items()},
             "graphs": [g.to_dict() for g in self.graphs],
             "mutations": self.mutations, "subclass_inputs": self.subclass_inputs,
-            "fsdp_inputs": self.fsdp_inputs, "fixes": self.fixes,
+            "fsdp_inputs": self.fsdp_inputs, "fixes": self.fixes, "demoted": self.demoted,
             "metrics": self.metrics.to_dict(),
         }
 
@@ -133,6 +139,8 @@ class Capture:
         lines += [f"  fsdp input: {x['graph']} {x['param']} sharded {x['sharded_shape']} "
                   f"unsharded {x['unsharded_shape']}" for x in self.fsdp_inputs]
         lines += [f"  fixed: {x}" for x in self.fixes]
+        lines += [f"  demoted: {n} compiled inline, not a reusable subgraph: {r}"
+                  for n, r in self.demoted.items()]
         lines += [f"  graph break x{n}: {r.splitlines()[0][:140]}"
                   for r, n in m.graph_breaks.items()]
         lines += [f"  recompile: {r.splitlines()[0][:140]}" for r in m.recompiles]

@@ -281,7 +281,12 @@ class AOTDistConfig:
         data = {} if data is None else data
         if not isinstance(data, Mapping):
             raise ConfigError(f"an aotdist config must be a mapping of sections; got {data!r}")
-        if set(data) == {"aotdist"}:
+        if "aotdist" in data:  # a section of a larger (Lightning, Accelerate...) config
+            mixed = sorted(k for k in data if k in _SECTIONS)
+            if mixed:
+                raise ConfigError(
+                    f"the config has an aotdist: section and aotdist sections {mixed} at top "
+                    "level; Fix: put them all under aotdist:, or none.")
             data = data["aotdist"] or {}
             if not isinstance(data, Mapping):
                 raise ConfigError(f"aotdist: expected a mapping of sections; got {data!r}")

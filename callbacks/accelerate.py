@@ -204,6 +204,7 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
             "aotdist config, or keep Accelerate's FSDP2 and attach RegionalCompileHook after "
             "accelerator.prepare."
         )
+    cfg = _mixed_precision(cfg, accelerator)
     if _compat.is_accelerate_prepared(model):
         raise OrderingError(
             "this model was already passed to accelerator.prepare; aotdist must convert, "
@@ -235,6 +236,40 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
     if cfg.fsdp.enabled:  # after prepare: its optimizer wrapper reloads the state once
         _full_state_checkpoints(accelerator, model, optimizers)
     return prepared if isinstance(prepared, tuple) else (prepared,)
+
+
+_ACCELERATE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def _mixed_precision(cfg: AOTDistConfig, accelerator: Any) -> AOTDistConfig:
+    """Accelerate's ``mixed_precision`` on aotdist's FSDP2 path, as FSDP2's
+    ``MixedPrecisionPolicy`` (what Accelerate's own FSDP2 path does: parameters gathered
+    and computed in the dtype, gradients reduced in it unless ``fsdp.reduce_dtype`` says
+    otherwise). Needed because an aotdist-sharded model is marked prepared, so
+    ``accelerator.prepare`` skips its autocast wrapper (without FSDP it still applies it).
+
+    Raises:
+        ConfigError: ``fsdp.param_dtype`` conflicts with it, or ``mixed_precision`` is
+            ``fp8`` (Accelerate's own Float8, not aotdist's).
+    """
+    mp = str(getattr(accelerator, "mixed_precision", "no") or "no")
+    if mp == "fp8" and (cfg.fsdp.enabled or cfg.float8.enabled):
+        raise ConfigError(
+            "Accelerate's mixed_precision is fp8, which would convert the model with "
+            "Accelerate's own Float8 backend, next to aotdist's. Fix: set mixed_precision to "
+            "bf16 (or no) in the Accelerate config and float8.enabled: true in the aotdist one."
+        )
+    dtype = _ACCELERATE_DTYPES.get(mp)
+    if dtype is None or not cfg.fsdp.enabled:
+        return cfg
+    if cfg.fsdp.param_dtype not in (None, dtype):
+        raise ConfigError(
+            f"Accelerate's mixed_precision is {mp} but the aotdist config says "
+            f"fsdp.param_dtype: {cfg.fsdp.param_dtype}. Fix: remove fsdp.param_dtype (aotdist "
+            f"then computes in {dtype}), or set mixed_precision to match or to 'no'."
+        )
+    return cfg.replace(fsdp={"param_dtype": dtype,
+                             "reduce_dtype": cfg.fsdp.reduce_dtype or dtype})
 
 
 def _save_cache_after_first_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

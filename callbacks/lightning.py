@@ -10,6 +10,8 @@ the strategy's data-parallel mesh; a ``configure_model`` that already called
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,8 +35,8 @@ class RegionalCompile(Callback):
     """Compiles each distinct repeated region of the LightningModule once.
 
     Works with ``strategy="auto"``, ``"ddp"``, ``"ddp_spawn"`` and
-    ``ModelParallelStrategy`` (FSDP2), on CPU and GPU. Logs compile metrics through the
-    trainer's logger (rank zero), warns on recompiles after the first epoch, and runs the
+    ``ModelParallelStrategy`` (FSDP2), on CPU and GPU. Logs compile metrics to every
+    logger in ``trainer.loggers`` (rank zero), warns on recompiles after the first epoch, and runs the
     Float8 scale precompute after each optimizer step when FSDP float8 all-gather is used.
 
     Args:
@@ -47,18 +49,19 @@ class RegionalCompile(Callback):
         backend: ``torch.compile`` backend; overrides ``config.compile.backend``
             (default ``"inductor"``).
         mode: ``torch.compile`` mode; overrides ``config.compile.mode``.
-        log_metrics: Log compile metrics through the trainer's logger.
+        log_metrics: Log compile metrics to every logger in ``trainer.loggers``.
 
     Raises:
         ConfigError: A bad config or argument (at construction).
     """
 
-    def __init__(self, config: dict | str | None = None, *,
+    def __init__(self, config: AOTDistConfig | Mapping | str | os.PathLike | None = None, *,
                  include: list[str] | str | None = None, exclude: list[str] | str | None = None,
                  backend: str | None = None, mode: str | None = None,
                  log_metrics: bool = True) -> None:
         if not isinstance(log_metrics, bool):
             raise ConfigError(f"RegionalCompile(log_metrics=...) must be a bool; got {log_metrics!r}")
+        super().__init__()
         self.config: AOTDistConfig = merge_config(config, include=include, exclude=exclude,
                                                   backend=backend, mode=mode)
         self.log_metrics = log_metrics
@@ -155,10 +158,10 @@ class RegionalCompile(Callback):
                 "Recompiles after the first epoch cost compile time every time; mark the "
                 "changing input dims dynamic or keep shapes fixed (drop_last=True)."
             )
-        if window is not None and self.log_metrics and trainer.logger is not None \
-                and trainer.is_global_zero:
-            trainer.logger.log_metrics({"aotdist/recompiles_epoch": len(window.recompiles)},
-                                       step=trainer.global_step)
+        if window is not None and self.log_metrics and trainer.is_global_zero:
+            for logger in trainer.loggers:  # every logger, as Lightning's own monitors do
+                logger.log_metrics({"aotdist/recompiles_epoch": len(window.recompiles)},
+                                   step=trainer.global_step)
         self._open_window()
 
     def _open_window(self) -> None:
@@ -175,7 +178,7 @@ class RegionalCompile(Callback):
 
     def _log(self, trainer: pl.Trainer, m: metrics.CompileMetrics | None, *,
              first_step: bool) -> None:
-        if m is None or not self.log_metrics or trainer.logger is None \
+        if m is None or not self.log_metrics or not trainer.loggers \
                 or not trainer.is_global_zero:
             return
         values: dict[str, float] = {
@@ -191,7 +194,8 @@ class RegionalCompile(Callback):
             values[f"aotdist/{name}/instances"] = st.instances
             values[f"aotdist/{name}/call_sites"] = st.call_sites
             values[f"aotdist/{name}/subgraphs"] = st.subgraphs
-        trainer.logger.log_metrics(values, step=trainer.global_step)
+        for logger in trainer.loggers:  # every logger, as Lightning's own monitors do
+            logger.log_metrics(values, step=trainer.global_step)
 
     # ---- resumable state --------------------------------------------------------------
 

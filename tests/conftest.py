@@ -1,8 +1,12 @@
-"""Shared fixtures: every test starts from a clean Dynamo state and a fixed seed."""
+"""Shared fixtures: every test starts from a clean Dynamo state and a fixed seed; the
+session fails if tests left files in the repository; ``gpu`` tests skip without CUDA."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,10 +24,38 @@ def _fresh_compiler_state():
     torch._dynamo.reset()
 
 
+ROOT = Path(__file__).resolve().parents[1]
+pytest_plugins = ["pytester"]
+
+
+def _untracked() -> set[str] | None:
+    """Untracked, non-ignored files of the repository; ``None`` outside a git checkout."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return None
+    proc = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
+                          cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None
+    return {line[3:] for line in proc.stdout.splitlines() if line.startswith("??")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _repository_stays_clean():
+    """Tests write into temporary directories only: fails the session otherwise."""
+    before = _untracked()
+    yield
+    if before is None:
+        return
+    created = sorted(_untracked() - before)
+    if created:
+        pytest.fail(f"the tests created files in the repository (write into tmp_path): "
+                    f"{created[:20]}", pytrace=False)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from aotdist import _compat
+from aotdist.backends.reuse import is_reuse_pass, reuse_pass
 from aotdist.errors import ConfigError, RegionCompileWarning
 
 __all__ = ["_make_backend", "inductor_buffer_reuse_is_unsafe", "inductor_options"]
@@ -50,10 +51,18 @@ def _without_reuse_pass() -> Iterator[None]:
         _REUSE_PASS_ON.pop()
 
 
-def inductor_options(options: dict | None) -> dict:
-    """The Inductor options aotdist compiles with: ``options`` plus, on a torch with the
-    buffer-reuse bug, aotdist's post-grad pass (:mod:`aotdist.backends.reuse`), which
-    makes buffer reuse safe, so reuse stays on unless ``options`` turns it off.
+def inductor_options(options: dict | None = None, *, warn: bool = True) -> dict:
+    """The Inductor options (config patches) of every aotdist compile: ``options`` plus,
+    on a torch with the buffer-reuse bug, aotdist's post-grad pass
+    (:mod:`aotdist.backends.reuse`), which makes buffer reuse safe, so reuse stays on
+    unless ``options`` turns it off.
+
+    The one place that decides them: :func:`aotdist.compile_regions` (through
+    ``_make_backend``), ``aotdist.capture(..., backend="inductor")`` (through
+    :func:`aotdist.backends.aot.aot_backend`, which passes options already completed
+    here: completing them again changes nothing), and so the cache and the bench's aotdist
+    strategy, which compile through those. ``warn``: warn when buffer reuse is on without
+    aotdist's pass.
 
     A ``post_grad_custom_post_pass`` of the user (in ``options`` or Inductor's config)
     runs first, chained with aotdist's.
@@ -68,17 +77,19 @@ def inductor_options(options: dict | None) -> dict:
     if not reuse:
         return options
     if not _REUSE_PASS_ON[-1]:
-        warnings.warn(
-            f"allow_buffer_reuse=True without aotdist's pass: with torch {torch.__version__}, "
-            "Inductor's buffer reuse can overwrite an activation a reused region saved for "
-            "backward (wrong gradients, see README 'Known limits').",
-            RegionCompileWarning, stacklevel=4,
-        )
+        if warn:
+            warnings.warn(
+                f"allow_buffer_reuse=True without aotdist's pass: with torch "
+                f"{torch.__version__}, Inductor's buffer reuse can overwrite an activation a "
+                "reused region saved for backward (wrong gradients, see README 'Known "
+                "limits').",
+                RegionCompileWarning, stacklevel=4,
+            )
         return options
-    from aotdist.backends.reuse import reuse_pass
-
     user = options.get("post_grad_custom_post_pass", _compat.inductor_post_grad_post_pass())
     users = list(user) if isinstance(user, (list, tuple)) else [] if user is None else [user]
+    if any(is_reuse_pass(p) for p in users):  # completed here already
+        return options
     if users and not _compat.inductor_takes_pass_lists():
         raise ConfigError(
             f"post_grad_custom_post_pass={user!r}: with torch {torch.__version__} Inductor "

@@ -109,6 +109,9 @@ def forward_aliased_outputs(graph: torch.fx.Graph | torch.fx.GraphModule) -> Ali
     return report
 
 
+_PASS_UUID = "aotdist.forward_aliased_outputs.v1"
+
+
 @functools.cache
 def _pass_class() -> type:
     class ReusePass(_compat.custom_graph_pass_base()):
@@ -128,7 +131,7 @@ def _pass_class() -> type:
                 _compat.inductor_disable_buffer_reuse()
 
         def uuid(self) -> str:
-            return "aotdist.forward_aliased_outputs.v1"
+            return _PASS_UUID
 
     return ReusePass
 
@@ -140,3 +143,19 @@ def reuse_pass():
         TorchFeatureUnavailable: This torch has no ``CustomGraphPass``.
     """
     return _pass_class()()
+
+
+def is_reuse_pass(obj) -> bool:
+    """Whether ``obj`` is an instance of aotdist's post-grad pass (from :func:`reuse_pass`)."""
+    return isinstance(obj, _pass_class())
+
+
+def comparable_options(options: dict) -> dict:
+    """``options`` with aotdist's pass instances replaced by a name, so two completions of
+    the same options compare equal (each completion makes a new pass instance)."""
+    def name(v):
+        if isinstance(v, (list, tuple)):
+            return [name(x) for x in v]
+        return "<aotdist reuse pass>" if is_reuse_pass(v) else v
+
+    return {k: name(v) for k, v in options.items()}

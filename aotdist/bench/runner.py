@@ -214,7 +214,10 @@ def run(spec: dict, *, nproc: int, timeout: float) -> dict:
     from aotdist.launch import run_distributed
 
     pg_backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
-    results = run_distributed(_rank_measure, nproc, spec, backend=pg_backend, timeout=timeout)
+    # skip_teardown: with torch 2.15, C++ teardown after Inductor compiled in a rank can
+    # abort (SIGABRT) after the measurement was reported; a measurement is not a test of it.
+    results = run_distributed(_rank_measure, nproc, spec, backend=pg_backend, timeout=timeout,
+                              skip_teardown=True)
     return merge_ranks(results)
 
 

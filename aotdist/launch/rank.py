@@ -46,6 +46,7 @@ def _rank_main(
     result_queue: Any,
     stack_file: str,
     parent_pid: int,
+    skip_teardown: bool = False,
 ) -> None:
     """Entry point of one spawned rank."""
     _die_with_parent(parent_pid)
@@ -85,13 +86,16 @@ def _rank_main(
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    # The report is delivered and the group closed: skip interpreter teardown. With torch
-    # 2.15, C++ teardown after Inductor compiled in the process can abort ("terminate
-    # called without an active exception", SIGABRT) although the work succeeded; seen once
-    # in CI-like runs of the cache tests.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    if skip_teardown:
+        # Opt-in (run_distributed(skip_teardown=True)): the report is delivered and the
+        # group closed, so leave without interpreter teardown. With torch 2.15, C++
+        # teardown after Inductor compiled in the process can abort ("terminate called
+        # without an active exception", SIGABRT) although the work succeeded; seen once in
+        # CI-like runs of the cache tests. Otherwise the process exits normally, and a
+        # crash in teardown (atexit, C++ destructors) shows in its exit code.
+        os._exit(0)
 
 
 def _run_fn(

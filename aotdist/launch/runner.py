@@ -56,6 +56,7 @@ def run_distributed(
     *args: Any,
     backend: str = "gloo",
     timeout: float = 120.0,
+    skip_teardown: bool = False,
     **kwargs: Any,
 ) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks.
@@ -79,8 +80,12 @@ def run_distributed(
         backend: The ``torch.distributed`` backend, ``"gloo"`` or ``"nccl"``.
         timeout: Seconds for the whole run, start-up included; also the process
             group's collective timeout.
-        **kwargs: Passed to ``fn``; must be picklable. ``backend`` and ``timeout`` are
-            taken by this function and never reach ``fn``.
+        skip_teardown: After reporting, leave each rank with ``os._exit(0)`` instead of a
+            normal interpreter exit. Only for work that hits a known torch teardown crash
+            (torch 2.15: an abort in C++ teardown after Inductor compiled in the process);
+            by default a rank that crashes while exiting fails the run.
+        **kwargs: Passed to ``fn``; must be picklable. ``backend``, ``timeout`` and
+            ``skip_teardown`` are taken by this function and never reach ``fn``.
 
     Returns:
         The value ``fn`` returned on each rank, ordered by rank.
@@ -92,8 +97,8 @@ def run_distributed(
         DistributedTimeoutError: ``timeout`` elapsed; the message names the ranks still
             running and, where the platform allows, shows their Python stacks.
         DistributedTestError: A rank raised (the message names the rank and has its
-            traceback) or exited without reporting a result (the message names the rank
-            and its exit code).
+            traceback), exited without reporting a result, or crashed after reporting
+            (in teardown; the message names the rank and its exit code).
     """
     _check_config(fn, world_size, backend, timeout)
     payload = _pickle_call(fn, args, kwargs)
@@ -118,6 +123,7 @@ def run_distributed(
                         result_queue,
                         os.path.join(stack_dir, f"rank{rank}.stack"),
                         os.getpid(),
+                        skip_teardown,
                     ),
                     name=f"aotdist-rank{rank}",
                 )

@@ -1,4 +1,5 @@
-"""Test helpers: tiny models with repeated regions and a multi-process runner."""
+"""Test helpers: tiny models with repeated regions, a parity checker against eager, and a
+multi-process runner."""
 
 from aotdist.testing.distributed import (
     DistributedTestError,
@@ -14,6 +15,7 @@ from aotdist.testing.models import (
     build_model,
     example_inputs,
 )
+from aotdist.testing.parity import assert_parity, forward_backward
 
 __all__ = [
     "DistributedTestError",
@@ -26,4 +28,6 @@ __all__ = [
     "TinyViT",
     "build_model",
     "example_inputs",
+    "assert_parity",
+    "forward_backward",
 ]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import aotdist
 from aotdist.testing import build_model, example_inputs, run_distributed
 
-pytestmark = pytest.mark.inductor
+pytestmark = [pytest.mark.inductor, pytest.mark.slow]  # a 90 s spawn on 2 cores
 
 STEPS = 2
 
@@ -81,7 +81,9 @@ def _phases(rank: int, world_size: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def phases(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("cache"))
-    return run_distributed(_phases, 2, root, timeout=600)
+    # skip_teardown: with torch 2.15, C++ teardown after Inductor compiled in a rank can
+    # abort (SIGABRT) after the work succeeded; seen once in CI-like runs of these tests.
+    return run_distributed(_phases, 2, root, timeout=600, skip_teardown=True)
 
 
 def test_cold_run_rank1_loads_rank0_compiles(phases):

@@ -15,7 +15,7 @@ import torch
 import aotdist
 from aotdist.testing import build_model, example_inputs, run_distributed
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # a 30+ s spawn on 2 cores
 WORLD = 2
 CONFIGS = {
     "fsdp": {"fsdp": {"enabled": True}, "compile": {"enabled": False}},

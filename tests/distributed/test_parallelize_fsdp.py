@@ -25,6 +25,9 @@ from aotdist.float8 import inductor_all_gather_matches_eager, warn_unverified_co
 from aotdist.testing import build_model, example_inputs, run_distributed
 
 DEPTH = 3
+# every test spawns ranks that train several configurations: 20-90 s each on 2 cores
+pytestmark = pytest.mark.slow
+
 STEPS = 5
 BATCH_PER_RANK = 2
 FLOAT8 = {"enabled": True, "exclude": ["head"]}

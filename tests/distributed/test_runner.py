@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -62,6 +63,19 @@ def _exit_on_rank1(rank: int, world_size: int) -> None:
     if rank == 1:
         os._exit(3)
     dist.barrier()
+
+
+def _crash_in_teardown_on_rank1(rank: int, world_size: int, how: str) -> int:
+    """Returns normally; rank 1 then dies while its interpreter exits (atexit)."""
+    if rank == 1:
+        import atexit
+        import ctypes
+
+        if how == "exit":
+            atexit.register(os._exit, 3)
+        else:  # a segfault in teardown, as a broken C++ destructor would cause
+            atexit.register(ctypes.string_at, 0)
+    return rank
 
 
 def _hang_on_rank1(rank: int, world_size: int, pid_dir: str) -> int:
@@ -197,6 +211,30 @@ def test_world_size_4_all_gather():
     assert results == [[0, 10, 20, 30]] * 4
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_that_crashes_in_teardown_after_reporting_fails_the_run():
+    for how, code in (("exit", "exit code 3"), ("segfault", "SIGSEGV (exit code -11)")):
+        with pytest.raises(DistributedTestError, match="while shutting down") as info:
+            run_distributed(_crash_in_teardown_on_rank1, 2, how, timeout=60)
+        assert info.value.rank == 1 and "rank 1 of 2" in str(info.value), how
+        assert code in str(info.value), (how, str(info.value))
+    # Opt-in, for a known torch teardown crash: ranks leave with os._exit(0) after reporting.
+    assert run_distributed(_crash_in_teardown_on_rank1, 2, "exit", skip_teardown=True,
+                           timeout=60) == [0, 1]
+    assert multiprocessing.active_children() == []
+
+
 def test_free_port_is_a_usable_port():
+    # A listening socket and a torch.distributed store can take it, and it is not one
+    # that is in use right now.
+    from torch.distributed import TCPStore
+
     port = free_port()
-    assert 0 < port < 65536
+    store = TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock, pytest.raises(OSError):
+        sock.bind(("127.0.0.1", port))  # the store holds it: it was a real, free port
+    del store
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", free_port()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -137,6 +138,7 @@ def _orders(rank: int, world_size: int):
     return out
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_hook_before_and_after_prepare_with_ddp():
     rank0 = run_distributed(_orders, 2, timeout=300)[0]
     eager = rank0["eager"]
@@ -177,6 +179,7 @@ def eager_losses():
     return _run(cmd, ROOT)
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 @pytest.mark.parametrize("config", ["regional_compile", "fsdp2", "fsdp_graph"])
 def test_recipe_under_accelerate_launch_matches_eager(config, eager_losses):
     losses = _run(_launch("--aotdist-config", f"configs/aotdist/{config}.yaml",
@@ -186,6 +189,7 @@ def test_recipe_under_accelerate_launch_matches_eager(config, eager_losses):
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_fsdp2_save_state_resume_and_plain_keys(tmp_path, eager_losses):
     common = ("--aotdist-config", "configs/aotdist/fsdp2.yaml", "--backend", "aot_eager")
     first = _run(_launch(*common, "--steps", "2", "--save-dir", str(tmp_path / "ckpt")), ROOT)
@@ -221,3 +225,132 @@ def test_prepare_refuses_a_foreign_optimizer_before_touching_the_model():
     with pytest.raises(ConfigError, match="not the model's"):
         prepare(accelerator, model, optimizer, config=AOT)
     assert STATE_ATTR not in vars(model)  # refused before marking or compiling anything
+
+
+# ---- prepare on aotdist's FSDP2 path: mixed precision, accumulation, Float8; 2 ranks --------
+
+
+def _fresh_accelerator(**kwargs):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()  # one process, several Accelerator configurations
+    return Accelerator(cpu=True, **kwargs)
+
+
+def _fsdp_prepare_configs(rank: int, world_size: int):
+    import aotdist
+    from aotdist.callbacks import prepare
+
+    fsdp = {"fsdp": {"enabled": True}, **AOT}
+    g = torch.Generator().manual_seed(rank + 10)
+    batches = [example_inputs(build_model("gpt", depth=1), 2, generator=g) for _ in range(4)]
+    batches = [(x[0], y) for x, y in batches]
+    out = {}
+
+    # Accelerate's bf16 mixed precision becomes FSDP2's MixedPrecisionPolicy.
+    accelerator = _fresh_accelerator(mixed_precision="bf16")
+    torch.manual_seed(0)
+    model = build_model("gpt", depth=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = prepare(accelerator, model, optimizer, config=fsdp)
+    seen = []
+    model.blocks[0].register_forward_pre_hook(
+        lambda m, args: seen.append((str(args[0].dtype), str(m.ln1.weight.dtype))))
+    x, y = batches[0]
+    losses = []
+    for _ in range(3):  # one batch, again and again: the loss must go down
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    out["bf16"] = {"losses": losses, "logits": str(logits.dtype), "seen": seen,
+                   "master": sorted({str(p.dtype) for p in model.parameters()}),
+                   "policy": str(aotdist.parallelize_info(model).config.fsdp.param_dtype)}
+
+    # Gradient accumulation: 4 micro-batches, 2 real steps, same result as by hand.
+    def run(accumulate: bool):
+        torch.manual_seed(0)
+        model = build_model("gpt", depth=2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        steps = []
+        optimizer.register_step_post_hook(lambda *_: steps.append(1))  # the real steps
+        if accumulate:
+            accelerator = _fresh_accelerator(gradient_accumulation_steps=2)
+            model, optimizer = prepare(accelerator, model, optimizer, config=fsdp)
+        else:
+            aotdist.parallelize(model, fsdp)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+            optimizer.register_step_post_hook(lambda *_: steps.append(1))
+        for i, (x, y) in enumerate(batches):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            if accumulate:
+                with accelerator.accumulate(model):
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            else:
+                (loss / 2).backward()
+                if i % 2 == 1:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        return len(steps), {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
+
+    out["accumulate"] = {"prepare": run(True), "by_hand": run(False)}
+
+    # Float8 (torchao) through prepare, with float8 all-gather: scales after each real step.
+    accelerator = _fresh_accelerator()
+    torch.manual_seed(0)
+    model = build_model("gpt", depth=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    float8 = {"enabled": True, "exclude": ["head"], "fsdp_all_gather": True}
+    model, optimizer = prepare(accelerator, model, optimizer, config={**fsdp, "float8": float8})
+    losses = []
+    for x, y in batches[:2]:
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    info = aotdist.parallelize_info(model)
+    out["float8"] = {"layers": len(info.float8_fqns), "losses": losses,
+                     "weight": type(model.blocks[0].mlp.fc.weight.to_local()).__name__}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_prepare_fsdp_mixed_precision_accumulation_and_float8():
+    rank0 = run_distributed(_fsdp_prepare_configs, 2, timeout=540)[0]
+    bf16 = rank0["bf16"]
+    assert bf16["policy"] == "bfloat16"
+    # the region computes in bf16: its input and its (all-gathered) weights
+    assert bf16["seen"] and set(bf16["seen"]) == {("torch.bfloat16", "torch.bfloat16")}, bf16
+    assert bf16["logits"] == "torch.bfloat16"
+    assert bf16["master"] == ["torch.float32"]  # sharded master weights stay fp32
+    assert bf16["losses"][-1] < bf16["losses"][0], bf16["losses"]
+    (n_prep, prep), (n_hand, hand) = rank0["accumulate"]["prepare"], rank0["accumulate"]["by_hand"]
+    assert n_prep == n_hand == 2
+    for key, value in hand.items():
+        torch.testing.assert_close(prep[key], value, rtol=1e-5, atol=1e-6)
+    f8 = rank0["float8"]
+    assert f8["layers"] > 0 and f8["weight"] == "WeightWithDynamicFloat8CastTensor", f8
+    assert all(math.isfinite(v) for v in f8["losses"])
+
+
+def test_prepare_refuses_fsdp_param_dtype_that_conflicts_with_accelerate_mixed_precision():
+    from accelerate.utils import DistributedType
+
+    from aotdist.callbacks import prepare
+
+    accelerator = SimpleNamespace(state=SimpleNamespace(dynamo_plugin=None),
+                                  distributed_type=DistributedType.NO, mixed_precision="bf16",
+                                  device=torch.device("cpu"))
+    model = build_model("gpt", depth=2)
+    config = {"fsdp": {"enabled": True, "param_dtype": "float16"}, **AOT}
+    with pytest.raises(ConfigError, match="mixed_precision is bf16.*fsdp.param_dtype: float16"):
+        prepare(accelerator, model, config=config)
+    assert STATE_ATTR not in vars(model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -78,8 +79,34 @@ class GPTModule(pl.LightningModule):
         self.losses.append(loss.detach().item())
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        self.log("val_loss", loss)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        self.log("test_loss", loss)
+        return loss
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class BF16Probe(GPTModule):
+    """Records the dtype a region's Linear computes in (a probe outside Dynamo)."""
+
+    def configure_model(self):
+        self.seen: list[str] = []
+
+        @torch.compiler.disable
+        def probe(module, args, out):
+            self.seen.append(str(out.dtype))
+
+        self.model.blocks[0].mlp.fc.register_forward_hook(probe)
+        super().configure_model()
 
 
 class ShardedByUser(GPTModule):
@@ -125,14 +152,16 @@ def _loader(batch_size: int = 4, samples: int = 16, seed: int = 1):
 
 
 def _fit(module, callbacks, *, strategy="auto", devices=1, max_steps=4, max_epochs=-1,
-         ckpt_path=None, default_root_dir=None, batch_size=4, samples=16):
+         ckpt_path=None, default_root_dir=None, batch_size=4, samples=16, loggers=None,
+         precision="32-true"):
     logger = MemoryLogger()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps,
-        max_epochs=max_epochs, logger=logger, callbacks=callbacks,
+        max_epochs=max_epochs, logger=loggers or logger, callbacks=callbacks,
         enable_checkpointing=default_root_dir is not None, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=default_root_dir,
-        num_sanity_val_steps=0,
+        enable_model_summary=False, num_sanity_val_steps=0, precision=precision,
+        # never the repository: Lightning writes lightning_logs/ there by default
+        default_root_dir=default_root_dir or tempfile.mkdtemp(prefix="aotdist-test-pl-"),
     )
     trainer.fit(module, _loader(batch_size, samples), ckpt_path=ckpt_path)
     return trainer, logger
@@ -156,10 +185,12 @@ def test_single_process_matches_eager_and_logs_metrics():
     ref = GPTModule()
     _fit(ref, [])
     module = GPTModule()
-    trainer, logger = _fit(module, [RegionalCompile(AOT)])
+    loggers = [MemoryLogger(), MemoryLogger()]
+    trainer, _ = _fit(module, [RegionalCompile(AOT)], loggers=loggers)
     torch.testing.assert_close(torch.tensor(module.losses), torch.tensor(ref.losses))
     _assert_same_params(_params(module), _params(ref), rtol=1e-5, atol=1e-6)
-    logged = logger.merged()
+    assert loggers[0].rows == loggers[1].rows  # every logger, not only trainer.logger
+    logged = loggers[1].merged()
     assert logged["aotdist/GPTBlock/instances"] == DEPTH
     assert logged["aotdist/GPTBlock/call_sites"] == DEPTH  # each block called the region
     assert logged["aotdist/GPTBlock/subgraphs"] == 1  # ... compiled once
@@ -167,6 +198,15 @@ def test_single_process_matches_eager_and_logs_metrics():
     assert logged["aotdist/recompiles"] == 0
     cb = trainer.callbacks[0] if isinstance(trainer.callbacks[0], RegionalCompile) else None
     assert cb is not None and cb.applied.how == "parallelize" and cb.applied.target_fqn == "model"
+    # validate / test after fit: the compiled model, not applied again, eager numbers
+    for run, key in ((trainer.validate, "val_loss"), (trainer.test, "test_loss")):
+        got = run(module, _loader(4, 8), verbose=False)[0][key]
+        want = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, default_root_dir=tempfile.mkdtemp(
+                              prefix="aotdist-test-pl-"))
+        expected = getattr(want, run.__name__)(ref, _loader(4, 8), verbose=False)[0][key]
+        assert got == pytest.approx(expected, rel=1e-5), run.__name__
+    assert trainer.callbacks[0].applied is cb.applied and cb.applied.target is module.model
 
 
 def test_recompile_after_first_epoch_warns():
@@ -288,6 +328,7 @@ def _ddp_runs(rank: int, world_size: int):
     return out
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_ddp_two_processes():
     ranks = run_distributed(_ddp_runs, 2, timeout=300)
     eager, compiled = ranks[0]["eager"], ranks[0]["aotdist"]
@@ -312,22 +353,26 @@ def _model_parallel_runs(rank: int, world_size: int):
         "user_parallelize": (ParallelizedByUser(), [RegionalCompile(AOT)]),
         "aotdist_graph": (GPTModule(), [RegionalCompile(
             {**AOT, "fsdp": {"enabled": True, "mode": "graph"}})]),
+        "aotdist_bf16": (BF16Probe(), [RegionalCompile(AOT)]),
     }
     out = {}
     for name, (module, callbacks) in runs.items():
         torch._dynamo.reset()
         trainer, logger = _fit(module, callbacks, strategy=strategy(), devices=world_size,
-                               batch_size=2)
+                               batch_size=2,
+                               precision="bf16-mixed" if name.endswith("bf16") else "32-true")
         cb = next((c for c in trainer.callbacks if isinstance(c, RegionalCompile)), None)
         out[name] = {
             "losses": module.losses, "params": _params(module), "logged": logger.merged(),
             "how": cb.applied.how if cb else None,
             "weight": type(module.model.blocks[0].mlp.fc.weight.to_local()).__name__,
             "sharded": type(module.model.blocks[0]).__mro__[1].__name__,
+            "seen": sorted(set(getattr(module, "seen", []))),
         }
     return out
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_model_parallel_fsdp2_with_and_without_float8():
     rank0 = run_distributed(_model_parallel_runs, 2, timeout=420)[0]
     for eager, compiled, tol in (("eager", "aotdist", {"rtol": 1e-5, "atol": 1e-6}),
@@ -347,6 +392,13 @@ def test_model_parallel_fsdp2_with_and_without_float8():
     assert rank0["aotdist_graph"]["logged"]["aotdist/graphs"] == 1
     # Float8 really changed the numbers (the comparison above is not fp32 vs fp32)
     assert rank0["eager_float8"]["losses"][1:] != rank0["eager"]["losses"][1:]
+    # precision="bf16-mixed": the regions compute in bf16, and the run trains
+    bf16 = rank0["aotdist_bf16"]
+    assert bf16["seen"] == ["torch.bfloat16"], bf16["seen"]
+    assert bf16["logged"]["aotdist/GPTBlock/call_sites"] == DEPTH
+    assert bf16["losses"] != rank0["aotdist"]["losses"]  # bf16 rounding, really
+    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(rank0["eager"]["losses"]),
+                               rtol=2e-2, atol=0)  # same training, to bf16 accuracy
 
 
 # ---- LightningCLI configs and the recipe -------------------------------------------------
@@ -370,6 +422,7 @@ def test_shipped_lightning_configs_parse(path, monkeypatch):
     assert callbacks[0].config.compile.backend == "inductor"
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 @pytest.mark.inductor
 def test_recipe_runs_end_to_end(tmp_path):
     cmd = [sys.executable, str(ROOT / "recipes" / "train_lightning.py"), "fit",
@@ -396,6 +449,7 @@ def test_recipe_defaults_add_the_callback_once(monkeypatch):
     assert type(cli.trainer.strategy).__name__ == "ModelParallelStrategy"
 
 
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_ddp_spawn_two_processes():
     """ddp_spawn pickles the callback into fresh processes; weights come back to this one."""
     ref = GPTModule()

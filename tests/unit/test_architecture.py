@@ -203,3 +203,17 @@ def test_every_subpackage_is_packaged():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {name for name, path in _files().items() if path.name == "__init__.py"}
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+def test_no_data_files_ship_inside_the_package():
+    # Benchmark results and other generated files belong in docs/, not in the wheel.
+    shipped = [p for src in SOURCES.values() for p in src.rglob("*")
+               if p.is_file() and p.suffix not in (".py", ".pyc", ".typed")]
+    assert shipped == [], f"move these out of the package (e.g. to docs/): {shipped}"
+
+
+def test_readme_names_only_exported_testing_helpers():
+    import aotdist.testing
+
+    for name in ("assert_parity", "run_distributed", "TinyGPT", "example_inputs"):
+        assert name in aotdist.testing.__all__ and hasattr(aotdist.testing, name), name

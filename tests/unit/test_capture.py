@@ -232,3 +232,61 @@ def test_inspect_cli_prints_plan_and_summary_and_saves(tmp_path, capsys):
     assert (tmp_path / "GPTBlock.forward0.py").exists()
     assert main(["inspect", "--model", f"{__name__}:tiny_factory"]) == 0
     assert "(no built-in example inputs" not in capsys.readouterr().out
+
+
+def test_capture_with_inductor_uses_the_options_of_compile_regions(monkeypatch):
+    # One decision for every aotdist compile: capture's rebuilt Inductor gets the same
+    # config patches (buffer reuse and aotdist's reuse pass) as compile_regions' Inductor wrapper.
+    from aotdist import _compat
+    from aotdist.backends.named import _make_backend, inductor_options
+    from aotdist.backends.reuse import comparable_options
+
+    seen = []
+    real = _compat.inductor_compile_fx
+
+    def fake_compile_fx(gm, example_inputs, *, inner_compile, config_patches):
+        seen.append(dict(config_patches))
+        return _compat.lookup_backend("aot_eager")(gm, example_inputs)  # no C++ compile
+
+    monkeypatch.setattr(_compat, "inductor_compile_fx", lambda: (fake_compile_fx, real()[1]))
+    model = TinyGPT(depth=2)
+    (x,), _ = example_inputs(model)
+    aotdist.capture(model, x, loss_fn=_loss, backend="inductor")
+    assert seen, "capture's inductor backend never ran"
+    expected = _make_backend("inductor", None, None, None).config
+    for patches in seen:
+        patches.pop("joint_custom_pre_pass")
+        assert comparable_options(patches) == comparable_options(inductor_options())
+        assert patches.get("allow_buffer_reuse") == expected.get("allow_buffer_reuse")
+
+
+def test_a_region_mutating_buffers_in_training_is_demoted_and_reported():
+    # invoke_subgraph rejects in-place buffer mutation in training (BatchNorm in train()):
+    # capture must demote the region as compile_regions does, not crash.
+    model = TinyResNet(blocks_per_stage=2, widths=(8,)).train()
+    (x,), _ = example_inputs(model)
+    stats = {n: b.clone() for n, b in model.named_buffers()}
+    with pytest.warns(aotdist.RegionCompileWarning, match="cannot be a reusable subgraph"):
+        cap = aotdist.capture(model, x, loss_fn=_loss)
+    assert list(cap.demoted) == ["BasicBlock"]
+    assert "mutation" in cap.demoted["BasicBlock"]
+    region = cap.regions["BasicBlock"]
+    assert region.demoted == cap.demoted["BasicBlock"]
+    assert region.call_sites == [] and region.inlined == 2
+    mutated = {m["input"] for m in cap.mutations if m["kind"] == "data"}
+    assert {"stages.0.0.bn1.running_mean", "stages.0.1.bn2.running_var"} <= mutated
+    assert "demoted: BasicBlock" in cap.summary()
+    assert json.loads(json.dumps(cap.to_dict()))["demoted"] == cap.demoted
+    assert "_aotdist_state" not in vars(model)  # unmarked again, buffers as before
+    for n, b in model.named_buffers():
+        torch.testing.assert_close(b, stats[n])
+
+
+def test_inspect_cli_on_resnet_in_train_mode(capsys):
+    from aotdist.cli import main
+
+    assert main(["inspect", "--model", "resnet", "--depth", "2"]) == 0  # built in train()
+    text = capsys.readouterr().out
+    assert "warning: aotdist region 'BasicBlock' cannot be a reusable subgraph" in text
+    assert "demoted: BasicBlock" in text and "running_mean data" in text
+

@@ -6,6 +6,7 @@ Every run is a subprocess, so that a crash fails the test instead of killing pyt
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -66,12 +67,13 @@ def _run(body: str) -> tuple[int, dict]:
 def test_plain_torch_compile_crashes_on_the_pattern():
     """The reproduction: plain torch.compile(aot_eager) dies. If torch fixes it, this
     fails, and aotdist's repair can be retired."""
-    rc, _ = _run("""
+    rc, result = _run("""
         out = torch.compile(model, backend="aot_eager")(x)
         out.sum().backward()
         print(json.dumps({"survived": True}))
     """)
-    assert rc != 0
+    # A segfault: subprocess reports the signal as -11 (not a Python error, exit code 1)
+    assert rc == -signal.SIGSEGV, (rc, result)
 
 
 @pytest.mark.parametrize("how", ["compile_regions", "capture"])

@@ -144,10 +144,13 @@ def test_hooks_still_run():
     model.blocks[0].mlp.fc.weight.register_hook(lambda g: calls.append("grad"))
     aotdist.compile_regions(model, backend="aot_eager")
     (x,), _ = example_inputs(model)
-    for _ in range(2):
+    for step in range(2):
         calls.clear()
-        model(x).sum().backward()
+        with aotdist.metrics.track(model) as m:
+            model(x).sum().backward()
         assert sorted(calls) == sorted(["pre", "fwd", "root", "bwd", "grad"])
+        # compiled at the first step (hooks break the graph), reused at the second
+        assert (m.frames_compiled >= 1) if step == 0 else (m.frames_compiled == 0), m
 
 
 def test_marking_does_not_leak_into_other_instances():
@@ -285,7 +288,11 @@ def test_no_regions_warns_and_still_compiles():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     with pytest.warns(aotdist.RegionCompileWarning, match="no repeated regions"):
         aotdist.compile_regions(model, backend="aot_eager")
-    model(torch.randn(2, 4))
+    x = torch.randn(2, 4)
+    out = model(x)
+    records = vars(model)["_aotdist_state"].backend.records  # graphs the backend compiled
+    assert len(records) == 1 and records[0].call_sites == {}  # one plain graph, no regions
+    torch.testing.assert_close(out, model[1](model[0](x)))
 
 
 def test_no_recompiles_across_steps():

@@ -112,3 +112,14 @@ def test_yaml(tmp_path):
 def test_shipped_configs_load(path):
     cfg = AOTDistConfig.from_yaml(path)
     assert cfg.compile.enabled
+
+
+def test_aotdist_section_inside_a_larger_config(tmp_path):
+    # A Lightning/Accelerate-style file: the aotdist: section is read, the rest left alone.
+    path = tmp_path / "all.yaml"
+    path.write_text("trainer:\n  max_steps: 3\nmixed_precision: bf16\n"
+                    "aotdist:\n  compile: {backend: aot_eager}\n  ac: {enabled: true}\n")
+    cfg = AOTDistConfig.from_yaml(path)
+    assert cfg.compile.backend == "aot_eager" and cfg.ac.enabled
+    with pytest.raises(ConfigError, match="put them all under aotdist"):
+        AOTDistConfig.from_dict({"aotdist": {}, "compile": {"backend": "aot_eager"}})

@@ -182,3 +182,33 @@ def test_fsdp1_is_refused():
     wrapper._fsdp_wrapped_module = build_model("gpt", depth=2)
     with pytest.raises(OrderingError, match="FSDP1"):
         aotdist.parallelize(wrapper, AOT_EAGER)
+
+
+@pytest.mark.parametrize("compile_cfg", [
+    {"mode": "max-autotune-no-cudagraphs", "dynamic": False},
+    {"options": {"max_autotune": False, "epilogue_fusion": False}, "dynamic": True},
+])
+def test_compile_mode_dynamic_and_options_reach_inductor(compile_cfg, monkeypatch):
+    # What the config says is what Inductor is built with (plus aotdist's default
+    # options); Inductor itself is replaced by aot_eager here so no C++ is compiled.
+    from aotdist import _compat
+    from aotdist.backends.named import inductor_options
+    from aotdist.backends.reuse import comparable_options
+
+    built = []
+
+    def wrapper(mode, options, dynamic):
+        built.append((mode, options, dynamic))
+        return _compat.lookup_backend("aot_eager")
+
+    monkeypatch.setattr(_compat, "inductor_wrapper", wrapper)
+    model = build_model("gpt", depth=2)
+    ref = copy.deepcopy(model)
+    aotdist.parallelize(model, {"compile": compile_cfg})
+    (x,), _ = example_inputs(model)
+    with metrics.track(model) as m:
+        assert_parity(model, ref, (x,))
+    assert [(mode, comparable_options(opts), dyn) for mode, opts, dyn in built] == [
+        (compile_cfg.get("mode"), comparable_options(inductor_options(compile_cfg.get("options"))),
+         compile_cfg["dynamic"])]
+    assert m.frames_compiled >= 1
