@@ -305,7 +305,7 @@ def inductor_takes_pass_lists() -> bool:
 
 def inductor_disable_buffer_reuse() -> None:
     """Sets ``torch._inductor.config.allow_buffer_reuse = False`` in the config scope
-    being compiled (torch 2.15).
+    being compiled (torch 2.15; unused on 2.11, where aotdist installs no reuse pass).
 
     Meant for a post-grad pass of a backend whose options set ``allow_buffer_reuse``:
     ``compile_fx`` wraps every inner compile (forward, and the backward compiled later)
