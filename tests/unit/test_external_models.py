@@ -415,8 +415,11 @@ def test_tinygpt_inductor_end_to_end():
     # aotdist's post-grad pass forwards that output to the argument it aliases. See
     # test_tinygpt_inductor_buffer_reuse_torch_bug.
     # (Inductor's caches off: a cache hit would skip the pass, whose work is checked)
-    m, region_warnings = _tinygpt_inductor_parity({"force_disable_caches": True},
-                                                  check_pass=True)
+    # Where the torch has no reuse bug (2.11) aotdist installs no pass: nothing to check,
+    # and that Inductor has no force_disable_caches option.
+    bug = _buffer_reuse_bug()
+    m, region_warnings = _tinygpt_inductor_parity({"force_disable_caches": True} if bug else {},
+                                                  check_pass=bug)
     assert region_warnings == []
     assert m.graph_breaks == {} and m.recompiles == [] and m.failures == [], m.summary()
     st = _stats(m, "GPTBlock")
