@@ -188,7 +188,7 @@ def _unpack_gathered(packed):
 
 def _param_property(name: str) -> property:
     def getter(self):
-        p = self._parameters[name]
+        p = _compat.param_slots(self)[name]
         if p is None or isinstance(p, torch.distributed.tensor.DTensor):
             return p  # outside a forward: the sharded DTensor, as under FSDP2
         return gather(p, type(self)._aotdist_gather[name])
@@ -245,7 +245,8 @@ def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> Reg
     graph, collectives included, with a warning naming it.
     """
     owning = sorted({r.module_type.__name__ for r in plan for f in r.fqns
-                     if any(p is not None for p in model.get_submodule(f)._parameters.values())})
+                     if any(p is not None
+                            for p in _compat.param_slots(model.get_submodule(f)).values())})
     if not owning:
         return plan
     warnings.warn(
@@ -288,7 +289,7 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
     done, new_params = [], {}
     for fqn, mod in list(model.named_modules()):
         specs = []
-        for name, p in list(mod._parameters.items()):
+        for name, p in list(_compat.param_slots(mod).items()):
             if p is None:
                 continue
             spec = GatherSpec(
@@ -314,7 +315,7 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
                 dt = DTensor.from_local(local, mesh, [placement], run_check=False,
                                         shape=p.shape, stride=p.stride())
                 new_params[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-            mod._parameters[name] = new_params[id(p)]
+            _compat.param_slots(mod)[name] = new_params[id(p)]
         if specs:
             mod.__class__ = _gather_class(type(mod), tuple(specs))
             done.append(fqn)
@@ -323,7 +324,7 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
 
 def _slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return [(m, n) for _, m in model.named_modules(remove_duplicate=False)
-            for n, p in m._parameters.items()
+            for n, p in _compat.param_slots(m).items()
             if isinstance(p, torch.distributed.tensor.DTensor)]
 
 
@@ -336,15 +337,15 @@ def local_shards(model: nn.Module, slots: list[tuple[nn.Module, str]] | None = N
     saved, locals_ = [], {}
     try:
         for mod, name in slots:
-            p = mod._parameters[name]
+            p = _compat.param_slots(mod)[name]
             if id(p) not in locals_:  # a shared parameter: one local shard, one gradient
                 locals_[id(p)] = p.to_local()
             saved.append((mod, name, p))
-            mod._parameters[name] = locals_[id(p)]
+            _compat.param_slots(mod)[name] = locals_[id(p)]
         yield
     finally:
         for mod, name, p in saved:
-            mod._parameters[name] = p
+            _compat.param_slots(mod)[name] = p
 
 
 class ShardedCall:

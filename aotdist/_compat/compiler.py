@@ -97,6 +97,13 @@ def tree_map(fn: Callable, tree: Any) -> Any:
     return _pytree.tree_map(fn, tree)
 
 
+def param_slots(module: nn.Module) -> dict:
+    """``module._parameters``: the module's own parameter dict, read and written in place
+    (graph-mode FSDP swaps DTensor parameters and their local shards there). A plain
+    function, so Dynamo traces through it (torch 2.11, 2.15)."""
+    return module._parameters
+
+
 def compiled_call(model: nn.Module) -> Callable | None:
     """``model._compiled_call_impl`` (set by ``nn.Module.compile``), or ``None``
     (torch 2.11, 2.15; an older module without the slot reads as ``None``)."""

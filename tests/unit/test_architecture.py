@@ -16,7 +16,7 @@ MAX_LINES = 400
 # Attributes of torch / Accelerate objects that are private to those libraries.
 PRIVATE_ATTRS = {
     "_call_impl", "_compiled_call_impl", "_get_fsdp_state", "_fsdp_param_group",
-    "_unsharded_param", "_module_info", "_orig_size", "_old_forward", "_shared_state",
+    "_unsharded_param", "_module_info", "_parameters", "_orig_size", "_old_forward", "_shared_state",
     "_is_accelerate_prepared", "_get_default_store", "current_tx", "_save_graph",
 }
 
