@@ -33,7 +33,7 @@ __all__ = ["free_port", "run_distributed"]
 _POLL_S = 0.05  # how often the parent checks the result queue and the processes
 _STOP_GRACE_S = 2.0  # between SIGTERM and SIGKILL when stopping ranks
 _STACK_DUMP_WAIT_S = 1.0  # for hung ranks to write their Python stacks on timeout
-_SECONDARY_WAIT_S = 0.2  # for other ranks' errors to arrive after the first failure
+_SECONDARY_WAIT_S = 0.5  # for other ranks' errors to arrive after the first failure
 
 
 def free_port() -> int:
@@ -267,7 +267,11 @@ class _Run:
     def _raise_failure(self) -> None:
         # A rank found dead without a report when the first failure is seen most likely
         # died first: peers' errors ("connection closed by peer") follow from it, while a
-        # rank that raises flushes its report before it leaves the process group.
+        # rank that raises flushes its report before it leaves the process group. The
+        # wait comes first: a peer's socket closes while the dead rank is still exiting,
+        # so its "connection reset" report can arrive before the exit code is visible
+        # (seen on a loaded 2-core machine: the dead rank was then named second).
+        time.sleep(_SECONDARY_WAIT_S)
         deaths = self._silent_deaths()
         if deaths:
             rank = next(iter(deaths))
@@ -278,7 +282,6 @@ class _Run:
         else:
             rank = next(iter(self.errors))
             primary = f"rank {rank} of {self.world_size} failed in {self.name}:\n{self.errors[rank].rstrip()}"
-        time.sleep(_SECONDARY_WAIT_S)
         deaths.update(self._silent_deaths())
         others = [f"rank {r} {_exit_text(code)}" for r, code in deaths.items() if r != rank]
         others += [f"rank {r}: {_last_line(tb)}" for r, tb in self.errors.items() if r != rank]
