@@ -23,8 +23,8 @@ import torch
 import aotdist
 from aotdist import metrics
 from aotdist.testing import build_model, example_inputs, run_distributed
-from aotdist.testing.training import accumulated_reference, lm_loss, rank_batches
 from aotdist.testing.parity import assert_parity
+from aotdist.testing.training import accumulated_reference, lm_loss, rank_batches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
