@@ -16,7 +16,13 @@ from aotdist.testing.models import (
     example_inputs,
 )
 from aotdist.testing.parity import assert_parity, forward_backward
-from aotdist.testing.training import accumulated_reference, lm_loss, rank_batches, record_logs
+from aotdist.testing.training import (
+    accumulated_reference,
+    lm_loss,
+    rank_batches,
+    record_logs,
+    train_steps,
+)
 
 __all__ = [
     "DistributedTestError",
@@ -35,4 +41,5 @@ __all__ = [
     "lm_loss",
     "rank_batches",
     "record_logs",
+    "train_steps",
 ]

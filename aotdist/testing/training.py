@@ -13,7 +13,7 @@ from torch import nn
 
 from aotdist.testing.models import build_model, example_inputs
 
-__all__ = ["accumulated_reference", "lm_loss", "rank_batches", "record_logs"]
+__all__ = ["accumulated_reference", "lm_loss", "rank_batches", "record_logs", "train_steps"]
 
 
 def rank_batches(model: nn.Module, *, world_size: int, steps: int, batch_per_rank: int = 2,
@@ -32,6 +32,20 @@ def rank_batches(model: nn.Module, *, world_size: int, steps: int, batch_per_ran
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross entropy of ``model(x)`` (batch, sequence, vocabulary) against ``y``."""
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+
+def train_steps(model: nn.Module, *, steps: int, lr: float = 0.5, batch: int = 2,
+                seed: int = 1) -> list[float]:
+    """``steps`` SGD steps of ``model`` in this process on seeded batches; the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for xs, ys in rank_batches(model, world_size=1, steps=steps, batch_per_rank=batch, seed=seed):
+        loss = lm_loss(model, xs[0], ys[0])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def accumulated_reference(config: dict, *, world_size: int, depth: int, steps: int,

@@ -16,11 +16,10 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import aotdist
 from aotdist import metrics
-from aotdist.testing import build_model, example_inputs
+from aotdist.testing import build_model, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*KernelPreference.*")
 
@@ -47,17 +46,8 @@ def _train(base, config: dict):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         aotdist.parallelize(model, config)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        g = torch.Generator().manual_seed(1)
-        losses = []
         with metrics.track(model) as m:
-            for _ in range(STEPS):
-                (x,), y = example_inputs(model, 2, generator=g)
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            losses = train_steps(model, steps=STEPS)
     warned = [str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)]
     return model, losses, m, warned
 
