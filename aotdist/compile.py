@@ -22,7 +22,6 @@ Two compile modes (:class:`aotdist.modes.CompileMode`), chosen from the model:
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +34,7 @@ from aotdist.backends.recording import RecordingBackend
 from aotdist.backends.recovery import _RegionGuardedCall
 from aotdist.errors import OrderingError, RegionCompileWarning
 from aotdist.fsdp import fsdp_modules
+from aotdist.log import rank_zero_warn
 from aotdist.marking import is_compiled, mark_regions, unmark_regions
 from aotdist.modes import CompileMode
 from aotdist.regions import RegionPlan
@@ -191,7 +191,7 @@ def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
             "and compile again with the plan you want."
         )
     if len(state.plan) == 0:
-        warnings.warn(
+        rank_zero_warn(
             f"aotdist found no repeated regions in {type(model).__name__}; the whole model is "
             "compiled as usual (no subgraph reuse). Pass include=[...] or min_repeats=1 to "
             "choose regions.",

@@ -19,12 +19,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from aotdist.errors import ConfigError, ConfigWarning
+from aotdist.log import rank_zero_warn
 from aotdist.validation import _message, _Section
 
 __all__ = [
@@ -260,7 +260,7 @@ class AOTDistConfig:
         if problems:
             raise ConfigError(_message(problems), problems=problems)
         if self.float8.enabled and self.float8.fsdp_all_gather and not self.fsdp.enabled:
-            warnings.warn(
+            rank_zero_warn(
                 "float8.fsdp_all_gather has no effect without FSDP (fsdp.enabled is false); "
                 "weights are cast to float8 locally. Fix: set fsdp.enabled: true, or drop "
                 "float8.fsdp_all_gather.",

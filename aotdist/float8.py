@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import warnings
 
 import torch
 from torch import nn
@@ -18,6 +17,7 @@ from torch import nn
 from aotdist._extras import require
 from aotdist.config import Float8Config
 from aotdist.errors import ConfigError, RegionCompileWarning
+from aotdist.log import rank_zero_warn
 
 __all__ = [
     "convert_to_float8",
@@ -48,8 +48,9 @@ def convert_to_float8(model: nn.Module, config: Float8Config) -> list[str]:
         The FQNs of the converted layers.
 
     Raises:
-        ConfigError: A ``config.exclude`` pattern matches no ``Linear`` layer, or no
-            layer is eligible (float8 would do nothing).
+        ConfigError: A ``config.exclude`` pattern matches no ``Linear`` layer, no
+            layer is eligible (float8 would do nothing), or ``config.recipe`` cannot run
+            on the model's device (row-wise scaling on a CPU torch without it).
     """
     ao = require("torchao.float8", feature="float8.enabled (torchao Float8 training)")
 
@@ -68,6 +69,9 @@ def convert_to_float8(model: nn.Module, config: Float8Config) -> list[str]:
             f"layers: {linears[:6]}). Fix: set float8.enabled: false."
         )
     ao_config = ao.Float8LinearConfig.from_recipe_name(config.recipe)
+    if config.recipe != "tensorwise":
+        first = model.get_submodule(chosen[0]).weight
+        _check_recipe_runs(ao, ao_config, config.recipe, first.device, first.dtype)
     if config.fsdp_all_gather:
         ao_config = dataclasses.replace(ao_config, enable_fsdp_float8_all_gather=True)
     chosen_set = set(chosen)
@@ -75,6 +79,35 @@ def convert_to_float8(model: nn.Module, config: Float8Config) -> list[str]:
         model, config=ao_config, module_filter_fn=lambda _m, fqn: fqn in chosen_set
     )
     return chosen
+
+
+def _check_recipe_runs(ao, ao_config, recipe: str, device: torch.device,
+                       dtype: torch.dtype) -> None:
+    """Runs one tiny ``Float8Linear`` of ``recipe`` forward and backward on ``device``.
+
+    Row-wise scaling needs a ``torch._scaled_mm`` with per-row scales: CUDA GPUs of
+    compute capability >= 8.9, and on CPU only some torch versions (2.15 has it, 2.11
+    fails with an internal assert "only supports per-tensor scaling for CPU backend").
+    Probing torchao's own layer finds that out at ``parallelize`` instead of at the first
+    training step. Meta tensors are not probed.
+
+    Raises:
+        ConfigError: The recipe cannot run on ``device``; names the cause and the fix.
+    """
+    if device.type == "meta":
+        return
+    probe = nn.Sequential(nn.Linear(16, 16, bias=False)).to(device=device, dtype=dtype)
+    ao.convert_to_float8_training(probe, config=ao_config)
+    try:
+        with torch.enable_grad():
+            probe(torch.ones(16, 16, device=device, dtype=dtype)).sum().backward()
+    except (RuntimeError, NotImplementedError, AssertionError) as exc:
+        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(
+            f"float8.recipe: {recipe!r} cannot run on {device} with torch {torch.__version__}"
+            f" (torchao's Float8Linear fails: {cause}). Fix: set float8.recipe: tensorwise, "
+            "or train on a CUDA GPU of compute capability >= 8.9 (row-wise scaled matmul)."
+        ) from exc
 
 
 def float8_linears(model: nn.Module) -> list[nn.Module]:
@@ -112,7 +145,7 @@ def warn_unverified_combination(config, *, stacklevel: int = 3) -> None:
     """
     if (config.float8.enabled and config.float8.fsdp_all_gather and config.fsdp.enabled
             and config.compile.enabled and config.compile.backend == "inductor"):
-        warnings.warn(
+        rank_zero_warn(
             "float8.fsdp_all_gather with compile.backend: inductor: aotdist's parity test "
             "sees parameters drift from eager Float8 by up to 1.5e-3 (1.4%) after 5 steps "
             f"(torch 2.11 and 2.15; you run {torch.__version__}); the cause is not found. "

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +45,7 @@ from torch import nn
 from aotdist import _compat
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, RegionCompileWarning
+from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan, find_regions
 
 __all__ = [
@@ -249,7 +249,7 @@ def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> Reg
                             for p in _compat.param_slots(model.get_submodule(f)).values())})
     if not owning:
         return plan
-    warnings.warn(
+    rank_zero_warn(
         f"fsdp.mode: graph: region(s) {owning} hold parameters on the region module itself, "
         "which graph mode cannot feed to a reused subgraph; they are compiled inline in the "
         "one graph instead (correct, no reuse). Fix: move those parameters into a child "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,11 +16,14 @@ from aotdist.errors import ConfigWarning, OrderingError
 from aotdist.float8 import convert_to_float8, warn_unverified_combination
 from aotdist.fsdp import check_not_sharded, default_mesh, shard
 from aotdist.graph_fsdp import check_graph_config, graph_plan, shard_graph, sharded_call
+from aotdist.log import get_logger, rank_zero_warn
 from aotdist.marking import mark_regions
 from aotdist.regions import RegionPlan, find_regions
 from aotdist.state import INFO_ATTR, STATE_ATTR
 
 __all__ = ["INFO_ATTR", "ParallelizeInfo", "parallelize", "parallelize_info"]
+
+_log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,8 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
     if config.fsdp.enabled:
         mesh = default_mesh(model) if mesh is None else mesh
     elif mesh is not None:
-        warnings.warn("parallelize(mesh=...) has no effect with fsdp.enabled: false.",
-                      ConfigWarning, stacklevel=2)
+        rank_zero_warn("parallelize(mesh=...) has no effect with fsdp.enabled: false.",
+                       ConfigWarning, stacklevel=2)
         mesh = None
 
     # 1. Float8 first: it replaces nn.Linear modules, and everything after must see the
@@ -124,6 +126,10 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
         config=config, plan=plan, float8_fqns=tuple(float8_fqns),
         sharded_fqns=tuple(sharded), mesh=mesh,
     )
+    _log.info("parallelize %s: %d region(s) %s, %d Float8 layer(s), %d FSDP unit(s), "
+              "compile %s", type(model).__name__, len(plan), [r.name for r in plan],
+              len(float8_fqns), len(sharded),
+              config.compile.backend if config.compile.enabled else "off")
 
     # 6. Compile artifacts: loaded after everything that changes the graphs (the key holds
     #    the region plan and parameters) and before the first forward, which compiles.

@@ -33,7 +33,7 @@ from aotdist.compile import compile_callable, restore
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
-from aotdist.fsdp import fsdp_modules
+from aotdist.fsdp import fsdp_modules, is_fsdp_module
 from aotdist.modes import ApplyHow
 
 __all__ = ["RegionalCompileHook", "prepare"]
@@ -125,6 +125,15 @@ class RegionalCompileHook(ModelHook):
         return module
 
     def pre_forward(self, module: nn.Module, *args, **kwargs):
+        if self._plain_forward is not None and is_fsdp_module(module):
+            raise OrderingError(
+                "RegionalCompileHook was attached to the model before it was "
+                "sharded with FSDP2 (accelerator.prepare with Accelerate's FSDP2 plugin, or "
+                "fully_shard): the hook compiled the whole forward, which FSDP2's hooks cannot "
+                "run inside. Fix: attach it after accelerator.prepare (it then compiles the "
+                "regions inside the FSDP2 units): remove_hook_from_module(model), then "
+                "add_hook_to_module(prepared_model, RegionalCompileHook(...))."
+            )
         if self._frames and self.metrics is None and self._window is None:
             self._window = metrics.track(self.applied.target)  # frames mode: record eagerly
             self.metrics = self._window.__enter__()

@@ -9,7 +9,6 @@ checked against the registered backends; a callable is used as it is.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from aotdist import _compat
 from aotdist.backends.reuse import is_reuse_pass, reuse_pass
 from aotdist.errors import ConfigError, RegionCompileWarning
+from aotdist.log import rank_zero_warn
 
 __all__ = ["_make_backend", "inductor_buffer_reuse_is_unsafe", "inductor_options"]
 
@@ -78,7 +78,7 @@ def inductor_options(options: dict | None = None, *, warn: bool = True) -> dict:
         return options
     if not _REUSE_PASS_ON[-1]:
         if warn:
-            warnings.warn(
+            rank_zero_warn(
                 f"allow_buffer_reuse=True without aotdist's pass: with torch "
                 f"{torch.__version__}, Inductor's buffer reuse can overwrite an activation a "
                 "reused region saved for backward (wrong gradients, see README 'Known "

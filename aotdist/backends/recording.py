@@ -19,7 +19,6 @@ from __future__ import annotations
 import operator
 import re
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from torch import nn
 from aotdist import _compat
 from aotdist.backends.aot import aot_backend, storage_resized_inputs
 from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_chain
+from aotdist.log import rank_zero_warn
 
 __all__ = ["GraphRecord", "RecordingBackend", "module_path_to_fqn"]
 
@@ -148,7 +148,7 @@ class RecordingBackend:
         repaired = aot_backend(self.inner)
         if repaired is not None:
             return repaired(gm, example_inputs)
-        warnings.warn(
+        rank_zero_warn(
             f"a compiled graph resizes the storage of {resized} (the FSDP pattern); with "
             f"torch 2.15 compiling it with backend {self.inner!r} would crash the process, so "
             "it runs eagerly. Fix: use backend='aot_eager' or 'inductor', which aotdist repairs.",
@@ -251,7 +251,7 @@ def _warn_autograd_function_splits(gm: torch.fx.GraphModule, node_regions: dict[
                    for name in names for n in getattr(gm, name).graph.nodes
                    if n.op == "call_function"):
             continue
-        warnings.warn(
+        rank_zero_warn(
             f"aotdist region {region!r}: its call sites compiled as {len(names)} distinct "
             "subgraphs, not one: its forward calls a torch.autograd.Function (e.g. "
             f"torchao Float8Linear), and torch {torch.__version__} cannot reuse a subgraph "

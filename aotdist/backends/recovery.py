@@ -9,7 +9,6 @@ with a ``RegionCompileWarning`` each time. Parsing torch's error text lives here
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 from torch import nn
@@ -18,6 +17,7 @@ from aotdist import _compat
 from aotdist.errors import OrderingError, RegionCaptureError, RegionCompileWarning
 from aotdist.errors import exception_chain as _chain
 from aotdist.fsdp import fsdp_modules
+from aotdist.log import rank_zero_warn
 from aotdist.marking import _apply_region_class, _unmark_region
 from aotdist.state import RegionState
 
@@ -73,7 +73,7 @@ class _RegionGuardedCall:
                 _unmark_region(self._model_ref, state, name)
                 _apply_region_class(self._model_ref, state, name, clone_aliases=True)
                 state.fixes[name] = "clone_aliasing_outputs"
-                warnings.warn(
+                rank_zero_warn(
                     f"aotdist region {name!r}: an output aliases an input ({reason}). "
                     "Fixed by cloning the aliasing outputs inside the region; it still "
                     "compiles once as a reusable subgraph.",
@@ -84,7 +84,7 @@ class _RegionGuardedCall:
                 if state.checkpoint:  # inline, but still checkpointed
                     _apply_region_class(self._model_ref, state, name, nested=False)
                 state.demoted[name] = reason
-                warnings.warn(
+                rank_zero_warn(
                     f"aotdist region {name!r} cannot be a reusable subgraph: {reason}. "
                     "It is compiled inline in the surrounding graph instead (Dynamo handles "
                     "its graph breaks as usual); exclude it or fix the cause to regain reuse.",

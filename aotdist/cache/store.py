@@ -28,12 +28,15 @@ from aotdist.cache.bundle import FORMAT, decode, write_atomic
 from aotdist.cache.share import CompileSharing
 from aotdist.config import AOTDistConfig, CacheConfig
 from aotdist.errors import CacheWarning
+from aotdist.log import get_logger, rank_zero_warn
 from aotdist.modes import CacheStatus
 from aotdist.regions import RegionPlan
 from aotdist.state import INFO_ATTR
 from aotdist.version import __version__
 
 __all__ = ["STATE_ATTR", "CacheLoad", "cache_key", "load", "save"]
+
+_log = get_logger(__name__)
 
 STATE_ATTR = "_aotdist_cache"
 
@@ -157,9 +160,13 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
     except Exception as exc:  # a failure installing must never stop the job
         result = CacheLoad(CacheStatus.CORRUPT, f"could not install it: {type(exc).__name__}: {exc}", path)
     if result.status in (CacheStatus.STALE, CacheStatus.CORRUPT):
-        warnings.warn(f"aotdist cache: ignoring {path} on rank {rank}: {result.reason}; "
-                      "compiling normally (the bundle is replaced after the first step).",
-                      CacheWarning, stacklevel=2)
+        # shared mode: every rank judged rank 0's bundle alike, so rank 0 alone warns;
+        # local mode: each rank read its own file, so each rank says what it found
+        warn = rank_zero_warn if cfg.mode == "shared" else warnings.warn
+        warn(f"aotdist cache: ignoring {path} on rank {rank}: {result.reason}; "
+             "compiling normally (the bundle is replaced after the first step).",
+             CacheWarning, stacklevel=2)
+    _log.info("cache %s on rank %d: %s %s", cfg.mode, rank, result.status, path)
     sharing = None
     if cfg.mode == "shared" and world > 1 and result.status != CacheStatus.LOADED:
         sharing = CompileSharing(rank=rank, timeout_s=cfg.share_timeout_s)
@@ -212,4 +219,5 @@ def _save_one(model: nn.Module, *, force: bool) -> str | None:
                       f"{type(exc).__name__}: {exc}; the next run compiles again.",
                       CacheWarning, stacklevel=2)
         return None
+    _log.info("cache %s on rank %d: saved %s (%d bytes)", cfg.mode, rank, path, len(data))
     return path

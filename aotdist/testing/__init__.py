@@ -16,6 +16,13 @@ from aotdist.testing.models import (
     example_inputs,
 )
 from aotdist.testing.parity import assert_parity, forward_backward
+from aotdist.testing.training import (
+    accumulated_reference,
+    lm_loss,
+    rank_batches,
+    record_logs,
+    train_steps,
+)
 
 __all__ = [
     "DistributedTestError",
@@ -30,4 +37,9 @@ __all__ = [
     "example_inputs",
     "assert_parity",
     "forward_backward",
+    "accumulated_reference",
+    "lm_loss",
+    "rank_batches",
+    "record_logs",
+    "train_steps",
 ]

@@ -9,6 +9,12 @@ directory of its own (as on separate nodes):
 * warm: a restart (new empty Inductor cache dirs, Dynamo and Inductor in-memory caches
   cleared, the model rebuilt): rank 0 reads the bundle and broadcasts it, no rank compiles;
 * eager: the same training without compile, the parity reference.
+
+Then, on the same processes, without FSDP: ``cache.mode: local`` (each rank saves and
+loads a bundle of its own; a rank whose key differs ignores its bundle with a
+CacheWarning naming what changed, compiles, and replaces it) and ``shared`` mode's
+timeout (rank 0 late: the other rank waits ``cache.share_timeout_s`` at a graph, then
+compiles it itself with a CacheWarning saying so).
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ pytestmark = [pytest.mark.inductor, pytest.mark.slow]  # a 90 s spawn on 2 cores
 STEPS = 2
 
 
-def _train(rank: int, world_size: int, config: dict) -> dict:
+def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0.0) -> dict:
+    import time
+
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
@@ -43,6 +51,8 @@ def _train(rank: int, world_size: int, config: dict) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         g = torch.Generator().manual_seed(1)
         losses, first = [], None
+        if rank == 0:
+            time.sleep(rank0_delay_s)  # the other ranks reach their first graph first
         for step in range(STEPS):
             (x,), y = example_inputs(model, 2 * world_size, generator=g)
             x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
@@ -51,14 +61,14 @@ def _train(rank: int, world_size: int, config: dict) -> dict:
             opt.step()
             opt.zero_grad()
             if step == 0:
-                aotdist.cache.save(model)
+                saved = aotdist.cache.save(model)
                 first = {k: counters["inductor"][k] for k in
                          ("fxgraph_cache_hit", "fxgraph_cache_miss")}
             dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
             losses.append(loss.item())
     state = vars(model).get(aotdist.cache.STATE_ATTR)
     sharing = state["sharing"] if state else None
-    return {"losses": losses, "first": first,
+    return {"losses": losses, "first": first, "saved": saved,
             "load": state["load"].status if state else "off",
             "shared_loaded": sharing.loaded if sharing else 0,
             "share_misses": sharing.misses if sharing else [],
@@ -75,6 +85,20 @@ def _phases(rank: int, world_size: int, root: str) -> dict:
                           ("eager", {**fsdp, "compile": {"enabled": False}})):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
         out[phase] = _train(rank, world_size, config)
+    # cache.mode: local, no FSDP: each rank its own bundle (artifacts.rank<r>.aotc)
+    compile_ = {"compile": {"backend": "inductor"}}
+    local = {**compile_, "cache": {"mode": "local", "dir": os.path.join(root, "local")}}
+    other = {**local, "ac": {"enabled": True}}  # another config: another key
+    for phase, config in (("local_cold", local), ("local_warm", local),
+                          ("local_mismatch", other if rank == 1 else local)):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
+        out[phase] = _train(rank, world_size, config)
+    # shared mode, rank 0 late: rank 1 waits share_timeout_s at its first graph, then
+    # compiles it itself and says so
+    late = {**compile_, "cache": {"mode": "shared", "dir": os.path.join(root, "late"),
+                                  "share_timeout_s": 1}}
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "late", f"rank{rank}")
+    out["shared_timeout"] = _train(rank, world_size, late, rank0_delay_s=6.0)
     return out
 
 
@@ -110,3 +134,39 @@ def test_cached_results_match_uncached(phases):
     assert warm == cold  # the same kernels: bitwise
     torch.testing.assert_close(torch.tensor(cold), torch.tensor(eager), rtol=1e-4, atol=1e-5)
     assert phases[1]["cold"]["losses"] == cold  # all_reduced: every rank agrees
+
+
+def test_local_mode_each_rank_its_own_bundle(phases):
+    for rank in (0, 1):
+        cold, warm = phases[rank]["local_cold"], phases[rank]["local_warm"]
+        assert cold["load"] == "missing" and cold["first"]["fxgraph_cache_miss"] > 0, cold
+        assert cold["saved"].endswith(f"artifacts.rank{rank}.aotc"), cold["saved"]
+        assert os.path.getsize(cold["saved"]) > 0
+        assert warm["load"] == "loaded" and warm["first"]["fxgraph_cache_miss"] == 0, warm
+        assert warm["saved"] is None  # loaded: nothing new to save
+        assert cold["warnings"] == warm["warnings"] == [] and cold["share_misses"] == []
+        assert warm["losses"] == cold["losses"]
+
+
+def test_local_mode_key_mismatch_warns_on_that_rank_and_replaces_its_bundle(phases):
+    rank0, rank1 = phases[0]["local_mismatch"], phases[1]["local_mismatch"]
+    assert rank0["load"] == "loaded" and rank0["warnings"] == [], rank0
+    assert rank1["load"] == "stale", rank1
+    assert len(rank1["warnings"]) == 1, rank1["warnings"]
+    warning = rank1["warnings"][0]
+    assert "artifacts.rank1.aotc on rank 1" in warning and "made for another setup" in warning
+    assert "config '" in warning and "compiling normally" in warning, warning
+    assert rank1["first"]["fxgraph_cache_miss"] > 0  # compiled
+    assert rank1["saved"].endswith("artifacts.rank1.aotc")  # replaced after the first step
+
+
+def test_shared_mode_rank_waits_share_timeout_then_compiles_itself(phases):
+    rank0, rank1 = phases[0]["shared_timeout"], phases[1]["shared_timeout"]
+    assert rank0["load"] == rank1["load"] == "missing"
+    why = "rank 0 did not reach graph 0 within 1s"
+    assert rank1["share_misses"] and why in rank1["share_misses"][0], rank1["share_misses"]
+    assert any("rank 1 compiles graph 0 itself" in w and why in w for w in rank1["warnings"]), \
+        rank1["warnings"]
+    assert rank1["first"]["fxgraph_cache_miss"] > 0  # it compiled instead of waiting on
+    assert rank0["warnings"] == [] and rank0["share_misses"] == []
+    assert rank1["losses"] == rank0["losses"]  # all_reduced: the run went on

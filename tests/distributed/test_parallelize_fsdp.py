@@ -15,14 +15,20 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import aotdist
 from aotdist import metrics
 from aotdist.config import as_config
 from aotdist.errors import RegionCompileWarning
 from aotdist.float8 import warn_unverified_combination
-from aotdist.testing import build_model, example_inputs, run_distributed
+from aotdist.testing import (
+    accumulated_reference,
+    build_model,
+    example_inputs,
+    lm_loss,
+    rank_batches,
+    run_distributed,
+)
 
 DEPTH = 3
 # every test spawns ranks that train several configurations: 20-90 s each on 2 cores
@@ -50,15 +56,7 @@ CONFIGS = {
 
 
 def _batches(world_size: int, model):
-    g = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        (x,), y = example_inputs(model, BATCH_PER_RANK * world_size, generator=g)
-        yield x.chunk(world_size), y.chunk(world_size)
-
-
-def _loss(model, x, y):
-    out = model(x)
-    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+    return rank_batches(model, world_size=world_size, steps=STEPS, batch_per_rank=BATCH_PER_RANK)
 
 
 def _count_all_gathers(counts: dict[str, int]):
@@ -82,7 +80,7 @@ def _step(model, opt, x, y) -> float:
     """One training step on this rank's slice; returns the loss averaged over ranks."""
     import torch.distributed as dist
 
-    loss = _loss(model, x, y)
+    loss = lm_loss(model, x, y)
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -140,27 +138,8 @@ def _train_configs(rank: int, world_size: int, names: list[str], ckpt_dir: str):
 
 def _reference(config: dict, world_size: int):
     """Single process, eager, same model/seed/conversion, gradient accumulation over ranks."""
-    torch.manual_seed(0)
-    model = build_model("gpt", depth=DEPTH)
-    float8 = config.get("float8")
-    if float8:
-        from aotdist.config import Float8Config
-        from aotdist.float8 import convert_to_float8
-
-        convert_to_float8(model, Float8Config(**{**float8, "fsdp_all_gather": False}))
-    keys = list(model.state_dict())
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for xs, ys in _batches(world_size, model):
-        total = 0.0
-        for x, y in zip(xs, ys, strict=True):
-            loss = _loss(model, x, y) / world_size
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}, keys
+    return accumulated_reference(config, world_size=world_size, depth=DEPTH, steps=STEPS,
+                                 batch_per_rank=BATCH_PER_RANK)
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +316,7 @@ def _rank_dies(rank: int, world_size: int):
     if rank == 1:
         raise RuntimeError("rank 1 lost its data loader")
     (x,), y = example_inputs(model, 2)
-    _loss(model, x, y).backward()  # rank 0 waits in FSDP's all-gather for rank 1
+    lm_loss(model, x, y).backward()  # rank 0 waits in FSDP's all-gather for rank 1
 
 
 def test_a_dying_rank_stops_the_others():

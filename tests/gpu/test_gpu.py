@@ -19,12 +19,12 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import aotdist
 from aotdist import metrics
 from aotdist.testing import build_model, example_inputs, run_distributed
 from aotdist.testing.parity import assert_parity
+from aotdist.testing.training import accumulated_reference, lm_loss, rank_batches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -56,14 +56,7 @@ def _needs_hopper() -> None:
 
 
 def _batches(world_size: int, model):
-    g = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        (x,), y = example_inputs(model, BATCH_PER_RANK * world_size, generator=g)
-        yield x.chunk(world_size), y.chunk(world_size)
-
-
-def _loss(model, x, y):
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return rank_batches(model, world_size=world_size, steps=STEPS, batch_per_rank=BATCH_PER_RANK)
 
 
 def _nccl_train(rank: int, world_size: int, config: dict):
@@ -79,7 +72,7 @@ def _nccl_train(rank: int, world_size: int, config: dict):
     with warnings.catch_warnings(), metrics.track(model) as t:
         warnings.simplefilter("ignore")
         for xs, ys in _batches(world_size, model):
-            loss = _loss(model, xs[rank].to(device), ys[rank].to(device))
+            loss = lm_loss(model, xs[rank].to(device), ys[rank].to(device))
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -93,27 +86,10 @@ def _nccl_train(rank: int, world_size: int, config: dict):
 
 def _reference(config: dict, world_size: int):
     """Single process on cuda:0, eager, same model, seed and Float8 conversion."""
-    device = torch.device("cuda", 0)
-    torch.manual_seed(0)
-    model = build_model("gpt", depth=DEPTH)
-    if config.get("float8"):
-        from aotdist.config import Float8Config
-        from aotdist.float8 import convert_to_float8
-
-        convert_to_float8(model, Float8Config(**{**config["float8"], "fsdp_all_gather": False}))
-    model = model.to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for xs, ys in _batches(world_size, model):
-        total = 0.0
-        for x, y in zip(xs, ys, strict=True):
-            loss = _loss(model, x.to(device), y.to(device)) / world_size
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    losses, params, _ = accumulated_reference(config, world_size=world_size, depth=DEPTH,
+                                              steps=STEPS, batch_per_rank=BATCH_PER_RANK,
+                                              device=torch.device("cuda", 0))
+    return losses, params
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
