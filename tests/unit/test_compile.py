@@ -320,21 +320,19 @@ def test_metrics_attribute_call_sites_when_the_root_is_a_sequential():
 
 
 def test_inductor_options_install_the_reuse_pass_and_keep_buffer_reuse_on():
-    from aotdist.backends.named import (
-        _make_backend, _without_reuse_pass, inductor_buffer_reuse_is_unsafe,
-    )
+    from aotdist.backends.named import _make_backend, _without_reuse_pass
 
     config = _make_backend("inductor", None, None, None).config
-    if not inductor_buffer_reuse_is_unsafe():  # torch 2.11: the bug is absent, no pass
-        assert "allow_buffer_reuse" not in config
-        assert "post_grad_custom_post_pass" not in config
-        return
     assert config["allow_buffer_reuse"] is True
     assert config["post_grad_custom_post_pass"].uuid() == "aotdist.forward_aliased_outputs.v1"
     # the user can still turn reuse off (then no pass), and chain a pass of their own
     off = _make_backend("inductor", None, {"allow_buffer_reuse": False}, None).config
     assert off == {"allow_buffer_reuse": False}
     mine = lambda graph: None  # noqa: E731
+    if not aotdist._compat.inductor_takes_pass_lists():  # torch 2.11: one post-grad pass
+        with pytest.raises(aotdist.ConfigError, match="allow_buffer_reuse': False"):
+            _make_backend("inductor", None, {"post_grad_custom_post_pass": mine}, None)
+        return
     chained = _make_backend("inductor", None, {"post_grad_custom_post_pass": mine}, None).config
     passes = chained["post_grad_custom_post_pass"]
     assert passes[0] is mine and passes[1].uuid() == "aotdist.forward_aliased_outputs.v1"
