@@ -97,10 +97,10 @@ def bucket_collectives(gm: torch.fx.GraphModule | torch.fx.Graph, bucket_mb: flo
         # reduce-scatters first, then all-gathers (whose merge adds a mutation), then a
         # stable topological sort: a merged collective sits where the last of its bucket
         # was, and users of the earlier ones move after it (as Inductor's post-grad does)
-        rs = b.bucket_reduce_scatter_by_mb(gm, cap)
+        rs = b.bucket_reduce_scatter_by_mb(gm, cap, filter_wait_node=_sole_wait)
         if any(len(bucket) > 1 for bucket in rs):
             b.merge_reduce_scatter(gm, [bucket for bucket in rs if len(bucket) > 1])
-        ag = b.bucket_all_gather_by_mb(gm, cap)
+        ag = b.bucket_all_gather_by_mb(gm, cap, filter_wait_node=_sole_wait)
         if any(len(bucket) > 1 for bucket in ag):
             b.merge_all_gather(gm, [bucket for bucket in ag if len(bucket) > 1])
         _compat.stable_topological_sort(gm.graph)
@@ -108,6 +108,15 @@ def bucket_collectives(gm: torch.fx.GraphModule | torch.fx.Graph, bucket_mb: flo
         gm.recompile()
         setattr(gm, _DONE, True)
     return count_collectives(gm)
+
+
+def _sole_wait(wait: torch.fx.Node) -> bool:
+    """Whether ``wait`` is its collective's only user. A collective whose raw result has
+    more users (seen: ``reshard_after_forward: false``, where the partitioner returns the
+    un-waited all-gather as saved for backward and both graphs wait on it) stays as it
+    is; torch's merge asserts a single user."""
+    coll = wait.args[0]
+    return isinstance(coll, torch.fx.Node) and len(coll.users) == 1
 
 
 def _cap(bucket_mb: float, bucket_idx: int) -> float:
