@@ -322,6 +322,16 @@ def inductor_disable_buffer_reuse() -> None:
     config.allow_buffer_reuse = False
 
 
+def inductor_config_keys() -> frozenset[str]:
+    """Every key of ``torch._inductor.config`` (a nested config's as ``outer.inner``), read
+    from the config module's ``_config`` table (torch 2.11, 2.15); to probe for options."""
+    config = importlib.import_module("torch._inductor.config")
+    table = getattr(config, "_config", None)
+    if not isinstance(table, dict):
+        raise _unavailable("torch._inductor.config._config")
+    return frozenset(table)
+
+
 def fx_bucketing() -> Any:
     """``torch._inductor.fx_passes.bucketing``: ``bucket_all_gather_by_mb``,
     ``merge_all_gather``, ``bucket_reduce_scatter_by_mb``, ``merge_reduce_scatter`` (the

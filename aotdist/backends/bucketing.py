@@ -8,7 +8,8 @@ with torch's FX bucketing passes (``torch._inductor.fx_passes.bucketing``:
 ``bucket_all_gather_by_mb`` + ``merge_all_gather`` and the reduce-scatter pair, in torch
 2.11 and 2.15): independent all-gathers of one process group and dtype become one
 all-gather of their concatenated inputs, cut after; reduce-scatters likewise. The cap
-(``bucket_mb``, MiB of collective input per bucket) bounds each bucket.
+(``bucket_mb``, MiB of gathered, unsharded data: the larger of a collective's input and
+output, as torch counts it) bounds each bucket.
 
 It runs on the graphs after AOTAutograd's partitioning, so what is saved for backward is
 decided on the unbucketed graph (nothing gathered saved under ``reshard_after_forward``):

@@ -64,9 +64,7 @@ def overlap_options() -> dict:
     Raises:
         ConfigError: This torch's Inductor has neither.
     """
-    import importlib
-
-    keys = getattr(importlib.import_module("torch._inductor.config"), "_config", {})
+    keys = _compat.inductor_config_keys()
     if "aten_distributed_optimizations.enable_overlap_scheduling" in keys:
         return {"aten_distributed_optimizations.enable_overlap_scheduling": True}
     if "reorder_for_compute_comm_overlap" in keys:
