@@ -101,7 +101,7 @@ def _add_collective_options(options: dict, bucket_mb: float | None, overlap: boo
             "bucketing pass. Fix: set fsdp.bucket_mb: null to keep your pass."
         )
     options["post_grad_custom_post_pass"] = (
-        [bucketing_pass(bucket_mb), *users] if users else bucketing_pass(bucket_mb))
+        [*users, bucketing_pass(bucket_mb)] if users else bucketing_pass(bucket_mb))
 
 
 def inductor_options(options: dict | None = None, *, warn: bool = True,
