@@ -10,7 +10,8 @@ anywhere else in the library. Public APIs are used where they exist
 
 Grouped by what they reach into: :mod:`~aotdist._compat.compiler` (``nn.Module``'s
 compiled call, Dynamo, AOTAutograd, Inductor), :mod:`~aotdist._compat.caches` (compile
-caches, FSDP2, the process group's store), :mod:`~aotdist._compat.accelerate`.
+caches, FSDP2, the process group's store), :mod:`~aotdist._compat.subgraphs` (a scoped
+fix in Dynamo's subgraph dedup), :mod:`~aotdist._compat.accelerate`.
 """
 
 from aotdist._compat._base import CHECKED_ON
@@ -65,6 +66,7 @@ from aotdist._compat.compiler import (
     tree_leaves,
     tree_map,
 )
+from aotdist._compat.subgraphs import tolerant_subgraph_dedup
 
 __all__ = [
     "CHECKED_ON",
@@ -109,6 +111,7 @@ __all__ = [
     "set_accelerate_old_forward",
     "set_compiled_call",
     "stable_topological_sort",
+    "tolerant_subgraph_dedup",
     "tracing_context",
     "tree_leaves",
     "tree_map",

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from aotdist import _compat
 from aotdist.errors import OrderingError, RegionCaptureError, RegionCompileWarning
 from aotdist.errors import exception_chain as _chain
 from aotdist.fsdp import fsdp_modules
@@ -44,11 +45,13 @@ class _RegionGuardedCall:
             self._state.fsdp_checked = True
         for _ in range(2 * len(self._state.plan) + 1):
             try:
-                return self._compiled(*args, **kwargs)
+                with _compat.tolerant_subgraph_dedup():  # reuse, not a crash, on torch 2.11
+                    return self._compiled(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - re-raised unless it is a region failure
                 if not self._handle(exc):
                     raise
-        return self._compiled(*args, **kwargs)
+        with _compat.tolerant_subgraph_dedup():
+            return self._compiled(*args, **kwargs)
 
     def _handle(self, exc: Exception) -> bool:
         state = self._state

@@ -372,12 +372,6 @@ def _model_parallel_runs(rank: int, world_size: int):
     return out
 
 
-# Graph-mode FSDP's regions are reused subgraphs on torch >= 2.15; older Dynamo raises
-# KeyError('example_value') reusing a region with a collective in it, and aotdist inlines
-# the region with a warning (tests/distributed/test_graph_fsdp.py pins the same gate).
-GRAPH_MODE_REUSES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 15)
-
-
 @pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_model_parallel_fsdp2_with_and_without_float8():
     rank0 = run_distributed(_model_parallel_runs, 2, timeout=420)[0]
@@ -388,8 +382,6 @@ def test_model_parallel_fsdp2_with_and_without_float8():
         torch.testing.assert_close(torch.tensor(rank0[compiled]["losses"]),
                                    torch.tensor(rank0[eager]["losses"]), **tol)
         _assert_same_params(rank0[compiled]["params"], rank0[eager]["params"], **tol)
-        if compiled == "aotdist_graph" and not GRAPH_MODE_REUSES:
-            continue  # torch < 2.15: graph mode inlines the region (README), parity above
         assert rank0[compiled]["logged"]["aotdist/GPTBlock/call_sites"] == DEPTH
         assert rank0[compiled]["logged"]["aotdist/GPTBlock/subgraphs"] == 1
     assert rank0["aotdist"]["how"] == "parallelize"
