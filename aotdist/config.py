@@ -115,6 +115,15 @@ class FSDPConfig(_Section):
             as DTensors itself and puts the all-gather / reduce-scatter in the one
             whole-model graph, each region an ``invoke_subgraph`` fed its own shards
             (see ``aotdist.graph_fsdp``).
+        bucket_mb: ``graph`` mode, compiled with ``aot_eager`` or ``inductor``: merge each
+            compiled graph's all-gathers (and reduce-scatters) into buckets of at most
+            this many MiB, one collective per bucket (see ``aotdist.backends.bucketing``).
+            The default, 2000, is one bucket per graph for most models: a region's
+            subgraph gathers all its parameters at once, as an FSDP2 unit does.
+            ``null`` or ``0``: one collective per parameter.
+        overlap: ``graph`` mode with ``inductor`` on CUDA: turn on Inductor's
+            compute/communication overlap (collective reordering), scoped to this
+            model's compiles. On CPU it has no effect (a ``ConfigWarning``).
     """
 
     _key: typing.ClassVar[str] = "fsdp"
@@ -123,6 +132,8 @@ class FSDPConfig(_Section):
     reshard_after_forward: bool = True
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    bucket_mb: float | None = 2000.0
+    overlap: bool = False
 
     def _rule_problems(self) -> list[str]:
         out = [
@@ -136,6 +147,13 @@ class FSDPConfig(_Section):
         elif self.mode == "graph" and not self.enabled:
             out.append("fsdp.mode: graph shards the model, but fsdp.enabled is false. Fix: set "
                        "fsdp.enabled: true, or drop fsdp.mode")
+        if self.bucket_mb is not None and not self.bucket_mb >= 0:
+            out.append(f"fsdp.bucket_mb: must be >= 0 (MiB per bucket), got {self.bucket_mb!r}. "
+                       "Fix: a positive cap, or null / 0 for one collective per parameter")
+        if self.overlap and self.mode != "graph":
+            out.append("fsdp.overlap: reorders the collectives inside compiled graphs, which only "
+                       f"fsdp.mode: graph has (mode is {self.mode!r}). Fix: set fsdp.mode: graph, "
+                       "or drop fsdp.overlap")
         return out
 
 

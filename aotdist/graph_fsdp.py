@@ -31,6 +31,9 @@ class-swap marking that keeps Dynamo's subgraph reuse correct):
   partitioner then saves the gathered parameters (seen in the saved-tensor test).
   ``false`` keeps the gathered parameters for backward.
 - ``param_dtype`` casts before the gather, ``reduce_dtype`` before the reduce-scatter.
+- Each read gathers one parameter; compiled graphs then merge their collectives into
+  ``fsdp.bucket_mb`` buckets (:mod:`aotdist.backends.bucketing`; ``fsdp.overlap``:
+  :func:`aotdist.backends.named.graph_fsdp_backend`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from aotdist.backends.named import graph_fsdp_backend
 from aotdist.cache import load as load_cache
 from aotdist.compile import check_not_compiled, compile_regions
 from aotdist.config import AOTDistConfig, as_config
@@ -117,8 +118,13 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
     #    without FSDP the whole model is one graph calling each region's subgraph.
     if config.compile.enabled:
         cc = config.compile
-        compile_regions(model, plan, backend=cc.backend, mode=cc.mode, dynamic=cc.dynamic,
-                        options=cc.options)
+        backend, options = cc.backend, cc.options
+        if graph_fsdp:  # bucketing (fsdp.bucket_mb) and overlap (fsdp.overlap) passes
+            backend, options = graph_fsdp_backend(
+                backend, options, bucket_mb=config.fsdp.bucket_mb,
+                overlap=config.fsdp.overlap, device_type=mesh.device_type)
+        compile_regions(model, plan, backend=backend, mode=cc.mode, dynamic=cc.dynamic,
+                        options=options)
     if graph_fsdp:  # outermost, eager: local shards in the modules for each forward
         sharded_call(model, config)
 

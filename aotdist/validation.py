@@ -38,6 +38,9 @@ def _type_problem(value: Any, hint: Any) -> str | None:
     if hint is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
         return None if ok else "expected an integer"
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if ok else "expected a number"
     if hint is str:
         return None if isinstance(value, str) else "expected a string"
     return None
@@ -50,7 +53,8 @@ def _type_name(hint: Any) -> str:
         return "a list of strings"
     if typing.get_origin(hint) is dict or hint is dict:
         return "a mapping"
-    return {bool: "true/false", int: "an integer", str: "a string"}.get(hint, str(hint))
+    return {bool: "true/false", int: "an integer", float: "a number",
+            str: "a string"}.get(hint, str(hint))
 
 
 class _Section:

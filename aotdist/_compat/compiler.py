@@ -322,6 +322,47 @@ def inductor_disable_buffer_reuse() -> None:
     config.allow_buffer_reuse = False
 
 
+def inductor_config_keys() -> frozenset[str]:
+    """Every key of ``torch._inductor.config`` (a nested config's as ``outer.inner``), read
+    from the config module's ``_config`` table (torch 2.11, 2.15); to probe for options."""
+    config = importlib.import_module("torch._inductor.config")
+    table = getattr(config, "_config", None)
+    if not isinstance(table, dict):
+        raise _unavailable("torch._inductor.config._config")
+    return frozenset(table)
+
+
+def fx_bucketing() -> Any:
+    """``torch._inductor.fx_passes.bucketing``: ``bucket_all_gather_by_mb``,
+    ``merge_all_gather``, ``bucket_reduce_scatter_by_mb``, ``merge_reduce_scatter`` (the
+    signatures aotdist calls are the same in torch 2.11 and 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: The module or one of those is missing.
+    """
+    try:
+        mod = importlib.import_module("torch._inductor.fx_passes.bucketing")
+    except ImportError:
+        mod = None
+    names = ("bucket_all_gather_by_mb", "merge_all_gather", "bucket_reduce_scatter_by_mb",
+             "merge_reduce_scatter")
+    if mod is None or not all(hasattr(mod, n) for n in names):
+        raise _unavailable("torch._inductor.fx_passes.bucketing." + " / ".join(names))
+    return mod
+
+
+def stable_topological_sort(graph: torch.fx.Graph) -> None:
+    """``torch._inductor.pattern_matcher.stable_topological_sort`` (torch 2.11, 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: It is missing.
+    """
+    fn = _attr("torch._inductor.pattern_matcher", "stable_topological_sort")
+    if fn is None:
+        raise _unavailable("torch._inductor.pattern_matcher.stable_topological_sort")
+    fn(graph)
+
+
 def inductor_compile_fx() -> tuple[Callable, Callable]:
     """``(compile_fx, compile_fx_inner)`` from ``torch._inductor.compile_fx``; aotdist
     calls ``compile_fx(gm, inputs, inner_compile=..., config_patches=...)`` (torch 2.11,

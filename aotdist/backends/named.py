@@ -9,16 +9,18 @@ checked against the registered backends; a callable is used as it is.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
 
 from aotdist import _compat
 from aotdist.backends.reuse import is_reuse_pass, reuse_pass
-from aotdist.errors import ConfigError, RegionCompileWarning
+from aotdist.errors import ConfigError, ConfigWarning, RegionCompileWarning
 from aotdist.log import rank_zero_warn
 
-__all__ = ["_make_backend", "inductor_buffer_reuse_is_unsafe", "inductor_options"]
+__all__ = ["_make_backend", "graph_fsdp_backend", "inductor_buffer_reuse_is_unsafe",
+           "inductor_options", "overlap_options"]
 
 
 def inductor_buffer_reuse_is_unsafe() -> bool:
@@ -52,7 +54,110 @@ def _without_reuse_pass() -> Iterator[None]:
         _REUSE_PASS_ON.pop()
 
 
-def inductor_options(options: dict | None = None, *, warn: bool = True) -> dict:
+def overlap_options() -> dict:
+    """Inductor's compute/communication overlap keys, probed on this torch's config.
+
+    The overlap scheduler (``aten_distributed_optimizations.enable_overlap_scheduling``,
+    an FX pass that reorders collectives against compute and buckets them; torch 2.11 and
+    2.15 have it) where the key exists; otherwise the older scheduler-level reordering
+    torchtitan's SimpleFSDP used (``reorder_for_compute_comm_overlap`` with its
+    ``sink_waits_iterative`` / ``reorder_communication_preserving_peak_memory`` passes).
+
+    Raises:
+        ConfigError: This torch's Inductor has neither.
+    """
+    keys = _compat.inductor_config_keys()
+    if "aten_distributed_optimizations.enable_overlap_scheduling" in keys:
+        return {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+    if "reorder_for_compute_comm_overlap" in keys:
+        return {"reorder_for_compute_comm_overlap": True,
+                "reorder_for_compute_comm_overlap_passes": [
+                    "sink_waits_iterative", "reorder_communication_preserving_peak_memory"]}
+    raise ConfigError(
+        f"fsdp.overlap: torch {torch.__version__}'s Inductor has no compute/communication "
+        "overlap keys (aten_distributed_optimizations.enable_overlap_scheduling, "
+        "reorder_for_compute_comm_overlap). Fix: set fsdp.overlap: false."
+    )
+
+
+def _passes(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
+
+
+def _add_collective_options(options: dict, bucket_mb: float | None, overlap: bool) -> list:
+    """Adds the overlap keys to ``options``; returns the bucketing pass to install (or
+    nothing: off, or installed already)."""
+    from aotdist.backends.bucketing import bucketing_pass, is_bucketing_pass
+
+    if overlap:
+        for key, value in overlap_options().items():
+            options.setdefault(key, value)
+    if not bucket_mb or _installed(options, is_bucketing_pass):
+        return []
+    return [bucketing_pass(bucket_mb)]
+
+
+@functools.cache
+def _chain_class() -> type:
+    class ChainedPasses(_compat.custom_graph_pass_base()):
+        """aotdist's post-grad passes in the one slot torch 2.11's Inductor has."""
+
+        def __init__(self, passes: list) -> None:
+            self.passes = list(passes)
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            for p in self.passes:
+                p(graph)
+
+        def uuid(self) -> str:
+            return "aotdist.chain:" + ",".join(str(p.uuid()) for p in self.passes)
+
+    return ChainedPasses
+
+
+def _is_chain(p) -> bool:
+    return isinstance(p, _chain_class())
+
+
+def _is_ours(p) -> bool:
+    from aotdist.backends.bucketing import is_bucketing_pass
+
+    return is_reuse_pass(p) or is_bucketing_pass(p)
+
+
+def _installed(options: dict, is_pass: Callable) -> bool:
+    for p in _passes(options.get("post_grad_custom_post_pass")):
+        if is_pass(p) or (_is_chain(p) and any(is_pass(q) for q in p.passes)):
+            return True
+    return False
+
+
+def _install(options: dict, ours: list, why: str) -> None:
+    """Chains ``ours`` after the user's post-grad pass(es) (a list where Inductor takes
+    one, else one chained pass).
+
+    Raises:
+        ConfigError: The user set a pass and this torch takes one post-grad pass only.
+    """
+    if not ours:
+        return
+    user = options.get("post_grad_custom_post_pass", _compat.inductor_post_grad_post_pass())
+    users = _passes(user)
+    if users and _compat.inductor_takes_pass_lists():
+        options["post_grad_custom_post_pass"] = [*users, *ours]
+        return
+    mine = [p for u in users for p in (u.passes if _is_chain(u) else [u]) if _is_ours(p)]
+    if users and len(mine) != sum(len(u.passes) if _is_chain(u) else 1 for u in users):
+        raise ConfigError(
+            f"post_grad_custom_post_pass={user!r}: with torch {torch.__version__} Inductor "
+            f"takes one post-grad pass and aotdist needs that slot for {why}."
+        )
+    ours = [*mine, *ours]
+    options["post_grad_custom_post_pass"] = ours[0] if len(ours) == 1 else _chain_class()(ours)
+
+
+def inductor_options(options: dict | None = None, *, warn: bool = True,
+                     bucket_mb: float | None = None, overlap: bool = False) -> dict:
     """The Inductor options (config patches) of every aotdist compile: ``options`` plus,
     on a torch with the buffer-reuse bug, aotdist's post-grad pass
     (:mod:`aotdist.backends.reuse`), which makes buffer reuse safe, so reuse stays on
@@ -61,17 +166,31 @@ def inductor_options(options: dict | None = None, *, warn: bool = True) -> dict:
     The one place that decides them: :func:`aotdist.compile_regions` (through
     ``_make_backend``), ``aotdist.capture(..., backend="inductor")`` (through
     :func:`aotdist.backends.aot.aot_backend`, which passes options already completed
-    here: completing them again changes nothing), and so the cache and the bench's aotdist
-    strategy, which compile through those. ``warn``: warn when buffer reuse is on without
+    here: completing them again changes nothing), graph-mode FSDP (through
+    :func:`graph_fsdp_backend`), and so the cache and the bench's aotdist strategies,
+    which compile through those. ``warn``: warn when buffer reuse is on without
     aotdist's pass.
 
     A ``post_grad_custom_post_pass`` of the user (in ``options`` or Inductor's config)
     runs first, chained with aotdist's.
 
+    Args:
+        options: The user's Inductor options.
+        warn: Warn when buffer reuse is on without aotdist's pass.
+        bucket_mb: Graph-mode FSDP (``fsdp.bucket_mb``): add aotdist's post-grad pass that
+            merges each graph's all-gathers / reduce-scatters into buckets of at most this
+            many MiB (:mod:`aotdist.backends.bucketing`); ``None`` or ``0``: none.
+        overlap: Graph-mode FSDP (``fsdp.overlap``): add Inductor's compute/communication
+            overlap keys (:func:`overlap_options`); a key ``options`` sets wins.
+
     Raises:
-        ConfigError: A user post-grad pass is set and this torch takes one pass only.
+        ConfigError: A user post-grad pass is set and this torch takes one pass only; or
+            ``overlap`` on a torch without the overlap keys.
     """
     options = dict(options or {})
+    bucketing = _add_collective_options(options, bucket_mb, overlap)
+    _install(options, bucketing, "its bucketing pass. Fix: set fsdp.bucket_mb: null to keep "
+             "your pass")
     if not inductor_buffer_reuse_is_unsafe():
         return options
     reuse = options.setdefault("allow_buffer_reuse", _compat.inductor_buffer_reuse_default())
@@ -87,18 +206,44 @@ def inductor_options(options: dict | None = None, *, warn: bool = True) -> dict:
                 RegionCompileWarning, stacklevel=4,
             )
         return options
-    user = options.get("post_grad_custom_post_pass", _compat.inductor_post_grad_post_pass())
-    users = list(user) if isinstance(user, (list, tuple)) else [] if user is None else [user]
-    if any(is_reuse_pass(p) for p in users):  # completed here already
-        return options
-    if users and not _compat.inductor_takes_pass_lists():
-        raise ConfigError(
-            f"post_grad_custom_post_pass={user!r}: with torch {torch.__version__} Inductor "
-            "takes one post-grad pass and aotdist needs that slot for its buffer-reuse "
-            "pass. Fix: pass options={'allow_buffer_reuse': False} to keep your pass."
-        )
-    options["post_grad_custom_post_pass"] = [*users, reuse_pass()] if users else reuse_pass()
+    if not _installed(options, is_reuse_pass):  # else: completed here already
+        _install(options, [reuse_pass()], "its buffer-reuse pass. Fix: pass "
+                 "options={'allow_buffer_reuse': False} to keep your pass")
     return options
+
+
+def graph_fsdp_backend(backend: str | Callable, options: dict | None, *,
+                       bucket_mb: float | None, overlap: bool, device_type: str
+                       ) -> tuple[str | Callable, dict | None]:
+    """The ``(backend, options)`` graph-mode FSDP compiles with (``fsdp.bucket_mb``,
+    ``fsdp.overlap``).
+
+    - ``inductor``: the options completed by :func:`inductor_options` with the bucketing
+      pass and, on CUDA, the overlap keys (scoped, as all of aotdist's Inductor options).
+    - ``aot_eager`` without options: :func:`aotdist.backends.bucketing.bucketing_aot_eager`.
+    - Anything else is returned as it is (no AOT graphs aotdist can bucket).
+
+    ``overlap`` where it cannot apply (not CUDA, not Inductor) warns and is left out.
+
+    Raises:
+        ConfigError: As :func:`inductor_options`.
+    """
+    if overlap and (backend != "inductor" or device_type != "cuda"):
+        warnings.warn(
+            f"fsdp.overlap: Inductor's compute/communication overlap applies to the inductor "
+            f"backend on CUDA; this run compiles with {backend!r} on {device_type!r}, so it "
+            "has no effect (left off). Fix: drop fsdp.overlap, or use compile.backend: "
+            "inductor on CUDA devices.",
+            ConfigWarning, stacklevel=4,
+        )
+        overlap = False
+    if backend == "inductor":
+        return backend, inductor_options(options, bucket_mb=bucket_mb, overlap=overlap)
+    if backend == "aot_eager" and bucket_mb and not options:
+        from aotdist.backends.bucketing import bucketing_aot_eager
+
+        return bucketing_aot_eager(bucket_mb), None
+    return backend, options
 
 
 def _make_backend(backend: str | Callable, mode: str | None, options: dict | None,

@@ -32,6 +32,12 @@ CONFIGS = {
     "graph+eager": {"fsdp": GRAPH, "compile": {"enabled": False}},
     "graph+float8": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"},
                      "float8": {"enabled": True}},
+    # fsdp.bucket_mb: the default (2000 MiB) merges each graph's collectives into one;
+    # off: one collective per parameter; a cap (~20 KiB) below one block's parameters
+    # (~50 KiB): a few buckets per graph
+    "graph+nobucket": {"fsdp": {**GRAPH, "bucket_mb": None}, "compile": {"backend": "aot_eager"}},
+    "graph+smallbucket": {"fsdp": {**GRAPH, "bucket_mb": 0.02},
+                          "compile": {"backend": "aot_eager"}},
 }
 TRAIN = {  # optimizer, micro-batches per rank, clip_grad_norm_ max norm
     "graph": ("sgd", 1, None),
@@ -39,6 +45,8 @@ TRAIN = {  # optimizer, micro-batches per rank, clip_grad_norm_ max norm
     "graph+ac+adamw+accum+clip": ("adamw", 2, 0.05),
     "graph+eager": ("adamw", 1, None),
     "graph+float8": ("sgd", 1, None),
+    "graph+nobucket": ("sgd", 1, None),
+    "graph+smallbucket": ("sgd", 1, None),
 }
 
 
@@ -132,7 +140,45 @@ class _SavedTensors:
         graph_fsdp._pack_gathered = pack
 
 
+class _BucketLog:
+    """Wraps aotdist's bucketing pass in this process and records, per graph module it
+    bucketed (a forward or backward graph, or a region subgraph), the collectives before
+    (the first time it saw the module) and after (the last time)."""
+
+    def __enter__(self):
+        from aotdist.backends import bucketing
+
+        self.mod, self.orig = bucketing, bucketing.bucket_collectives
+        self.before, self.after = {}, {}
+
+        def wrapped(gm, bucket_mb, *, recurse=True):
+            g = gm if isinstance(gm, torch.fx.GraphModule) else gm.owning_module
+            mods = [g, *(bucketing._subgraphs(g) if recurse else [])]
+            for m in mods:
+                self.before.setdefault(id(m), bucketing.count_collectives(m))
+            out = self.orig(gm, bucket_mb, recurse=recurse)
+            for m in mods:
+                self.after[id(m)] = bucketing.count_collectives(m)
+            return out
+
+        bucketing.bucket_collectives = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.bucket_collectives = self.orig
+
+    def graphs(self) -> list[tuple[dict, dict]]:
+        return [(self.before[k], self.after[k]) for k in self.before]
+
+
 def _train(rank: int, world_size: int, name: str, *, config: dict | None = None):
+    with _BucketLog() as log:
+        out = _train_steps(rank, world_size, name, config=config)
+    out["buckets"] = log.graphs()
+    return out
+
+
+def _train_steps(rank: int, world_size: int, name: str, *, config: dict | None = None):
     import torch.distributed as dist
 
     optim, accum, clip = TRAIN[name]
@@ -261,6 +307,32 @@ def test_saved_for_backward(two_ranks, name):
         else:
             # every block's linear weights at least stay gathered for backward
             assert saved["gathered"] >= 4 * DEPTH, saved
+
+
+def _total(graphs, kind: str, which: int) -> int:
+    return sum(g[which][kind] for g in graphs)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_bucketing_merges_collectives(two_ranks, kind):
+    """fsdp.bucket_mb: each compiled graph (outer forward / backward, region subgraphs)
+    issues one collective per bucket instead of one per parameter; parity with eager
+    holds (test_matches_single_process_eager runs these configs)."""
+    for res in two_ranks:
+        graphs = res["graph"]["buckets"]
+        # the graph that gathers the blocks' parameters: a region's forward subgraph (12
+        # per block), or with the region inlined (torch 2.11) the outer forward (12 per
+        # block, and the embeddings'/head's)
+        most = max(before[kind] for before, _ in graphs)
+        assert most >= 12, graphs
+        for before, after in graphs:  # the default cap holds a whole graph: one bucket
+            assert after[kind] == min(before[kind], 1), graphs
+        assert _total(graphs, kind, 0) > 2 * _total(graphs, kind, 1) > 0, graphs
+        assert res["graph+nobucket"]["buckets"] == []  # bucket_mb: null: the pass never ran
+        small = res["graph+smallbucket"]["buckets"]
+        assert max(before[kind] for before, _ in small) == most, small
+        # a ~20 KiB cap below a block's ~50 KiB: a few buckets, fewer than parameters
+        assert any(1 < after[kind] < before[kind] for before, after in small), small
 
 
 def test_float8_layers_in_graph_mode(two_ranks):

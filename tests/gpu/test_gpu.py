@@ -119,6 +119,82 @@ def test_nccl_parallelize_matches_eager_on_every_gpu(name):
         assert "Float8" in rank0["weight_type"], rank0["weight_type"]
 
 
+GRAPH_OVERLAP = {"fsdp": {"enabled": True, "mode": "graph", "overlap": True},
+                 "compile": {"backend": "inductor"}}
+
+
+def _inductor_value(key: str):
+    """The current value of an Inductor config key (dotted: a nested config's key)."""
+    import torch._inductor.config as inductor_config
+
+    value = inductor_config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _nccl_graph_train(rank: int, world_size: int, config: dict):
+    """``_nccl_train`` in graph mode, recording, each time aotdist's bucketing pass runs
+    (Inductor runs it post-grad, inside the options' config patch), the overlap keys'
+    values and the graph's collectives before and after."""
+    from aotdist.backends import bucketing
+    from aotdist.backends.named import overlap_options
+
+    seen, original = [], bucketing.bucket_collectives
+    keys = list(overlap_options())
+
+    def recording(gm, bucket_mb, *, recurse=True):
+        before = bucketing.count_collectives(gm)
+        after = original(gm, bucket_mb, recurse=recurse)
+        seen.append({"options": {k: _inductor_value(k) for k in keys},
+                     "collectives": (before, after)})
+        return after
+
+    bucketing.bucket_collectives = recording
+    try:
+        out = _nccl_train(rank, world_size, config)
+    finally:
+        bucketing.bucket_collectives = original
+    out["seen"] = seen
+    return out
+
+
+def test_nccl_graph_mode_overlap_matches_eager():
+    """``fsdp.mode: graph`` with ``fsdp.overlap`` (Inductor's compute/communication overlap)
+    and the default ``fsdp.bucket_mb`` on every GPU with NCCL: parity with single-process
+    eager; the bucketing pass ran inside Inductor with the overlap keys in force."""
+    world_size = _world_size()
+    try:
+        results = run_distributed(_nccl_graph_train, world_size, GRAPH_OVERLAP,
+                                  backend="nccl", timeout=540)
+    except Exception as exc:  # world size 1: NCCL may refuse a one-rank communicator
+        if world_size == 1 and "nccl" in str(exc).lower():
+            pytest.skip(f"NCCL does not run a one-rank group here: {exc}")
+        raise
+    rank0 = results[0]
+    assert all(r["losses"] == rank0["losses"] for r in results)
+    ref_losses, ref_params = _reference(GRAPH_OVERLAP, world_size)
+    tol = {"rtol": 1e-3, "atol": 1e-4}
+    torch.testing.assert_close(torch.tensor(rank0["losses"]), torch.tensor(ref_losses), **tol)
+    for key, ref in ref_params.items():
+        torch.testing.assert_close(rank0["params"][key], ref, **tol,
+                                   msg=lambda m, k=key: f"graph+overlap: {k} differs: {m}")
+    m = rank0["metrics"]
+    assert m["mode"] == "graph" and m["backend_seconds"] > 0, m
+    assert m["graphs"] == 1 and m["recompiles"] == [], m
+    region = m["regions"]["GPTBlock"]
+    if "GPTBlock" not in m.get("demoted", {}):  # a demoted region is inlined (warned)
+        assert region["call_sites"] == DEPTH and region["subgraphs"] == 1, m
+    from aotdist.backends.named import overlap_options
+
+    seen = rank0["seen"]
+    assert seen, "the bucketing pass never ran inside Inductor"
+    assert all(s["options"] == overlap_options() for s in seen), seen  # overlap in force
+    # the graph(s) holding the blocks' gathers: many all-gathers merged into one
+    merged = [s["collectives"] for s in seen if s["collectives"][0]["all_gather"] > 1]
+    assert merged and all(after["all_gather"] == 1 for _, after in merged), seen
+
+
 def test_parameters_really_train_on_gpu():
     """Guards the parity test against vacuity: SGD moves every parameter."""
     _world_size()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import pickle
@@ -340,6 +341,113 @@ def test_inductor_options_install_the_reuse_pass_and_keep_buffer_reuse_on():
             _without_reuse_pass():
         bare = _make_backend("inductor", None, {"allow_buffer_reuse": True}, None).config
     assert "post_grad_custom_post_pass" not in bare
+
+
+def test_graph_fsdp_options_reach_inductor():
+    """fsdp.bucket_mb / fsdp.overlap: the options inductor_options decides carry the
+    bucketing pass and Inductor's overlap keys, as the config patches of Inductor's
+    wrapper (scoped to this model's compiles); Inductor accepts every key."""
+    from aotdist import _compat
+    from aotdist.backends.bucketing import bucketing_pass, is_bucketing_pass
+    from aotdist.backends.named import graph_fsdp_backend, inductor_options, overlap_options
+
+    def passes(opts):
+        p = opts.get("post_grad_custom_post_pass")
+        return list(p) if isinstance(p, (list, tuple)) else [] if p is None else [p]
+
+    overlap = overlap_options()
+    assert overlap and all(k in _compat.inductor_config_keys() and v
+                           for k, v in overlap.items())
+    opts = inductor_options({"max_autotune": False}, bucket_mb=25.0, overlap=True)
+    assert opts["max_autotune"] is False
+    assert {k: opts[k] for k in overlap} == overlap
+    bucketing = [p for p in passes(opts) if is_bucketing_pass(p)]
+    assert len(bucketing) == 1 and bucketing[0].bucket_mb == 25.0
+    assert bucketing[0].uuid() != bucketing_pass(30.0).uuid()  # the cap is in the cache key
+    # completing again (compile_regions does) adds nothing
+    again = inductor_options(opts)
+    assert len([p for p in passes(again) if is_bucketing_pass(p)]) == 1
+    assert passes(again) == passes(opts)
+    # off: no pass, no overlap keys
+    plain = inductor_options(None, bucket_mb=None, overlap=False)
+    assert not any(is_bucketing_pass(p) for p in passes(plain))
+    assert not any(k in plain for k in overlap)
+    # the wrapper torch.compile uses takes them (it checks every key against the config)
+    wrapper = _compat_wrapper(opts)
+    assert {k: wrapper.config[k] for k in overlap} == overlap
+    # graph mode on CUDA: both; on CPU overlap is left off with a warning, bucketing stays
+    backend, cuda_opts = graph_fsdp_backend("inductor", None, bucket_mb=25.0, overlap=True,
+                                            device_type="cuda")
+    assert backend == "inductor" and {k: cuda_opts[k] for k in overlap} == overlap
+    with pytest.warns(aotdist.ConfigWarning, match="fsdp.overlap.*no effect"):
+        _, cpu_opts = graph_fsdp_backend("inductor", None, bucket_mb=25.0, overlap=True,
+                                         device_type="cpu")
+    assert not any(k in cpu_opts for k in overlap)
+    assert any(is_bucketing_pass(p) for p in passes(cpu_opts))
+    # aot_eager: a backend that buckets in its graph compilers, named aot_eager
+    backend, none = graph_fsdp_backend("aot_eager", None, bucket_mb=25.0, overlap=False,
+                                       device_type="cpu")
+    assert callable(backend) and none is None and backend.compiler_name == "aot_eager"
+    assert graph_fsdp_backend("aot_eager", None, bucket_mb=None, overlap=False,
+                              device_type="cpu") == ("aot_eager", None)
+
+
+def _compat_wrapper(options):
+    from aotdist import _compat
+
+    return _compat.inductor_wrapper(None, options, None)
+
+
+def test_bucket_collectives_merges_independent_collectives():
+    """The FX pass on a traced graph of functional collectives (no process group needed:
+    the graph is only transformed and counted): 4 all-gathers -> 1, 4 reduce-scatters -> 1,
+    a cap below two parameters keeps them apart."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from aotdist import _compat
+    from aotdist.backends.bucketing import bucket_collectives, count_collectives
+
+    funcol = _compat.functional_collectives()
+    ag = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    rs = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+    def step(a, b, c, d, g):
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+        full = [funcol.wait_tensor(ag(t, 0, group)) for t in (a, b, c, d)]
+        y = sum((f * g).sum() for f in full)
+        grads = [funcol.wait_tensor(rs(f * y, "avg", 0, group)) for f in full]
+        return full, grads
+
+    def traced():
+        inputs = [torch.randn(4, 8) for _ in range(4)] + [torch.randn(8, 8)]
+        return make_fx(step, tracing_mode="fake")(*inputs)
+
+    with _fake_process_group():  # the merge asks the group for this rank
+        gm = traced()
+        assert count_collectives(gm) == {"all_gather": 4, "reduce_scatter": 4,
+                                         "all_reduce": 0}
+        assert bucket_collectives(gm, 100.0) == {"all_gather": 1, "reduce_scatter": 1,
+                                                  "all_reduce": 0}
+        gm.graph.lint()
+        # each gathered tensor is 8x8 fp32 = 256 B: a 300 B cap holds one per bucket
+        small = traced()
+        assert bucket_collectives(small, 300 / 2**20) == {"all_gather": 4,
+                                                          "reduce_scatter": 4, "all_reduce": 0}
+
+
+@contextlib.contextmanager
+def _fake_process_group():
+    """A world of 2 on the fake backend (no communication), for tracing collectives."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _region_call_graph(out_of_sub):

@@ -69,10 +69,31 @@ def test_every_problem_is_listed_with_its_key():
     ({"regions": {"include": "GPTBlock"}}, "regions.include"),
     ({"fsdp": True}, "fsdp"),
     ({"float8": {"recipe": "columnwise"}}, "float8.recipe"),
+    ({"fsdp": {"enabled": True, "mode": "graph", "bucket_mb": -1}}, "fsdp.bucket_mb"),
+    ({"fsdp": {"enabled": True, "mode": "graph", "bucket_mb": "25"}}, "fsdp.bucket_mb"),
+    ({"fsdp": {"enabled": True, "mode": "graph", "bucket_mb": True}}, "fsdp.bucket_mb"),
+    ({"fsdp": {"enabled": True, "overlap": True}}, "fsdp.overlap"),
+    ({"fsdp": {"enabled": True, "mode": "graph", "overlap": "yes"}}, "fsdp.overlap"),
 ])
 def test_single_bad_values(data, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         AOTDistConfig.from_dict(data)
+
+
+def test_fsdp_bucketing_and_overlap_keys():
+    cfg = AOTDistConfig.from_dict({"fsdp": {"enabled": True, "mode": "graph"}})
+    assert cfg.fsdp.bucket_mb == 2000.0 and cfg.fsdp.overlap is False  # on by default
+    for off in (None, 0):
+        assert AOTDistConfig.from_dict(
+            {"fsdp": {"enabled": True, "mode": "graph", "bucket_mb": off}}).fsdp.bucket_mb == off
+    cfg = AOTDistConfig.from_dict(
+        {"fsdp": {"enabled": True, "mode": "graph", "bucket_mb": 25, "overlap": True}})
+    assert cfg.fsdp.bucket_mb == 25 and cfg.fsdp.overlap
+    with pytest.raises(ConfigError, match="null / 0 for one collective per parameter"):
+        AOTDistConfig.from_dict({"fsdp": {"enabled": True, "mode": "graph",
+                                          "bucket_mb": float("nan")}})
+    with pytest.raises(ConfigError, match="Fix: set fsdp.mode: graph"):
+        AOTDistConfig.from_dict({"fsdp": {"enabled": True, "overlap": True}})
 
 
 def test_section_objects_validate_themselves():

@@ -1,0 +1,178 @@
+"""Bucketing of graph-mode FSDP's collectives (``fsdp.bucket_mb``).
+
+Graph mode (:mod:`aotdist.graph_fsdp`) gathers every parameter with its own functional
+all-gather and reduce-scatters every gradient on its own: a GPT block issues 12
+all-gathers forward (12 again in backward under ``reshard_after_forward``) and 12
+reduce-scatters. :func:`bucket_collectives` merges them, per graph, into few collectives
+with torch's FX bucketing passes (``torch._inductor.fx_passes.bucketing``:
+``bucket_all_gather_by_mb`` + ``merge_all_gather`` and the reduce-scatter pair, in torch
+2.11 and 2.15): independent all-gathers of one process group and dtype become one
+all-gather of their concatenated inputs, cut after; reduce-scatters likewise. The cap
+(``bucket_mb``, MiB of gathered, unsharded data: the larger of a collective's input and
+output, as torch counts it) bounds each bucket.
+
+It runs on the graphs after AOTAutograd's partitioning, so what is saved for backward is
+decided on the unbucketed graph (nothing gathered saved under ``reshard_after_forward``):
+
+- ``aot_eager``: :func:`bucketing_aot_eager` compiles each forward/backward graph with a
+  compiler that applies the pass to the graph and to every ``invoke_subgraph`` subgraph it
+  calls (a region's forward or backward subgraph: its gathers sit inside it).
+- ``inductor``: :func:`bucketing_pass` is a post-grad pass (through
+  :func:`aotdist.backends.named.inductor_options`); Inductor runs post-grad passes on each
+  subgraph (``_recursive_post_grad_passes``) and then on the graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from aotdist import _compat
+
+__all__ = ["bucket_collectives", "bucketing_aot_eager", "bucketing_pass", "count_collectives",
+           "is_bucketing_pass"]
+
+_DONE = "aotdist_bucketed"
+
+
+def count_collectives(gm: torch.fx.GraphModule | torch.fx.Graph) -> dict[str, int]:
+    """``{"all_gather": n, "reduce_scatter": m, "all_reduce": k}``: the functional
+    collectives issued in ``gm``'s own graph (any ``_c10d_functional`` variant, the
+    ``_out`` ones a merged bucket uses included; waits not counted)."""
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for node in graph.nodes:
+        name = str(node.target) if node.op == "call_function" else ""
+        if "_c10d_functional." not in name or "wait_tensor" in name:
+            continue
+        op = name.split("_c10d_functional.", 1)[1]
+        for kind in out:
+            if op.startswith(kind):
+                out[kind] += 1
+    return out
+
+
+def _subgraphs(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """The distinct ``invoke_subgraph`` subgraph modules ``gm`` calls (nested ones too)."""
+    invoke = torch.ops.higher_order.invoke_subgraph
+    found: dict[int, torch.fx.GraphModule] = {}
+    todo = [gm]
+    while todo:
+        mod = todo.pop()
+        for node in mod.graph.find_nodes(op="call_function", target=invoke):
+            target = node.args[0]
+            if not (isinstance(target, torch.fx.Node) and target.op == "get_attr"):
+                continue
+            sub = mod
+            for part in target.target.split("."):
+                sub = getattr(sub, part, None)
+            if isinstance(sub, torch.fx.GraphModule) and id(sub) not in found:
+                found[id(sub)] = sub
+                todo.append(sub)
+    return list(found.values())
+
+
+def bucket_collectives(gm: torch.fx.GraphModule | torch.fx.Graph, bucket_mb: float, *,
+                       recurse: bool = True) -> dict[str, int]:
+    """Merges ``gm``'s independent all-gathers (and reduce-scatters) into buckets.
+
+    Args:
+        gm: A functionalized post-partition graph module (node ``meta["val"]`` set), or
+            a bare graph whose ``owning_module`` is one (Inductor's post-grad pass).
+        bucket_mb: Cap of one bucket, in MiB of collective input.
+        recurse: Also bucket each ``invoke_subgraph`` subgraph ``gm`` calls (once each).
+
+    Returns:
+        The collectives left in ``gm``'s own graph (see :func:`count_collectives`).
+    """
+    if isinstance(gm, torch.fx.Graph):
+        gm = gm.owning_module
+    if recurse:
+        for sub in _subgraphs(gm):
+            bucket_collectives(sub, bucket_mb, recurse=False)
+    if not getattr(gm, _DONE, False):
+        b = _compat.fx_bucketing()
+        cap = functools.partial(_cap, float(bucket_mb))
+        # reduce-scatters first, then all-gathers (whose merge adds a mutation), then a
+        # stable topological sort: a merged collective sits where the last of its bucket
+        # was, and users of the earlier ones move after it (as Inductor's post-grad does)
+        rs = b.bucket_reduce_scatter_by_mb(gm, cap, filter_wait_node=_sole_wait)
+        if any(len(bucket) > 1 for bucket in rs):
+            b.merge_reduce_scatter(gm, [bucket for bucket in rs if len(bucket) > 1])
+        ag = b.bucket_all_gather_by_mb(gm, cap, filter_wait_node=_sole_wait)
+        if any(len(bucket) > 1 for bucket in ag):
+            b.merge_all_gather(gm, [bucket for bucket in ag if len(bucket) > 1])
+        _compat.stable_topological_sort(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        setattr(gm, _DONE, True)
+    return count_collectives(gm)
+
+
+def _sole_wait(wait: torch.fx.Node) -> bool:
+    """Whether ``wait`` is its collective's only user. A collective whose raw result has
+    more users (seen: ``reshard_after_forward: false``, where the partitioner returns the
+    un-waited all-gather as saved for backward and both graphs wait on it) stays as it
+    is; torch's merge asserts a single user."""
+    coll = wait.args[0]
+    return isinstance(coll, torch.fx.Node) and len(coll.users) == 1
+
+
+def _cap(bucket_mb: float, bucket_idx: int) -> float:
+    return bucket_mb
+
+
+def bucketing_aot_eager(bucket_mb: float) -> Callable:
+    """``aot_eager`` whose forward/backward compilers bucket each graph's collectives.
+
+    Raises:
+        TorchFeatureUnavailable: This torch lacks ``aot_eager``'s parts.
+    """
+    aot_eager, boxed_nop = _compat.aot_eager_parts()
+
+    @functools.wraps(boxed_nop)
+    def compile_graph(gm, example_inputs, *args, **kwargs):
+        bucket_collectives(gm, bucket_mb)
+        return boxed_nop(gm, example_inputs, *args, **kwargs)
+
+    backend = functools.partial(aot_eager, fw_compiler=compile_graph, bw_compiler=compile_graph)
+    backend.compiler_name = "aot_eager"  # what aotdist's backend naming reads
+    backend.aotdist_bucket_mb = bucket_mb
+    return backend
+
+
+_UUID = "aotdist.bucket_collectives.v1"
+
+
+@functools.cache
+def _pass_class() -> type:
+    class BucketingPass(_compat.custom_graph_pass_base()):
+        """:func:`bucket_collectives` as an Inductor post-grad pass (Inductor calls it on
+        each subgraph itself, so it does not recurse)."""
+
+        def __init__(self, bucket_mb: float) -> None:
+            self.bucket_mb = float(bucket_mb)
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            bucket_collectives(graph, self.bucket_mb, recurse=False)
+
+        def uuid(self) -> str:
+            return f"{_UUID}:{self.bucket_mb!r}"
+
+    return BucketingPass
+
+
+def bucketing_pass(bucket_mb: float):
+    """A post-grad pass (``CustomGraphPass``) bucketing each graph's collectives.
+
+    Raises:
+        TorchFeatureUnavailable: This torch has no ``CustomGraphPass``.
+    """
+    return _pass_class()(bucket_mb)
+
+
+def is_bucketing_pass(obj) -> bool:
+    """Whether ``obj`` came from :func:`bucketing_pass`."""
+    return isinstance(obj, _pass_class())
