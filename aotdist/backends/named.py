@@ -229,7 +229,7 @@ def graph_fsdp_backend(backend: str | Callable, options: dict | None, *,
         ConfigError: As :func:`inductor_options`.
     """
     if overlap and (backend != "inductor" or device_type != "cuda"):
-        warnings.warn(
+        rank_zero_warn(
             f"fsdp.overlap: Inductor's compute/communication overlap applies to the inductor "
             f"backend on CUDA; this run compiles with {backend!r} on {device_type!r}, so it "
             "has no effect (left off). Fix: drop fsdp.overlap, or use compile.backend: "

@@ -351,9 +351,10 @@ def test_graph_fsdp_options_reach_inductor():
     from aotdist.backends.bucketing import bucketing_pass, is_bucketing_pass
     from aotdist.backends.named import graph_fsdp_backend, inductor_options, overlap_options
 
-    def passes(opts):
+    def passes(opts):  # a list, one pass, or (torch 2.11's one slot) aotdist's chain
         p = opts.get("post_grad_custom_post_pass")
-        return list(p) if isinstance(p, (list, tuple)) else [] if p is None else [p]
+        p = list(p) if isinstance(p, (list, tuple)) else [] if p is None else [p]
+        return [q for x in p for q in getattr(x, "passes", [x])]
 
     overlap = overlap_options()
     assert overlap and all(k in _compat.inductor_config_keys() and v
