@@ -151,11 +151,13 @@ def is_reuse_pass(obj) -> bool:
 
 
 def comparable_options(options: dict) -> dict:
-    """``options`` with aotdist's pass instances replaced by a name, so two completions of
-    the same options compare equal (each completion makes a new pass instance)."""
+    """``options`` with graph-pass instances (aotdist's buffer-reuse and bucketing passes,
+    their chain: anything with a ``uuid()``) replaced by that uuid, so two completions of
+    the same options compare equal (each completion makes new pass instances)."""
     def name(v):
         if isinstance(v, (list, tuple)):
             return [name(x) for x in v]
-        return "<aotdist reuse pass>" if is_reuse_pass(v) else v
+        uuid = getattr(v, "uuid", None)
+        return f"<pass {uuid()}>" if callable(uuid) else v
 
     return {k: name(v) for k, v in options.items()}
