@@ -66,13 +66,14 @@ from aotdist._compat.compiler import (
     tree_leaves,
     tree_map,
 )
-from aotdist._compat.subgraphs import tolerant_subgraph_dedup
+from aotdist._compat.subgraphs import cached_subgraph_schemas, tolerant_subgraph_dedup
 
 __all__ = [
     "CHECKED_ON",
     "accelerate_old_forward",
     "accelerator_state_initialized",
     "aot_eager_parts",
+    "cached_subgraph_schemas",
     "call_impl",
     "compilation_metric_fields",
     "compilation_metrics",

@@ -24,6 +24,17 @@ The same comparison requires every ``call_function`` target to be the *same obje
 matmul) as a fresh ``trampoline_autograd_apply`` closure per trace, which only calls
 ``fn_cls.apply``: two such trampolines of one ``fn_cls`` at the same position compare
 equal within the wrapper, so a Float8 region is one subgraph, not one per call site.
+
+:func:`cached_subgraph_schemas` removes a per-call-site cost of AOTAutograd. Before
+tracing a higher-order op under autograd, ``HigherOrderOperator``'s autograd kernel asks
+the op for its schema to refuse input mutation in training (``gen_schema``, checked on
+torch 2.11 and 2.15); ``invoke_subgraph``'s ``gen_schema`` re-traces the whole region body
+to build it. AOTAutograd meets every call site twice (metadata collection, joint trace),
+so a depth-32 model re-traced its one block body 64 times. Within the context manager the
+schema is memoized per (subgraph object, identifier, operand metadata): call sites of
+one region with the same argument shapes, strides, dtypes, devices, ``requires_grad`` and
+aliasing get the schema of the first, as torch's own functionalization schema cache
+(pytorch/pytorch#184646) already does keyed on operand types alone.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ import contextlib
 import importlib
 from collections.abc import Callable, Iterator
 
-__all__ = ["tolerant_subgraph_dedup"]
+__all__ = ["cached_subgraph_schemas", "tolerant_subgraph_dedup"]
 
 _MODULE = "torch._dynamo.variables.higher_order_ops"
 _NAME = "are_same_graph_modules"
@@ -116,3 +127,66 @@ def tolerant_subgraph_dedup() -> Iterator[None]:
         yield
     finally:
         setattr(module, _NAME, original)
+
+
+_HOP_MODULE = "torch._higher_order_ops.invoke_subgraph"
+_HOP_CLASS = "InvokeSubgraphHOP"
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _operand_key(operands: tuple) -> tuple | None:
+    """What of the operands the schema depends on; ``None`` where unsure (no caching)."""
+    import torch
+
+    key, seen = [], {}
+    for i, op in enumerate(operands):
+        if isinstance(op, torch.Tensor):
+            if op.layout != torch.strided:
+                return None
+            alias = seen.setdefault(id(op), i)  # the same tensor passed twice
+            key.append((type(op), tuple(op.shape), tuple(op.stride()), op.dtype,
+                        op.device, op.requires_grad, alias))
+        elif type(op) in _SCALARS:
+            key.append((type(op), op))
+        else:  # symbolic sizes, script objects...: let torch build the schema
+            return None
+    return tuple(key)
+
+
+def _memoized(original: Callable, cache: dict) -> Callable:
+    def gen_schema(self, subgraph, identifier, *operands):
+        ops_key = _operand_key(operands)
+        if ops_key is None or not isinstance(identifier, str):
+            return original(self, subgraph, identifier, *operands)
+        key = (id(subgraph), identifier, ops_key)
+        hit = cache.get(key)
+        if hit is not None and hit[0] is subgraph:
+            return hit[1]
+        schema = original(self, subgraph, identifier, *operands)
+        cache[key] = (subgraph, schema)  # holds subgraph: its id stays unique meanwhile
+        return schema
+
+    gen_schema._aotdist_original = original
+    return gen_schema
+
+
+@contextlib.contextmanager
+def cached_subgraph_schemas() -> Iterator[None]:
+    """Within: ``invoke_subgraph``'s ``gen_schema`` is memoized per subgraph, identifier
+    and operand metadata (see the module docstring; checked on torch 2.11 and 2.15), so
+    AOTAutograd traces a region body for its schema once, not at every call site; the
+    cache is dropped and the method restored on exit. Nested use is a no-op."""
+    try:
+        cls = getattr(importlib.import_module(_HOP_MODULE), _HOP_CLASS)
+    except (ImportError, AttributeError):
+        yield
+        return
+    original = cls.__dict__.get("gen_schema")
+    if original is None or hasattr(original, "_aotdist_original"):
+        yield
+        return
+    cls.gen_schema = _memoized(original, {})
+    try:
+        yield
+    finally:
+        cls.gen_schema = original

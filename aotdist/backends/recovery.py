@@ -45,12 +45,12 @@ class _RegionGuardedCall:
             self._state.fsdp_checked = True
         for _ in range(2 * len(self._state.plan) + 1):
             try:
-                with _compat.tolerant_subgraph_dedup():  # reuse, not a crash, on torch 2.11
-                    return self._compiled(*args, **kwargs)
+                with _compat.tolerant_subgraph_dedup(), _compat.cached_subgraph_schemas():
+                    return self._compiled(*args, **kwargs)  # dedup: reuse, not a crash (2.11)
             except Exception as exc:  # noqa: BLE001 - re-raised unless it is a region failure
                 if not self._handle(exc):
                     raise
-        with _compat.tolerant_subgraph_dedup():
+        with _compat.tolerant_subgraph_dedup(), _compat.cached_subgraph_schemas():
             return self._compiled(*args, **kwargs)
 
     def _handle(self, exc: Exception) -> bool:

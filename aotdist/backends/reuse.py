@@ -11,9 +11,13 @@ weight gradient ~70% off).
 
 :func:`forward_aliased_outputs` replaces every use of such a ``getitem`` with the outer
 argument itself, so Inductor sees the argument live for as long as the saved activation.
-An output that is a *view* of an input (a chain of view ops from a placeholder) is not
-rewritten; the pass then turns buffer reuse off for that one graph instead (the safe
-side). The pass runs on every graph Inductor compiles (forward, backward, inference, and
+An output that is a *view* of an input (a chain of view ops from a placeholder, e.g. the
+``permute(permute(weight))`` a linear layer saves) is replayed: the same view ops with the
+same constant arguments are applied to the outer argument in the outer graph, and the
+uses of the ``getitem`` move to the replayed view, which Inductor knows aliases the
+argument. A chain it cannot replay exactly (an argument that is itself a node, or a
+replayed result whose size, stride or offset differ from the region's output) is left as
+it is, and the pass turns buffer reuse off for that one graph instead (the safe side). The pass runs on every graph Inductor compiles (forward, backward, inference, and
 the region subgraphs themselves), so a backward region that passes a gradient through is
 covered the same way.
 """
@@ -37,11 +41,14 @@ class AliasReport:
 
     Attributes:
         forwarded: Names of the ``getitem`` nodes replaced by the outer argument.
-        views: Names of the ``getitem`` nodes that are views of an argument (not rewritten;
-            buffer reuse must stay off for this graph).
+        replayed: Names of the ``getitem`` nodes that are views of an argument, replaced
+            by the same views of the outer argument.
+        views: Names of the ``getitem`` nodes that are views of an argument and could not
+            be replayed (not rewritten; buffer reuse must stay off for this graph).
     """
 
     forwarded: list[str] = field(default_factory=list)
+    replayed: list[str] = field(default_factory=list)
     views: list[str] = field(default_factory=list)
 
 
@@ -54,12 +61,46 @@ def _submodule(gm: torch.nn.Module, target: str) -> torch.nn.Module | None:
     return mod
 
 
-def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The placeholder ``node`` is a chain of view ops of, or ``None``."""
+def _view_chain(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """``[placeholder, view_1, ..., node]`` where ``node`` is a chain of view ops of a
+    placeholder, else ``None``."""
+    chain = []
     while (node.op == "call_function" and getattr(node.target, "is_view", False)
            and node.args and isinstance(node.args[0], torch.fx.Node)):
+        chain.append(node)
         node = node.args[0]
-    return node if node.op == "placeholder" else None
+    return [node, *reversed(chain)] if node.op == "placeholder" and chain else None
+
+
+def _same_layout(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            and a.storage_offset() == b.storage_offset())
+
+
+def _replay_view(graph: torch.fx.Graph, base: torch.fx.Node, views: list[torch.fx.Node],
+                 getitem: torch.fx.Node) -> torch.fx.Node | None:
+    """``views`` (view ops of a region placeholder) applied to the outer argument
+    ``base`` before ``getitem``; ``None`` (nothing inserted) unless every view takes
+    constant arguments only and the result has the getitem's size, stride and offset."""
+    vals = [base.meta.get("val")]
+    if not isinstance(vals[0], torch.Tensor) or any(
+            isinstance(leaf, torch.fx.Node)
+            for v in views for leaf in _compat.tree_leaves((v.args[1:], v.kwargs))):
+        return None
+    try:
+        for v in views:
+            vals.append(v.target(vals[-1], *v.args[1:], **v.kwargs))
+    except Exception:  # noqa: BLE001 - a view that does not replay: leave the graph alone
+        return None
+    if not _same_layout(vals[-1], getitem.meta.get("val")):
+        return None
+    prev = base
+    with graph.inserting_before(getitem):
+        for v, val in zip(views, vals[1:], strict=True):
+            prev = graph.call_function(v.target, (prev, *v.args[1:]), dict(v.kwargs))
+            prev.meta["val"] = val
+    return prev
 
 
 def forward_aliased_outputs(graph: torch.fx.Graph | torch.fx.GraphModule) -> AliasReport:
@@ -74,7 +115,7 @@ def forward_aliased_outputs(graph: torch.fx.Graph | torch.fx.GraphModule) -> Ali
             subgraphs its ``invoke_subgraph`` calls name.
 
     Returns:
-        The nodes forwarded, and the ones left alone because they are views of an input.
+        The nodes forwarded, the views replayed, and the views left alone.
     """
     gm = graph if isinstance(graph, torch.fx.GraphModule) else graph.owning_module
     graph = gm.graph if isinstance(graph, torch.fx.GraphModule) else graph
@@ -104,12 +145,19 @@ def forward_aliased_outputs(graph: torch.fx.Graph | torch.fx.GraphModule) -> Ali
                 if isinstance(arg, torch.fx.Node):
                     user.replace_all_uses_with(arg)
                     report.forwarded.append(user.name)
-            elif user.users and _view_base(out) is not None:
-                report.views.append(user.name)
+            elif user.users and (chain := _view_chain(out)) is not None:
+                arg = operands[placeholders.index(chain[0])]
+                view = (_replay_view(graph, arg, chain[1:], user)
+                        if isinstance(arg, torch.fx.Node) else None)
+                if view is None:
+                    report.views.append(user.name)
+                else:
+                    user.replace_all_uses_with(view)
+                    report.replayed.append(user.name)
     return report
 
 
-_PASS_UUID = "aotdist.forward_aliased_outputs.v1"
+_PASS_UUID = "aotdist.forward_aliased_outputs.v2"
 
 
 @functools.cache
@@ -124,7 +172,7 @@ def _pass_class() -> type:
 
         def __call__(self, graph: torch.fx.Graph) -> None:
             report = forward_aliased_outputs(graph)
-            if report.forwarded or report.views:
+            if report.forwarded or report.replayed or report.views:
                 self.reports.append(report)
                 del self.reports[:-64]
             if report.views:

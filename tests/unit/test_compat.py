@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -120,3 +121,68 @@ def test_subgraph_dedup_matches_trampolines_of_one_autograd_function():
         return next(n.target for n in gm.graph.nodes if n.op == "call_function")
 
     assert target(b) is not target(a)  # restored
+
+
+def _count_schema_builds(monkeypatch) -> list:
+    """Counts the runs of torch's own ``invoke_subgraph`` ``gen_schema`` (each one re-traces
+    a region body)."""
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    runs = []
+    original = InvokeSubgraphHOP.gen_schema
+
+    def counting(self, *args, **kwargs):
+        runs.append(args[1])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", counting)
+    return runs
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_region_schema_is_built_once_per_region_not_per_call_site(monkeypatch, cached):
+    """AOTAutograd asks for a region's schema at every call site (metadata collection and
+    joint trace); with the memo inside aotdist's compiled call it is built once."""
+    from aotdist.backends import recovery
+
+    if not cached:
+        monkeypatch.setattr(recovery._compat, "cached_subgraph_schemas",
+                            lambda: contextlib.nullcontext())
+    runs = _count_schema_builds(monkeypatch)
+    torch.manual_seed(0)
+    model = TinyGPT(depth=6)
+    eager = TinyGPT(depth=6)
+    eager.load_state_dict(model.state_dict())
+    aotdist.compile_regions(model, backend="aot_eager")
+    (x,), _ = example_inputs(model)
+    torch._dynamo.reset()
+    model(x).float().square().mean().backward()
+    eager(x).float().square().mean().backward()
+    if cached:  # one schema per region body (forward, its fw/bw graphs), not per call site
+        assert runs and len(runs) == len(set(runs)) <= 3, runs
+    else:  # torch alone: the body re-traced at every call site, at least once each
+        assert max(runs.count(r) for r in set(runs)) >= 6, runs
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_region_schema_memo_keys_on_operand_metadata_and_restores():
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP, invoke_subgraph
+
+    def body(a, b):
+        return (a * b,)
+
+    gm = torch.fx.symbolic_trace(body)
+    x, y = torch.randn(2, 3), torch.randn(4, 3)
+    original = InvokeSubgraphHOP.gen_schema
+    with _compat.cached_subgraph_schemas():
+        with _compat.cached_subgraph_schemas():  # nested: still the one memo
+            assert InvokeSubgraphHOP.gen_schema._aotdist_original is original
+        first = invoke_subgraph.gen_schema(gm, "sg", x, x)
+        assert invoke_subgraph.gen_schema(gm, "sg", x.clone(), x.clone()) is not first  # aliasing
+        same = invoke_subgraph.gen_schema(gm, "sg", x, x)
+        other = invoke_subgraph.gen_schema(gm, "sg", y, y)
+        assert same is first and other is not first
+        assert str(other) == str(original(invoke_subgraph, gm, "sg", y, y))
+    assert InvokeSubgraphHOP.gen_schema is original  # restored
+    assert invoke_subgraph.gen_schema(gm, "sg", x, x) is not first

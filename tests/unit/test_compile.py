@@ -325,7 +325,7 @@ def test_inductor_options_install_the_reuse_pass_and_keep_buffer_reuse_on():
 
     config = _make_backend("inductor", None, None, None).config
     assert config["allow_buffer_reuse"] is True
-    assert config["post_grad_custom_post_pass"].uuid() == "aotdist.forward_aliased_outputs.v1"
+    assert config["post_grad_custom_post_pass"].uuid() == "aotdist.forward_aliased_outputs.v2"
     # the user can still turn reuse off (then no pass), and chain a pass of their own
     off = _make_backend("inductor", None, {"allow_buffer_reuse": False}, None).config
     assert off == {"allow_buffer_reuse": False}
@@ -336,7 +336,7 @@ def test_inductor_options_install_the_reuse_pass_and_keep_buffer_reuse_on():
         return
     chained = _make_backend("inductor", None, {"post_grad_custom_post_pass": mine}, None).config
     passes = chained["post_grad_custom_post_pass"]
-    assert passes[0] is mine and passes[1].uuid() == "aotdist.forward_aliased_outputs.v1"
+    assert passes[0] is mine and passes[1].uuid() == "aotdist.forward_aliased_outputs.v2"
     with pytest.warns(aotdist.RegionCompileWarning, match="allow_buffer_reuse"), \
             _without_reuse_pass():
         bare = _make_backend("inductor", None, {"allow_buffer_reuse": True}, None).config
@@ -490,7 +490,7 @@ def test_reuse_pass_forwards_a_region_output_that_is_its_input():
     assert str(plain.graph) == before
 
 
-def test_reuse_pass_turns_buffer_reuse_off_for_a_graph_with_a_view_of_an_input():
+def test_reuse_pass_turns_buffer_reuse_off_for_a_graph_with_a_view_it_cannot_replay():
     import torch._inductor.config as inductor_config
 
     from aotdist.backends.reuse import forward_aliased_outputs, reuse_pass
@@ -498,10 +498,10 @@ def test_reuse_pass_turns_buffer_reuse_off_for_a_graph_with_a_view_of_an_input()
     def view(g, x):
         return g.call_function(torch.ops.aten.view.default, (x, [3]))
 
-    gm = _region_call_graph(view)
+    gm = _region_call_graph(view)  # no fake values on its nodes: nothing to check a replay by
     before = str(gm.graph)
     report = forward_aliased_outputs(gm.graph)
-    assert report.views == ["getitem_1"] and report.forwarded == []
+    assert report.views == ["getitem_1"] and report.forwarded == report.replayed == []
     assert str(gm.graph) == before  # not rewritten
     the_pass = reuse_pass()
     prior = inductor_config.allow_buffer_reuse
@@ -510,3 +510,42 @@ def test_reuse_pass_turns_buffer_reuse_off_for_a_graph_with_a_view_of_an_input()
         assert inductor_config.allow_buffer_reuse is False
     assert inductor_config.allow_buffer_reuse == prior  # scoped to that one graph
     assert the_pass.reports[-1].views == ["getitem_1"]
+
+
+def _with_fake_values(gm, *shapes):
+    """``meta["val"]`` on every node of ``gm``'s outer graph, as a post-grad graph has."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    fake = FakeTensorMode()
+    FakeTensorProp(gm, fake).propagate(*(fake.from_tensor(torch.empty(s)) for s in shapes))
+    return gm
+
+
+def test_reuse_pass_replays_a_view_of_an_input_on_the_outer_argument():
+    import torch._inductor.config as inductor_config
+
+    from aotdist.backends.reuse import forward_aliased_outputs, reuse_pass
+
+    def double_transpose(g, x):  # what a linear layer's region saves of its weight
+        t = g.call_function(torch.ops.aten.permute.default, (x, [1, 0]))
+        return g.call_function(torch.ops.aten.permute.default, (t, [1, 0]))
+
+    gm = _with_fake_values(_region_call_graph(double_transpose), (2, 3), (2, 3))
+    report = forward_aliased_outputs(gm.graph)
+    assert report.replayed == ["getitem_1"] and report.views == report.forwarded == []
+    add = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor)
+    replayed = add.args[1]
+    assert replayed.target is torch.ops.aten.permute.default
+    assert replayed.args[0].target is torch.ops.aten.permute.default
+    assert replayed.args[0].args[0].name == "a"  # views of the outer argument
+    assert replayed.meta["val"].stride() == (3, 1)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    assert torch.equal(gm(a, b), a * b + a)
+    the_pass = reuse_pass()  # buffer reuse stays on for a graph whose views all replay
+    with inductor_config.patch(allow_buffer_reuse=True):
+        the_pass(_with_fake_values(_region_call_graph(double_transpose), (2, 3), (2, 3)).graph)
+        assert inductor_config.allow_buffer_reuse is True
+    assert the_pass.reports[-1].replayed == ["getitem_1"]
