@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ __all__ = [
     "default_store",
     "fsdp_params_of",
     "inductor_cache_dir",
+    "isa_probe_keys",
     "isa_probes",
     "merge_mega_cache",
     "wrap_fx_graph_cache",
@@ -118,6 +120,32 @@ def isa_probes() -> Iterator[tuple[str, str]]:
                 yield write(code, "cpp", extra=fingerprint(isa.build_arch_flags()))
             except Exception:  # noqa: BLE001 - best effort: a probe not bundled is rebuilt
                 continue
+
+
+_PROBE_SYMBOL = b"_chk_kernel"  # every probe program defines __<isa>_chk_kernel*()
+PROBE_LOAD_MARKER = ".so.load_ok"
+
+
+def isa_probe_keys(root: str) -> set[str]:
+    """Keys of the vector-ISA probe programs built in the Inductor cache dir ``root``: the
+    ``<key>.cpp`` files that define one of ``torch._inductor.cpu_vec_isa``'s
+    ``__*_chk_kernel`` functions (AVX2/AVX512 and the bf16, VNNI and AMX checks), plus
+    the keys with a ``<key>.so.load_ok`` marker (torch 2.11, 2.15; 2.11 writes no
+    markers). Finds the probes :func:`isa_probes` cannot name (those built with other
+    flags than ``build_arch_flags``)."""
+    keys: set[str] = set()
+    for sub in os.listdir(root) if os.path.isdir(root) else ():
+        folder = os.path.join(root, sub)
+        if len(sub) != 2 or not os.path.isdir(folder):
+            continue
+        for name in os.listdir(folder):
+            if name.endswith(PROBE_LOAD_MARKER):
+                keys.add(name[:-len(PROBE_LOAD_MARKER)])
+            elif name.endswith(".cpp") and os.path.getsize(os.path.join(folder, name)) < 8192:
+                with open(os.path.join(folder, name), "rb") as fh:
+                    if _PROBE_SYMBOL in fh.read():
+                        keys.add(name[:-4])
+    return keys
 
 
 def merge_mega_cache(saved: bytes) -> bytes:

@@ -7,14 +7,17 @@ kernel files and Inductor's CPU vector-ISA probe builds travel with it.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 
 import torch
 
 from aotdist import _compat
 from aotdist.cache.bundle import encode, write_atomic
 
-__all__ = ["install", "isa_probe_files", "kernel_files", "mega_bytes", "pack"]
+__all__ = ["CPU_ENTRY", "cpu_signature", "install", "isa_probe_files", "kernel_files", "mega_bytes",
+           "pack"]
 
 
 def kernel_files() -> dict[str, bytes]:
@@ -31,21 +34,59 @@ def kernel_files() -> dict[str, bytes]:
     return out
 
 
+CPU_ENTRY = "aotdist/isa-cpu"  # a bundle entry, not a cache-dir file: who made the markers
+
+
+def cpu_signature() -> str:
+    """What decides whether an ISA probe's ``.so`` loads on this machine: architecture,
+    CPU vendor, model and feature flags (``/proc/cpuinfo``), and torch's version; ``""``
+    where the CPU cannot be read (then no load marker travels)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    except OSError:
+        return ""
+    fields = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("vendor_id", "cpu family", "model", "model name", "flags", "Features",
+                    "CPU implementer", "CPU part") and name not in fields:
+            fields[name] = " ".join(sorted(value.split())) if name in (
+                "flags", "Features") else value.strip()
+    if "flags" not in fields and "Features" not in fields:
+        return ""
+    parts = [platform.machine(), torch.__version__, *map(str, sorted(fields.items()))]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
 def isa_probe_files() -> dict[str, bytes]:
     """Inductor's CPU vector-ISA probes, by path in the cache dir.
 
     Before its first CPU kernel, Inductor compiles a few small C++ programs to learn which
-    vector ISA this CPU runs (7-8 s of gcc on a 2-core machine), once per cache dir. Their
-    ``.so`` files travel with the bundle; the ``.load_ok`` markers do not, so the loading
-    machine still runs each probe and a CPU without that ISA still says no.
+    vector ISA this CPU runs (7-8 s of gcc on a 2-core machine), once per cache dir, and
+    then loads each in a child Python (about 0.2 s each; torch 2.15 remembers a success
+    in a ``<key>.so.load_ok`` marker, 2.11 loads again in every process). The probes'
+    ``.so`` files travel with the bundle. Their markers travel too, with this machine's
+    :func:`cpu_signature` (entry :data:`CPU_ENTRY`): :func:`install` writes them only on
+    a machine with the same signature, so a CPU without that ISA still runs the probe and
+    still says no.
     """
     root, out = _compat.inductor_cache_dir(), {}
-    for key, input_path in _compat.isa_probes():  # none on a torch without them
-        folder = os.path.dirname(input_path)
-        for name in os.listdir(folder):
-            if name.startswith(key) and not name.endswith((".lock", ".load_ok")):
-                with open(os.path.join(folder, name), "rb") as fh:
-                    out[os.path.relpath(os.path.join(folder, name), root)] = fh.read()
+    keys = {key for key, _ in _compat.isa_probes()}  # none on a torch without them
+    keys |= _compat.isa_probe_keys(root)
+    signature = cpu_signature()
+    for key in keys:
+        folder = os.path.join(root, key[1:3])
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            if not name.startswith(key) or name.endswith(".lock"):
+                continue
+            if name.endswith(".load_ok") and not signature:
+                continue
+            with open(os.path.join(folder, name), "rb") as fh:
+                out[f"{key[1:3]}/{name}"] = fh.read()
+    if any(path.endswith(".load_ok") for path in out):
+        out[CPU_ENTRY] = signature.encode()
     return out
 
 
@@ -73,7 +114,10 @@ def pack(key: dict) -> bytes | None:
 
 def install(mega: bytes, kernels: dict[str, bytes]) -> dict:
     root = _compat.inductor_cache_dir()
+    same_cpu = kernels.get(CPU_ENTRY, b"").decode(errors="replace") == cpu_signature() != ""
     for path, data in kernels.items():
+        if path == CPU_ENTRY or (path.endswith(".load_ok") and not same_cpu):
+            continue
         dest = os.path.join(root, path)
         if os.path.exists(dest):
             continue

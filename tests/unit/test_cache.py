@@ -121,3 +121,81 @@ def test_bundle_round_trip_loads_inductor_artifacts(tmp_path, monkeypatch):
     assert result.status == "loaded" and result.artifacts.get("inductor", 0) >= 1
     for path in kernels:
         assert (tmp_path / "fresh" / path).exists()
+
+
+def test_isa_probe_load_markers_are_installed_only_on_the_same_cpu(tmp_path, monkeypatch):
+    """A probe's ``.so.load_ok`` marker skips its load check: it travels only to a machine
+    whose CPU signature matches the one that made it."""
+    from aotdist.cache import artifacts
+
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda mega: None)
+    files = {"ab/cabprobe.so": b"\x7fELF", "ab/cabprobe.so.load_ok": b""}
+    here = artifacts.cpu_signature()
+    for n, signature in enumerate([here, "another cpu", None]):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / str(n)))
+        bundle = dict(files) if signature is None else {
+            **files, artifacts.CPU_ENTRY: signature.encode()}
+        artifacts.install(b"", bundle)
+        root = tmp_path / str(n)
+        assert (root / "ab" / "cabprobe.so").exists()
+        assert (root / "ab" / "cabprobe.so.load_ok").exists() == (signature == here != "")
+        assert not (root / "aotdist").exists()  # the signature entry is no cache file
+
+
+_WARM_CHILD = r"""
+import json, os, sys, torch
+import torch._inductor.cpp_builder as cb
+import torch._inductor.cpu_vec_isa as isa
+builds, probes = [], []
+build = cb.CppBuilder.build
+def counted_build(self, *a, **k):
+    builds.append(os.path.basename(self.get_target_file_path()))
+    return build(self, *a, **k)
+cb.CppBuilder.build = counted_build
+if hasattr(isa.VecISA, "_probe_load"):  # torch 2.15; 2.11 loads probes inline, every time
+    probe = isa.VecISA._probe_load
+    def counted_probe(self, path):
+        probes.append(path)
+        return probe(self, path)
+    isa.VecISA._probe_load = counted_probe
+import aotdist, aotdist.cache
+from aotdist.testing import build_model, example_inputs
+torch.manual_seed(0)
+model = build_model("gpt", depth=2)
+aotdist.parallelize(model, {"compile": {"backend": "inductor"},
+                            "cache": {"mode": "local", "dir": sys.argv[1]}})
+(x,), y = example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
+loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+loss.backward()
+aotdist.cache.save(model)
+load = vars(model)[aotdist.cache.STATE_ATTR]["load"]
+print(json.dumps({"builds": builds, "probes": len(probes), "status": str(load.status),
+                  "loss": loss.item(), "can_count_probes": hasattr(isa.VecISA, "_probe_load")}))
+"""
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_warm_start_runs_no_cpp_compiler_and_no_isa_probe(tmp_path):
+    """A fresh process with an empty Inductor cache dir and the bundle of a previous run
+    compiles no C++ (kernels and ISA probes travel) and, on the same CPU, loads no ISA
+    probe in a child process (their markers travel)."""
+    import json
+    import subprocess
+    import sys
+
+    def run(inductor_dir):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / inductor_dir)}
+        out = subprocess.run([sys.executable, "-c", _WARM_CHILD, str(tmp_path / "bundle")],
+                             env=env, capture_output=True, text=True, timeout=500)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold, warm = run("cold"), run("warm")
+    assert cold["status"] == "missing" and warm["status"] == "loaded", (cold, warm)
+    assert len(cold["builds"]) > 5  # it compiled kernels and probes: there was work to skip
+    assert [b for b in warm["builds"] if not b.endswith(".i")] == [], warm  # .i: a header
+    if warm["can_count_probes"]:
+        assert cold["probes"] > 0 and warm["probes"] == 0, (cold, warm)
+    assert warm["loss"] == cold["loss"]
