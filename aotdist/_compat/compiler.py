@@ -223,6 +223,18 @@ def import_compiler_stack() -> None:
         importlib.import_module(name)
 
 
+def probe_cpu_isa() -> bool:
+    """Runs Inductor's CPU vector-ISA probes now (``torch._inductor.cpu_vec_isa.
+    pick_vec_isa``, torch 2.11, 2.15): a few small C++ builds and loads, once per process
+    and Inductor cache dir, which the first CPU kernel would otherwise run. Returns
+    whether this torch has the probe function."""
+    fn = _attr("torch._inductor.cpu_vec_isa", "pick_vec_isa")
+    if fn is None:
+        return False
+    fn()
+    return True
+
+
 def dynamo_config_patch(**changes: Any) -> contextlib.AbstractContextManager:
     """``torch._dynamo.config.patch(**changes)``: scoped, restored on exit (torch 2.11,
     2.15)."""

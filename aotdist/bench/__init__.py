@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,11 @@ __all__ = ["ALL_STRATEGIES", "MAIN_JOB", "MAIN_SETTINGS", "QUICK_JOB", "QUICK_SE
            "SubBench", "interleave", "plan_cases", "run_bench"]
 
 
+def _fresh_start_s(result: dict) -> float:
+    """First step plus the ISA probes the run did before it: a fresh start's time."""
+    return result["first_step_s"] + (result.get("isa_probe_s") or 0.0)
+
+
 def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
     """One measurement; ``aotdist+cache``: a cold run that saves the artifact bundle, then
     a warm run (fresh process, empty Inductor cache) that starts from it."""
@@ -51,20 +57,23 @@ def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
         return _measure_once(case, **kwargs)
     from aotdist.bench.strategies import ARTIFACTS_ENV
 
+    kwargs.pop("isa_seed", None)  # a fresh start: the probes in both runs, as in a new cache dir
     with tempfile.TemporaryDirectory(prefix="aotdist-bench-artifacts-") as artifacts:
         cold = _measure_once(case, env={ARTIFACTS_ENV: artifacts}, **kwargs)
         kwargs["progress"]("        warm start from the saved artifacts (fresh process)")
         warm = _measure_once(case, env={ARTIFACTS_ENV: artifacts}, **kwargs)
-    return {**cold, "warm_first_step_s": warm["first_step_s"],
+    return {**cold, "warm_first_step_s": _fresh_start_s(warm),
             "warm_compile_s": warm["compile_s"], "warm_cache_load": warm["cache_load"]}
 
 
 def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
                   device: str, float8: bool, timeout: float,
-                  profile_dir: str | None,
-                  progress: Callable[[str], None], env: dict | None = None) -> dict:
+                  profile_dir: str | None, progress: Callable[[str], None],
+                  env: dict | None = None, isa_seed: str | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="aotdist-bench-cache-") as cache, \
             tempfile.TemporaryFile(mode="w+") as stderr:
+        if isa_seed and case.strategy != "aotdist+cache":  # a cache cell starts empty
+            shutil.copytree(isa_seed, cache, dirs_exist_ok=True)
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache,
                    TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONWARNINGS="ignore",
                    **(env or {}))
@@ -100,6 +109,28 @@ def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
                      "Fix: run it alone with `python -m aotdist.bench.runner --strategy "
                      f"{case.strategy} --model {case.model} --depth {case.depth} --nproc "
                      f"{case.nproc} --backend {backend}` to see the whole error.")
+
+
+def _seed_isa_probes(where: str, *, backend: str, device: str,
+                     progress: Callable[[str], None]) -> str | None:
+    """Inductor's CPU vector-ISA probes, built once into ``where`` (a fresh process), or
+    ``None`` where they do not apply or fail.
+
+    Every run's empty Inductor cache dir starts from a copy of them (``aotdist+cache``
+    cells excepted: their cold and warm runs measure a fresh start), so that no run spends
+    its 7-12 s of gcc again: they are a one-time cost of a cache dir, not of a strategy,
+    and the runner times them apart from the cold step anyway.
+    """
+    if device != "cpu" or backend != "inductor":
+        return None
+    progress("building Inductor's CPU ISA probes once, for every run's cache dir")
+    code = "from aotdist import _compat; _compat.probe_cpu_isa()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=where), timeout=600)
+    if proc.returncode != 0:
+        progress(f"        ISA probes failed (each run builds its own): {proc.stderr[-300:]}")
+        return None
+    return where
 
 
 def _label(case: Case) -> str:
@@ -147,6 +178,9 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
              f"backend={backend}, device={device}, each run a fresh process with an empty "
              f"compiler cache; load average {load_start['loadavg']} on {load_start['cpus']} "
              "CPUs")
+    seed_dir = tempfile.TemporaryDirectory(prefix="aotdist-bench-isa-")
+    isa_seed = _seed_isa_probes(seed_dir.name, backend=backend, device=device,
+                                progress=progress)
     for n, (rep, case) in enumerate(order, start=1):
         progress(f"[{n}/{len(order)}] repeat {rep + 1}/{repeats} {_label(case)}: cold step + "
                  f"{warmup} warm-up + {steps} timed steps "
@@ -154,12 +188,14 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
         profile_dir = str(out / "profile" / f"repeat{rep}") if profile else None
         r = _measure_in_fresh_process(case, backend=backend, steps=steps, warmup=warmup,
                                       device=device, float8=float8, timeout=timeout,
-                                      profile_dir=profile_dir, progress=progress)
+                                      profile_dir=profile_dir, progress=progress,
+                                      isa_seed=isa_seed)
         progress(f"        compile {r['compile_s']:.2f}s  step {r['steady_step_s']*1e3:.2f}ms"
                  f"  saved {r['saved_activation_bytes'] / 1024:.0f}KiB"
                  f"  peak +{r['peak_mem_mib']:.0f}MiB  frames {r['frames_compiled']}"
                  f"  graph breaks {r['graph_breaks']}")
         runs.append({**r, "repeat": rep})
+    seed_dir.cleanup()
     settings = {"backend": backend, "steps": steps, "warmup": warmup, "device": device,
                 "float8": float8, "repeats": repeats, "profiled": profile,
                 "cases": [asdict(c) for c in cases],

@@ -76,6 +76,19 @@ def _fig(cell: dict, key: str, scale: float = 1.0, fmt: str = ".2f") -> str:
     return text
 
 
+def _isa_line(results: list[dict]) -> str:
+    """How the cold step leaves out Inductor's CPU ISA probes, with their time here."""
+    values = [r["isa_probe_s"] for r in results if r.get("isa_probe_s")]
+    if not values:
+        return ""
+    return ("Inductor's CPU ISA probes, a one-time cost of an Inductor cache dir, are built "
+            "once per bench and copied into each run's empty cache dir (aotdist+cache cells "
+            "excepted: their runs measure a fresh start); every run runs and times them "
+            f"before the cold step ({min(values):.2f}-{max(values):.2f} s per run here), so "
+            "cold compile leaves them out, and the fresh-start first-step ratios (warm/cold, "
+            "shared/independent) add them back on both sides. ")
+
+
 def _load_line(settings: dict) -> str:
     def one(snap: dict | None) -> str:
         if not snap or snap.get("loadavg") is None:
@@ -106,7 +119,7 @@ def _markdown(report: dict) -> str:
              f"with an empty compiler cache; run took {settings['duration_s'] / 60:.1f} min."
              + (" PROFILED: timings inflated." if settings.get("profiled") else ""), "",
              "Figures: median [min-max] over the repeats. Cold compile = first step wall time "
-             f"- median steady step. Peak memory: {memory_metric}. Saved for backward: bytes "
+             f"- median steady step. {_isa_line(results)}Peak memory: {memory_metric}. Saved for backward: bytes "
              "of the unique storages the training step's forward saves for backward "
              "(saved-tensor hooks), parameters and buffers excluded: the activation memory a "
              "GPU would hold.", ""]

@@ -102,6 +102,7 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
     notes = strategy.notes(model) if strategy.notes else ""
     run_model = strategy.apply(model, setup)
     _import_compiler_stack()
+    isa_probe_s = _probe_cpu_isa(spec, strategy)
     memory = MemoryProbe(device)  # baseline: after imports, model build and strategy
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
@@ -138,7 +139,7 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
         "strategy": spec["strategy"], "model": spec["model"], "depth": spec["depth"],
         "nproc": world_size, "backend": spec["backend"], "device": device,
         "float8": spec["float8"], "batch": spec["batch"], "rank": rank,
-        "first_step_s": first, "steady_step_s": steady, "step_times_s": times,
+        "first_step_s": first, "isa_probe_s": isa_probe_s, "steady_step_s": steady, "step_times_s": times,
         "steady_step_iqr_s": [q[0], q[2]], "compile_s": compile_s,
         "compile_split_s": phases.split(m, compile_s=compile_s),
         **memory.report(), **saved,
@@ -154,6 +155,25 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
         "torch": torch.__version__,
         "cache_load": _cache_status(model),
     }
+
+
+def _probe_cpu_isa(spec: dict, strategy) -> float:
+    """Seconds of Inductor's CPU vector-ISA probes, run before the cold step (0.0 where
+    they do not apply: no Inductor, no compile, not CPU).
+
+    They are a one-time cost of an Inductor cache dir (7-12 s of gcc on a 2-core machine),
+    the same for every strategy, which a persistent cache dir pays once per machine; in
+    the cold step they would add that constant to every strategy's compile and pull every
+    compile ratio toward 1. The report gives them apart, and the first-step ratios of a
+    fresh start (warm/cold, shared/independent) add them back on both sides.
+    """
+    if spec["device"] != "cpu" or spec["backend"] != "inductor" or not strategy.compiles:
+        return 0.0
+    from aotdist import _compat
+
+    start = time.perf_counter()
+    _compat.probe_cpu_isa()
+    return time.perf_counter() - start
 
 
 def _cache_status(model) -> str:
@@ -195,7 +215,8 @@ def merge_ranks(results: list[dict]) -> dict:
     is what a training job waits for. Every rank's own result is kept under ``ranks``.
     """
     merged = dict(results[0])
-    for key in ("first_step_s", "steady_step_s", "compile_s", "peak_mem_mib", "peak_rss_mib",
+    for key in ("first_step_s", "isa_probe_s", "steady_step_s", "compile_s", "peak_mem_mib",
+                "peak_rss_mib",
                 "saved_activation_bytes", "saved_bytes_total"):
         values = [r[key] for r in results if r.get(key) is not None]
         if values:

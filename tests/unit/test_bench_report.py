@@ -88,6 +88,28 @@ def test_ratios_and_targets_come_from_the_results():
                    for t in targets)  # not measured
 
 
+def test_fresh_start_ratios_add_the_isa_probes_back_on_both_sides(tmp_path):
+    """Cold compile leaves Inductor's ISA probes out (timed apart, before the cold step);
+    the warm/cold and shared/independent first-step ratios describe a fresh start, so both
+    sides count them (a warm start from the bundle skips them)."""
+    cold = {**_result("aotdist+cache", 4, 5.0, 0.01, 80), "first_step_s": 5.0,
+            "isa_probe_s": 10.0, "warm_first_step_s": 1.5}
+    alone = {**_result("aotdist", 4, 8.0, 0.01, 80, nproc=2), "first_step_s": 8.0,
+             "isa_probe_s": 10.0}
+    shared = {**cold, "nproc": 2, "first_step_s": 4.0}
+    ratios = compute_ratios([cold, alone, shared])
+    warm = ratios["gpt: first step warm/cold aotdist+cache @depth4"]
+    assert (warm["numerator"], warm["denominator"]) == (1.5, 15.0)
+    share = ratios["gpt fsdp2x2: first step aotdist+cache/aotdist @depth4"]
+    assert (share["numerator"], share["denominator"]) == (14.0, 18.0)
+    runs = [_cell_fields(r) for r in _three_repeats()]
+    runs[0]["isa_probe_s"] = 9.5
+    write_report(runs, tmp_path, settings={"backend": "inductor", "device": "cpu",
+                                           "steps": 2, "warmup": 1, "repeats": 3,
+                                           "duration_s": 6.0})
+    assert "before the cold step (9.50-9.50 s per run here)" in (tmp_path / "bench.md").read_text()
+
+
 def _three_repeats():
     """full and aotdist at depths 2 and 32, 3 repeats; repeat 1 ran under load (every
     figure of that repeat doubled: the ratios within it do not move)."""
