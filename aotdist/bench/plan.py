@@ -54,8 +54,9 @@ class JobSettings:
     repeats: int
 
 
-# The main job: 12 cells x 3 repeats, each run a fresh process (~32 s per run on a quiet
-# 2-core CPU with inductor: about 19 minutes). GPT at depths 2, 8 and 32 carries every
+# The main job: 12 cells x 3 repeats, each run a fresh process (~18 s per run on a quiet
+# 2-core CPU with inductor, the ISA probes built once: about 11 minutes). GPT at depths 2,
+# 8 and 32 carries every
 # goal of issue 16 measured in one process (step time at every depth, cold compile and
 # its growth to depth 32, saved-for-backward memory). Dropped from the default to make
 # room for 3 repeats (still available with --model / --nproc): torchvision's ViT (its

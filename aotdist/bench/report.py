@@ -85,8 +85,8 @@ def _isa_line(results: list[dict]) -> str:
             "once per bench and copied into each run's empty cache dir (aotdist+cache cells "
             "excepted: their runs measure a fresh start); every run runs and times them "
             f"before the cold step ({min(values):.2f}-{max(values):.2f} s per run here), so "
-            "cold compile leaves them out, and the fresh-start first-step ratios (warm/cold, "
-            "shared/independent) add them back on both sides. ")
+            "cold compile leaves them out, and the warm/cold first-step ratio (a fresh start) "
+            "adds them back on both sides. ")
 
 
 def _load_line(settings: dict) -> str:

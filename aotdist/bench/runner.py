@@ -164,8 +164,8 @@ def _probe_cpu_isa(spec: dict, strategy) -> float:
     They are a one-time cost of an Inductor cache dir (7-12 s of gcc on a 2-core machine),
     the same for every strategy, which a persistent cache dir pays once per machine; in
     the cold step they would add that constant to every strategy's compile and pull every
-    compile ratio toward 1. The report gives them apart, and the first-step ratios of a
-    fresh start (warm/cold, shared/independent) add them back on both sides.
+    compile ratio toward 1. The report gives them apart, and the warm/cold first-step
+    ratio of a fresh start adds them back on both sides.
     """
     if spec["device"] != "cpu" or spec["backend"] != "inductor" or not strategy.compiles:
         return 0.0

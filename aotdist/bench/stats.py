@@ -119,7 +119,9 @@ def _ratios_one_repeat(rows: list[dict]) -> dict[str, tuple[float, float]]:
                 put(f"first step warm/cold aotdist+cache @depth{d}", c["warm_first_step_s"],
                     _fresh(c))
             if c and a and c["nproc"] > 1:  # sharing between ranks: cold vs independent
-                put(f"first step aotdist+cache/aotdist @depth{d}", _fresh(c), _fresh(a))
+                # (compiles only: each rank runs its own ISA probes in both)
+                put(f"first step aotdist+cache/aotdist @depth{d}", c["first_step_s"],
+                    a["first_step_s"])
             e = idx.get(("eager", d))
             for s in strategies:
                 r = idx.get((s, d))
