@@ -28,7 +28,6 @@ from aotdist._compat.caches import (
     fsdp_params_of,
     inductor_cache_dir,
     isa_probe_keys,
-    isa_probes,
     merge_mega_cache,
     wrap_fx_graph_cache,
 )
@@ -106,7 +105,6 @@ __all__ = [
     "is_accelerate_prepared",
     "is_traceable_wrapper_subclass",
     "isa_probe_keys",
-    "isa_probes",
     "lookup_backend",
     "mark_accelerate_prepared",
     "merge_mega_cache",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -16,7 +16,6 @@ __all__ = [
     "fsdp_params_of",
     "inductor_cache_dir",
     "isa_probe_keys",
-    "isa_probes",
     "merge_mega_cache",
     "wrap_fx_graph_cache",
 ]
@@ -99,29 +98,6 @@ def cpp_code_cache_keys() -> set[str] | None:
     return keys
 
 
-def isa_probes() -> Iterator[tuple[str, str]]:
-    """``(key, input_path)`` of each of Inductor's CPU vector-ISA probe programs
-    (``torch._inductor.cpu_vec_isa``: ``supported_vec_isa_list``,
-    ``_get_isa_dry_compile_fingerprint``; ``codecache.write``), written to the cache dir
-    as Inductor writes them (torch 2.11, 2.15). Yields nothing when missing."""
-    try:
-        from torch._inductor import cpu_vec_isa
-        from torch._inductor.codecache import write
-
-        fingerprint = cpu_vec_isa._get_isa_dry_compile_fingerprint
-        isas = list(cpu_vec_isa.supported_vec_isa_list)
-    except (ImportError, AttributeError):
-        return
-    for isa in isas:
-        codes = {getattr(isa, n) for n in dir(type(isa))
-                 if n.endswith("_code") and isinstance(getattr(isa, n, None), str)}
-        for code in codes:
-            try:
-                yield write(code, "cpp", extra=fingerprint(isa.build_arch_flags()))
-            except Exception:  # noqa: BLE001 - best effort: a probe not bundled is rebuilt
-                continue
-
-
 _PROBE_SYMBOL = b"_chk_kernel"  # every probe program defines __<isa>_chk_kernel*()
 PROBE_LOAD_MARKER = ".so.load_ok"
 
@@ -131,8 +107,7 @@ def isa_probe_keys(root: str) -> set[str]:
     ``<key>.cpp`` files that define one of ``torch._inductor.cpu_vec_isa``'s
     ``__*_chk_kernel`` functions (AVX2/AVX512 and the bf16, VNNI and AMX checks), plus
     the keys with a ``<key>.so.load_ok`` marker (torch 2.11, 2.15; 2.11 writes no
-    markers). Finds the probes :func:`isa_probes` cannot name (those built with other
-    flags than ``build_arch_flags``)."""
+    markers)."""
     keys: set[str] = set()
     for sub in os.listdir(root) if os.path.isdir(root) else ():
         folder = os.path.join(root, sub)

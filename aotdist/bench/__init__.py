@@ -39,15 +39,11 @@ from aotdist.bench.plan import (
 )
 from aotdist.bench.report import load_snapshot, write_report
 from aotdist.bench.runner import PHASE_PREFIX, RESULT_PREFIX
+from aotdist.bench.stats import fresh_start_s
 from aotdist.errors import BenchError, ConfigError
 
 __all__ = ["ALL_STRATEGIES", "MAIN_JOB", "MAIN_SETTINGS", "QUICK_JOB", "QUICK_SETTINGS", "Case",
            "SubBench", "interleave", "plan_cases", "run_bench"]
-
-
-def _fresh_start_s(result: dict) -> float:
-    """First step plus the ISA probes the run did before it: a fresh start's time."""
-    return result["first_step_s"] + (result.get("isa_probe_s") or 0.0)
 
 
 def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
@@ -62,7 +58,7 @@ def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
         cold = _measure_once(case, env={ARTIFACTS_ENV: artifacts}, **kwargs)
         kwargs["progress"]("        warm start from the saved artifacts (fresh process)")
         warm = _measure_once(case, env={ARTIFACTS_ENV: artifacts}, **kwargs)
-    return {**cold, "warm_first_step_s": _fresh_start_s(warm),
+    return {**cold, "warm_first_step_s": fresh_start_s(warm),
             "warm_compile_s": warm["compile_s"], "warm_cache_load": warm["cache_load"]}
 
 
@@ -72,7 +68,7 @@ def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
                   env: dict | None = None, isa_seed: str | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="aotdist-bench-cache-") as cache, \
             tempfile.TemporaryFile(mode="w+") as stderr:
-        if isa_seed and case.strategy != "aotdist+cache":  # a cache cell starts empty
+        if isa_seed:
             shutil.copytree(isa_seed, cache, dirs_exist_ok=True)
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache,
                    TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONWARNINGS="ignore",
@@ -178,24 +174,23 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
              f"backend={backend}, device={device}, each run a fresh process with an empty "
              f"compiler cache; load average {load_start['loadavg']} on {load_start['cpus']} "
              "CPUs")
-    seed_dir = tempfile.TemporaryDirectory(prefix="aotdist-bench-isa-")
-    isa_seed = _seed_isa_probes(seed_dir.name, backend=backend, device=device,
-                                progress=progress)
-    for n, (rep, case) in enumerate(order, start=1):
-        progress(f"[{n}/{len(order)}] repeat {rep + 1}/{repeats} {_label(case)}: cold step + "
-                 f"{warmup} warm-up + {steps} timed steps "
-                 f"({time.perf_counter() - started:.0f}s elapsed)")
-        profile_dir = str(out / "profile" / f"repeat{rep}") if profile else None
-        r = _measure_in_fresh_process(case, backend=backend, steps=steps, warmup=warmup,
-                                      device=device, float8=float8, timeout=timeout,
-                                      profile_dir=profile_dir, progress=progress,
-                                      isa_seed=isa_seed)
-        progress(f"        compile {r['compile_s']:.2f}s  step {r['steady_step_s']*1e3:.2f}ms"
-                 f"  saved {r['saved_activation_bytes'] / 1024:.0f}KiB"
-                 f"  peak +{r['peak_mem_mib']:.0f}MiB  frames {r['frames_compiled']}"
-                 f"  graph breaks {r['graph_breaks']}")
-        runs.append({**r, "repeat": rep})
-    seed_dir.cleanup()
+    with tempfile.TemporaryDirectory(prefix="aotdist-bench-isa-") as seed:
+        isa_seed = _seed_isa_probes(seed, backend=backend, device=device,
+                                    progress=progress)
+        for n, (rep, case) in enumerate(order, start=1):
+            progress(f"[{n}/{len(order)}] repeat {rep + 1}/{repeats} {_label(case)}: cold step + "
+                     f"{warmup} warm-up + {steps} timed steps "
+                     f"({time.perf_counter() - started:.0f}s elapsed)")
+            profile_dir = str(out / "profile" / f"repeat{rep}") if profile else None
+            r = _measure_in_fresh_process(case, backend=backend, steps=steps, warmup=warmup,
+                                          device=device, float8=float8, timeout=timeout,
+                                          profile_dir=profile_dir, progress=progress,
+                                          isa_seed=isa_seed)
+            progress(f"        compile {r['compile_s']:.2f}s  step {r['steady_step_s']*1e3:.2f}ms"
+                     f"  saved {r['saved_activation_bytes'] / 1024:.0f}KiB"
+                     f"  peak +{r['peak_mem_mib']:.0f}MiB  frames {r['frames_compiled']}"
+                     f"  graph breaks {r['graph_breaks']}")
+            runs.append({**r, "repeat": rep})
     settings = {"backend": backend, "steps": steps, "warmup": warmup, "device": device,
                 "float8": float8, "repeats": repeats, "profiled": profile,
                 "cases": [asdict(c) for c in cases],

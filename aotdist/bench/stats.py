@@ -14,10 +14,10 @@ from __future__ import annotations
 import operator
 import statistics
 
-__all__ = ["FIGURES", "TARGETS", "compute_ratios", "evaluate_targets", "group_of",
+__all__ = ["FIGURES", "TARGETS", "compute_ratios", "evaluate_targets", "fresh_start_s", "group_of",
            "summarize_cells", "verdict"]
 
-def _fresh(result: dict) -> float:
+def fresh_start_s(result: dict) -> float:
     """A fresh start's first step: the cold step plus the ISA probes run before it."""
     return result["first_step_s"] + (result.get("isa_probe_s") or 0.0)
 
@@ -117,7 +117,7 @@ def _ratios_one_repeat(rows: list[dict]) -> dict[str, tuple[float, float]]:
             c = idx.get(("aotdist+cache", d))
             if c and c.get("warm_first_step_s") is not None:
                 put(f"first step warm/cold aotdist+cache @depth{d}", c["warm_first_step_s"],
-                    _fresh(c))
+                    fresh_start_s(c))
             if c and a and c["nproc"] > 1:  # sharing between ranks: cold vs independent
                 # (compiles only: each rank runs its own ISA probes in both)
                 put(f"first step aotdist+cache/aotdist @depth{d}", c["first_step_s"],

@@ -73,8 +73,7 @@ def isa_probe_files() -> dict[str, bytes]:
     still says no.
     """
     root, out = _compat.inductor_cache_dir(), {}
-    keys = {key for key, _ in _compat.isa_probes()}  # none on a torch without them
-    keys |= _compat.isa_probe_keys(root)
+    keys = _compat.isa_probe_keys(root)
     signature = cpu_signature()
     for key in keys:
         folder = os.path.join(root, key[1:3])
