@@ -67,7 +67,11 @@ from aotdist._compat.compiler import (
     tree_leaves,
     tree_map,
 )
-from aotdist._compat.subgraphs import cached_subgraph_schemas, tolerant_subgraph_dedup
+from aotdist._compat.subgraphs import (
+    cached_subgraph_schemas,
+    recomputable_reductions,
+    tolerant_subgraph_dedup,
+)
 
 __all__ = [
     "CHECKED_ON",
@@ -84,6 +88,7 @@ __all__ = [
     "fx_bucketing",
     "param_slots",
     "probe_cpu_isa",
+    "recomputable_reductions",
     "cpp_code_cache_keys",
     "current_frame_locals",
     "custom_graph_pass_base",

@@ -35,6 +35,13 @@ schema is memoized per (subgraph object, identifier, operand metadata): call sit
 one region with the same argument shapes, strides, dtypes, devices, ``requires_grad`` and
 aliasing get the schema of the first, as torch's own functionalization schema cache
 (pytorch/pytorch#184646) already does keyed on operand types alone.
+
+:func:`recomputable_reductions` lets AOTAutograd's min-cut partitioner recompute
+reductions (``torch._functorch.config.ban_recompute_reductions``, checked on torch 2.11 and
+2.15) while a graph holding regions compiles. A region body is partitioned on its own and
+its input arrives materialized, so under torch's default it saves that input plus each
+norm's mean and rstd, one per-row statistic more per norm than a whole-model partition
+(see :mod:`aotdist.backends.recording`).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import contextlib
 import importlib
 from collections.abc import Callable, Iterator
 
-__all__ = ["cached_subgraph_schemas", "tolerant_subgraph_dedup"]
+__all__ = ["cached_subgraph_schemas", "recomputable_reductions", "tolerant_subgraph_dedup"]
 
 _MODULE = "torch._dynamo.variables.higher_order_ops"
 _NAME = "are_same_graph_modules"
@@ -190,3 +197,21 @@ def cached_subgraph_schemas() -> Iterator[None]:
         yield
     finally:
         cls.gen_schema = original
+
+
+@contextlib.contextmanager
+def recomputable_reductions() -> Iterator[None]:
+    """Within: AOTAutograd's min-cut partitioner may recompute reductions in the backward
+    (``torch._functorch.config.ban_recompute_reductions = False``; see the module
+    docstring; checked on torch 2.11 and 2.15); restored on exit. A no-op where the option
+    is missing or already off."""
+    try:
+        import torch._functorch.config as functorch_config
+    except ImportError:
+        yield
+        return
+    if not getattr(functorch_config, "ban_recompute_reductions", False):
+        yield
+        return
+    with functorch_config.patch(ban_recompute_reductions=False):
+        yield

@@ -12,10 +12,22 @@ It also decides two things about correctness:
 - a backend failure on a region's ``invoke_subgraph`` becomes a ``RegionCaptureError``
   naming the regions, so the compiled call (:mod:`aotdist.backends.recovery`) can fix or
   demote exactly those.
+
+A graph that calls a region's subgraph, or is a region's own frame, is compiled with
+reductions recomputable by AOTAutograd's partitioner
+(:func:`aotdist._compat.recomputable_reductions`). A region's body is partitioned on its
+own, and its input arrives materialized (the previous block's output), so the min-cut
+saves that input plus each norm's mean and rstd, where a whole-model partition saves each
+norm's normalized input plus one rescaled rstd: one per-row statistic more per norm
+(+0.4% saved for backward on the bench GPT at depth 32). With reductions recomputable the
+region saves its input alone and recomputes the statistics in the backward, one per-row
+reduction fused into the norm's backward, and saves less than the whole-model compile.
+Graphs without regions keep torch's default.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import re
 import time
@@ -124,8 +136,11 @@ class RecordingBackend:
         _warn_autograd_function_splits(gm, node_regions)
         record.standalone = self._standalone_region()
         start = time.perf_counter()
+        # Graphs holding regions are partitioned with reductions recomputable (docstring).
+        regions = bool(record.call_sites) or record.standalone is not None
         try:
-            compiled = self._compile(gm, example_inputs)
+            with _compat.recomputable_reductions() if regions else contextlib.nullcontext():
+                compiled = self._compile(gm, example_inputs)
         except Exception as exc:
             failing = _regions_named_in(exc, node_regions)
             if failing:

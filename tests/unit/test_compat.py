@@ -186,3 +186,15 @@ def test_region_schema_memo_keys_on_operand_metadata_and_restores():
         assert str(other) == str(original(invoke_subgraph, gm, "sg", y, y))
     assert InvokeSubgraphHOP.gen_schema is original  # restored
     assert invoke_subgraph.gen_schema(gm, "sg", x, x) is not first
+
+
+def test_recomputable_reductions_is_scoped():
+    import torch._functorch.config as functorch_config
+
+    assert functorch_config.ban_recompute_reductions is True  # torch's default
+    with _compat.recomputable_reductions():
+        assert functorch_config.ban_recompute_reductions is False
+        with _compat.recomputable_reductions():  # nested: a no-op
+            assert functorch_config.ban_recompute_reductions is False
+        assert functorch_config.ban_recompute_reductions is False
+    assert functorch_config.ban_recompute_reductions is True
