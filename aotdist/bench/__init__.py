@@ -7,6 +7,12 @@ computed within one repeat, then reported as a median with its spread; a target 
 spread straddles its bound is "noisy" (:mod:`aotdist.bench.stats`). The report records
 the load average at start and end (:mod:`aotdist.bench.report`).
 
+Steady steps of separate processes minutes apart disagree by tens of percent on a shared
+machine, so after the round robin every single-process depth with aotdist and a peer
+also runs its strategies side by side in one process (*paired*,
+:func:`aotdist.bench.runner.measure_paired`: ``2 x repeats`` interleaved rounds of the
+timed steps), and the steady-step ratios come from those rounds. Profiled benches skip it.
+
 The main job (``aotdist bench`` with no arguments) is :data:`MAIN_JOB` with
 :data:`~aotdist.bench.plan.MAIN_SETTINGS` (3 repeats); ``--quick`` is
 :data:`QUICK_JOB` with :data:`~aotdist.bench.plan.QUICK_SETTINGS`.
@@ -65,7 +71,8 @@ def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
 def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
                   device: str, float8: bool, timeout: float,
                   profile_dir: str | None, progress: Callable[[str], None],
-                  env: dict | None = None, isa_seed: str | None = None) -> dict:
+                  env: dict | None = None, isa_seed: str | None = None,
+                  paired_rounds: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix="aotdist-bench-cache-") as cache, \
             tempfile.TemporaryFile(mode="w+") as stderr:
         if isa_seed:
@@ -79,6 +86,7 @@ def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
                "--nproc", str(case.nproc), "--timeout", str(timeout)]
         cmd += ["--float8"] if float8 else []
         cmd += ["--profile-dir", profile_dir] if profile_dir else []
+        cmd += ["--paired", str(paired_rounds)] if paired_rounds else []
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
         # The child enforces the ranks' timeout; this one covers a child that hangs itself
         # (its ranks die with it: run_distributed sets PR_SET_PDEATHSIG).
@@ -129,6 +137,21 @@ def _seed_isa_probes(where: str, *, backend: str, device: str,
     return where
 
 
+PAIRED = ("aotdist", "full", "accelerate", "eager")  # strategies the paired runs time
+
+
+def _paired_cells(cases: Sequence[Case]) -> list[Case]:
+    """One cell per single-process (model, depth) that has aotdist and a peer: its
+    strategy field lists them all, for :func:`aotdist.bench.runner.measure_paired`."""
+    found: dict[tuple[str, int], list[str]] = {}
+    for c in cases:
+        if c.nproc == 1 and c.strategy in PAIRED:
+            names = found.setdefault((c.model, c.depth), [])
+            names += [] if c.strategy in names else [c.strategy]
+    return [Case(model, depth, ",".join(names)) for (model, depth), names in found.items()
+            if "aotdist" in names and ({"full", "accelerate"} & set(names))]
+
+
 def _label(case: Case) -> str:
     ranks = f" x{case.nproc} ranks FSDP2" if case.nproc > 1 else ""
     return f"{case.strategy} {case.model} depth={case.depth}{ranks}"
@@ -155,6 +178,10 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
         profile: Write cProfile / torch.profiler / compile-phase files per run under
             ``out/profile`` (their timings are inflated by profiling).
         progress: Receives one line per run and phase.
+
+    After the round robin, the paired runs (module docstring) time the steady steps of
+    each single-process depth's strategies side by side; the steady-step ratios come
+    from them.
 
     Returns:
         The report dict written to ``bench.json``.
@@ -191,10 +218,21 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
                      f"  peak +{r['peak_mem_mib']:.0f}MiB  frames {r['frames_compiled']}"
                      f"  graph breaks {r['graph_breaks']}")
             runs.append({**r, "repeat": rep})
+        # Steady-step ratios: separate processes minutes apart disagree by tens of percent
+        # on a shared machine, so each depth's strategies also run side by side in one.
+        paired, rounds = [], 2 * repeats
+        for case in _paired_cells(cases) if not profile else []:
+            progress(f"[paired] {case.model} depth={case.depth}: {case.strategy.replace(',', ', ')}"
+                     f" in one process, {rounds} interleaved rounds of {steps} steps "
+                     f"({time.perf_counter() - started:.0f}s elapsed)")
+            paired.append(_measure_once(case, backend=backend, steps=steps, warmup=warmup,
+                                        device=device, float8=float8, timeout=timeout,
+                                        profile_dir=None, progress=progress,
+                                        isa_seed=isa_seed, paired_rounds=rounds))
     settings = {"backend": backend, "steps": steps, "warmup": warmup, "device": device,
                 "float8": float8, "repeats": repeats, "profiled": profile,
                 "cases": [asdict(c) for c in cases],
                 "order": [[rep, asdict(c)] for rep, c in order],
                 "duration_s": time.perf_counter() - started,
                 "load_start": load_start, "load_end": load_snapshot()}
-    return write_report(runs, out, settings=settings)
+    return write_report(runs, out, settings=settings, paired=paired)

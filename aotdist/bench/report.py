@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 
 from aotdist.bench.stats import (
@@ -151,11 +152,15 @@ def _markdown(report: dict) -> str:
             f"{c['aot_autograd']:.2f} | {c['inductor']:.2f} | {c['inductor_codegen']:.2f} | "
             f"{c['inductor_kernel_load_wait']:.2f} | {c['cpp_compiles']} | "
             f"{c['outside_compiler']:.2f} |")
+    lines += _paired_lines(report.get("paired") or [])
     lines += ["", "Ratios: computed per repeat from the two runs of that repeat (they ran side "
-              "by side); value = median of the per-repeat ratios [min-max].", "",
+              "by side); value = median of the per-repeat ratios [min-max]. Ratios marked "
+              "(paired) are per round of the paired runs above instead; their repeats column "
+              "counts rounds.", "",
               "| ratio | value [min-max] | repeats | median numerator / denominator |",
               "|---|---|---|---|"]
-    lines += [f"| {k} | {v['value']:.2f}x [{v['min']:.2f}-{v['max']:.2f}] | {v['repeats']} | "
+    lines += [f"| {k}{' (paired)' if v.get('source') == 'paired' else ''} | {v['value']:.2f}x "
+              f"[{v['min']:.2f}-{v['max']:.2f}] | {v['repeats']} | "
               f"{v['numerator']:.4g} / {v['denominator']:.4g} |"
               for k, v in report["ratios"].items()]
     lines += ["", "Targets (issue 16): met = every repeat meets the bound, missed = none does, "
@@ -170,6 +175,25 @@ def _markdown(report: dict) -> str:
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _paired_lines(paired: list[dict]) -> list[str]:
+    if not paired:
+        return []
+    lines = ["", "### Steady step side by side (paired runs)", "",
+             "One process per depth builds and compiles every strategy (same weights and "
+             "batch), then times them in interleaved rounds (each round: the timed steps of "
+             "every strategy, the order rotating). The steady-step targets use the per-round "
+             "ratios of these runs; the cells' own steady steps above come from processes "
+             "minutes apart.", "",
+             "| group | depth | rounds x steps | steady step (ms), median [min-max] of round "
+             "medians |", "|---|---|---|---|"]
+    for p in paired:
+        figs = ", ".join(f"{name} {statistics.median(v) * 1e3:.2f} [{min(v) * 1e3:.2f}-"
+                         f"{max(v) * 1e3:.2f}]" for name, v in p["slice_step_s"].items() if v)
+        lines.append(f"| {group_of(p)} | {p['depth']} | {p['slices']} x "
+                     f"{p['steps_per_slice']} | {figs} |")
+    return lines
 
 
 def _plot(results: list[dict], path: Path) -> bool:
@@ -213,13 +237,16 @@ def _plot(results: list[dict], path: Path) -> bool:
     return True
 
 
-def write_report(runs: list[dict], out: Path, *, settings: dict | None = None) -> dict:
+def write_report(runs: list[dict], out: Path, *, settings: dict | None = None,
+                 paired: list[dict] | None = None) -> dict:
     """Writes ``bench.json``, ``bench.md`` and ``bench.png`` under ``out``; prints the md.
 
     Args:
         runs: Every measurement, each tagged with its ``repeat`` (0 when missing).
         out: Output directory (created).
         settings: How the runs were made (backend, steps, repeats, load snapshots...).
+        paired: Runs of strategies side by side in one process (steady steps only); the
+            steady-step ratios come from them where present.
 
     Returns:
         The report: ``results`` (one entry per cell, medians and spreads), ``runs``,
@@ -227,9 +254,9 @@ def write_report(runs: list[dict], out: Path, *, settings: dict | None = None) -
     """
     out.mkdir(parents=True, exist_ok=True)
     results = summarize_cells(runs)
-    ratios = compute_ratios(runs)
+    ratios = compute_ratios(runs, paired)
     report = {"machine": machine_description(), "settings": dict(settings or {}),
-              "results": results, "runs": runs, "ratios": ratios,
+              "results": results, "runs": runs, "paired": list(paired or []), "ratios": ratios,
               "targets": evaluate_targets(results, ratios)}
     report["settings"].setdefault("duration_s", 0.0)
     for key, default in (("backend", "?"), ("device", "?"), ("float8", False), ("warmup", 0),

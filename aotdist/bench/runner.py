@@ -27,7 +27,7 @@ import warnings
 from aotdist.bench.memory import MemoryProbe
 from aotdist.bench.phases import PhaseTimer, profile_first_step, profile_steady_steps
 
-__all__ = ["measure", "main"]
+__all__ = ["measure", "measure_paired", "main"]
 
 RESULT_PREFIX = "AOTDIST_RESULT "
 PHASE_PREFIX = "AOTDIST_PHASE "
@@ -157,6 +157,52 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
     }
 
 
+def measure_paired(spec: dict, strategies: list[str], slices: int) -> dict:
+    """Steady steps of several strategies side by side in one process.
+
+    Each strategy gets its own model (the same seeded weights and batch), a cold step
+    and ``spec["warmup"]`` warm-up steps; then ``slices`` rounds each time
+    ``spec["steps"]`` steps of every strategy, the order rotating by one per round. A
+    ratio of two strategies' medians within one round compares steps taken seconds
+    apart in the same process, which separate processes minutes apart cannot do on a
+    shared machine.
+
+    Returns:
+        ``slice_step_s``: strategy -> the median step time of each round.
+    """
+    import torch
+
+    from aotdist.bench.models import build_bench_model, synthetic_batch
+    from aotdist.bench.strategies import Setup, get_strategy
+
+    device, steps = spec["device"], {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in strategies:
+            _phase(0, f"build {spec['model']} depth {spec['depth']}, apply {name}, compile")
+            torch.manual_seed(0)
+            model = build_bench_model(spec["model"], depth=spec["depth"]).to(device)
+            setup = Setup(backend=spec["backend"], fsdp=False, float8=spec["float8"])
+            run_model = get_strategy(name).apply(model, setup)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            x, y = synthetic_batch(spec["model"], model, batch=spec["batch"],
+                                   generator=torch.Generator().manual_seed(1000))
+            steps[name] = _step_fn(run_model, opt, x.to(device), y.to(device), device)
+            for _ in range(1 + spec["warmup"]):
+                steps[name]()
+        _phase(0, f"{slices} rounds of {spec['steps']} steps per strategy, interleaved")
+        medians: dict[str, list[float]] = {name: [] for name in strategies}
+        for k in range(slices):
+            shift = k % len(strategies)
+            for name in strategies[shift:] + strategies[:shift]:
+                medians[name].append(statistics.median(steps[name]()
+                                                       for _ in range(spec["steps"])))
+    return {"model": spec["model"], "depth": spec["depth"], "nproc": 1,
+            "backend": spec["backend"], "device": device, "strategies": list(strategies),
+            "slices": slices, "steps_per_slice": spec["steps"], "slice_step_s": medians,
+            "torch": torch.__version__}
+
+
 def _probe_cpu_isa(spec: dict, strategy) -> float:
     """Seconds of Inductor's CPU vector-ISA probes, run before the cold step (0.0 where
     they do not apply: no Inductor, no compile, not CPU).
@@ -256,11 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--float8", action="store_true")
     p.add_argument("--profile-dir", default=None)
     p.add_argument("--timeout", type=float, default=1200.0)
+    p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                   help="steady steps only: --strategy a,b,... side by side in one process, "
+                        "ROUNDS interleaved rounds of --steps steps each")
     a = p.parse_args(argv)
     spec = {"strategy": a.strategy, "model": a.model, "depth": a.depth, "backend": a.backend,
             "steps": a.steps, "warmup": a.warmup, "batch": a.batch, "device": a.device,
             "float8": a.float8, "profile_dir": a.profile_dir}
-    result = run(spec, nproc=a.nproc, timeout=a.timeout)
+    if a.paired:
+        result = measure_paired(spec, a.strategy.split(","), a.paired)
+    else:
+        result = run(spec, nproc=a.nproc, timeout=a.timeout)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 

@@ -136,7 +136,31 @@ def _ratios_one_repeat(rows: list[dict]) -> dict[str, tuple[float, float]]:
     return found
 
 
-def compute_ratios(runs: list[dict]) -> dict:
+def _paired_step_ratios(paired: list[dict]) -> dict:
+    """``step aotdist/<peer>`` ratios from runs of :func:`~aotdist.bench.runner.
+    measure_paired`: one per interleaved round, the two medians of that round."""
+    ratios = {}
+    for p in paired:
+        medians = p["slice_step_s"]
+        for peer in ("full", "accelerate"):
+            if not medians.get("aotdist") or not medians.get(peer):
+                continue
+            rows = [{"round": k, "numerator": a, "denominator": b, "value": a / b}
+                    for k, (a, b) in enumerate(zip(medians["aotdist"], medians[peer], strict=True))
+                    if b > 0]
+            if not rows:
+                continue
+            values = [r["value"] for r in rows]
+            name = f"{group_of(p)}: step aotdist/{peer} @depth{p['depth']}"
+            ratios[name] = {"value": statistics.median(values), "min": min(values),
+                            "max": max(values), "repeats": len(rows),
+                            "numerator": statistics.median(r["numerator"] for r in rows),
+                            "denominator": statistics.median(r["denominator"] for r in rows),
+                            "per_round": rows, "source": "paired"}
+    return ratios
+
+
+def compute_ratios(runs: list[dict], paired: list[dict] | None = None) -> dict:
     """Every ratio the report shows, computed per repeat from runs that ran side by side.
 
     Names are ``"<group>: <ratio>"``, e.g. ``"gpt: compile aotdist/full @depth32"``.
@@ -145,6 +169,10 @@ def compute_ratios(runs: list[dict]) -> dict:
     ``per_repeat`` (every repeat's numerator, denominator and quotient), so a reader
     (and the tests) can check each ratio was computed from measurements. Runs without a
     ``repeat`` key count as repeat 0.
+
+    With ``paired`` runs (strategies side by side in one process), the steady-step
+    ratios of aotdist over its peers come from their interleaved rounds instead
+    (``per_round``, ``source: "paired"``; ``repeats`` counts rounds).
     """
     by_repeat: dict[int, list[dict]] = {}
     for r in runs:
@@ -162,6 +190,7 @@ def compute_ratios(runs: list[dict]) -> dict:
                         "numerator": statistics.median(r["numerator"] for r in rows),
                         "denominator": statistics.median(r["denominator"] for r in rows),
                         "per_repeat": rows}
+    ratios.update(_paired_step_ratios(paired or []))
     return ratios
 
 

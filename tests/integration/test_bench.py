@@ -43,12 +43,10 @@ def test_bench_writes_report_with_measured_ratios(tmp_path):
     assert sharded["mode"] == "frames" and len(sharded["ranks"]) == 2
     assert sharded["steady_step_s"] == max(r["steady_step_s"] for r in sharded["ranks"])
 
-    ratios = report["ratios"]
+    ratios = dict(report["ratios"])
     expected = {
         "gpt: compile aotdist/full @depth2": (single["compile_s"],
                                               results[("full", 2, 1)]["compile_s"]),
-        "gpt: step aotdist/full @depth1": (results[("aotdist", 1, 1)]["steady_step_s"],
-                                           results[("full", 1, 1)]["steady_step_s"]),
         "gpt: compile growth full depth2/depth1": (results[("full", 2, 1)]["compile_s"],
                                                    results[("full", 1, 1)]["compile_s"]),
         "gpt fsdp2x2: memory aotdist/eager @depth2": (sharded["peak_mem_mib"],
@@ -59,12 +57,25 @@ def test_bench_writes_report_with_measured_ratios(tmp_path):
     measured = {v for r in results.values()
                 for v in (r["compile_s"], r["steady_step_s"], r["peak_mem_mib"])}
     measured |= {r["saved_activation_bytes"] for r in results.values()}
+    # Steady-step ratios: from the paired runs (one process per single-process depth, the
+    # strategies side by side in 2 rounds), one ratio per round.
+    paired = {p["depth"]: p for p in report["paired"]}
+    assert sorted(paired) == [1, 2] and all(p["slices"] == 2 for p in paired.values())
+    assert paired[1]["slice_step_s"].keys() == {"eager", "full", "aotdist"}
+    step = ratios.pop("gpt: step aotdist/full @depth1")
+    rounds = paired[1]["slice_step_s"]
+    assert step["source"] == "paired" and step["repeats"] == 2
+    assert [r["value"] for r in step["per_round"]] == pytest.approx(
+        [a / f for a, f in zip(rounds["aotdist"], rounds["full"], strict=True)])
+    assert "### Steady step side by side (paired runs)" in md
+    ratios.pop("gpt: step aotdist/full @depth2")
     for ratio in ratios.values():
+        assert ratio.get("source") != "paired"
         assert ratio["numerator"] in measured and ratio["denominator"] in measured
         assert ratio["value"] == pytest.approx(ratio["numerator"] / ratio["denominator"])
         assert ratio["min"] == ratio["max"] == ratio["value"]  # one repeat: no spread
     for target in report["targets"]:
-        assert target["value"] == ratios[target["ratio"]]["value"]
+        assert target["value"] == report["ratios"][target["ratio"]]["value"]
 
 
 def test_bench_quick_runs_end_to_end(tmp_path, capsys):

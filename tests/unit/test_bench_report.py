@@ -247,3 +247,44 @@ def test_graph_mode_fsdp_runs_beside_fsdp2_on_several_ranks():
     assert {c.strategy for c in two} == {"eager", "full", "accelerate", "aotdist", "aotdist-graph"}
     one = plan_cases(nprocs=[1], depths=[2])
     assert "aotdist-graph" not in {c.strategy for c in one}
+
+
+def test_paired_runs_give_the_steady_step_ratios_per_round(tmp_path):
+    """The step ratios of aotdist over its peers come from the paired runs (strategies
+    side by side in one process), one per interleaved round; the cross-process ones stay
+    for every other ratio."""
+    runs = [_cell_fields(r) for r in _three_repeats()]
+    paired = [{"model": "gpt", "depth": 32, "nproc": 1, "slices": 3, "steps_per_slice": 20,
+               "slice_step_s": {"full": [0.040, 0.020, 0.030], "aotdist": [0.036, 0.019, 0.033],
+                                "eager": [0.05, 0.05, 0.05]}}]
+    ratios = compute_ratios(runs, paired)
+    s = ratios["gpt: step aotdist/full @depth32"]
+    assert s["source"] == "paired" and s["repeats"] == 3
+    assert [r["value"] for r in s["per_round"]] == pytest.approx([0.9, 0.95, 1.1])
+    assert (s["value"], s["min"], s["max"]) == pytest.approx((0.95, 0.9, 1.1))
+    assert (s["numerator"], s["denominator"]) == pytest.approx((0.033, 0.030))
+    # depth 2 had no paired run: its step ratio is still per repeat across processes
+    assert "source" not in ratios["gpt: step aotdist/full @depth2"]
+    assert compute_ratios(runs)["gpt: step aotdist/full @depth32"]["value"] == pytest.approx(
+        0.75)
+    targets = {(t["target"], t["depth"]): t
+               for t in evaluate_targets(summarize_cells(runs), ratios)}
+    assert targets["steady step: aotdist <= 1.05x full", 32]["verdict"] == "noisy"
+    write_report(runs, tmp_path, settings={"repeats": 3}, paired=paired)
+    md = (tmp_path / "bench.md").read_text()
+    assert "| gpt | 32 | 3 x 20 | full 30.00 [20.00-40.00], aotdist 33.00 [19.00-36.00], " \
+           "eager 50.00 [50.00-50.00] |" in md
+    assert "| gpt: step aotdist/full @depth32 (paired) | 0.95x [0.90-1.10] | 3 |" in md
+    assert json.loads((tmp_path / "bench.json").read_text())["paired"] == paired
+
+
+def test_paired_cells_one_per_single_process_depth_with_aotdist_and_a_peer():
+    from aotdist.bench import _paired_cells
+
+    cases = plan_cases() + plan_cases(nprocs=[2], depths=[8])
+    cells = _paired_cells(cases)
+    assert [(c.model, c.depth, c.nproc) for c in cells] == [("gpt", 2, 1), ("gpt", 8, 1),
+                                                            ("gpt", 32, 1)]
+    assert cells[0].strategy.split(",") == ["eager", "full", "accelerate", "aotdist"]
+    assert _paired_cells(plan_cases(strategies=["aotdist", "eager"])) == []
+    assert _paired_cells([Case("gpt", 4, "aotdist+cache"), Case("gpt", 4, "full")]) == []
