@@ -55,7 +55,8 @@ class JobSettings:
 
 
 # The main job: 12 cells x 3 repeats, each run a fresh process (~18 s per run on a quiet
-# 2-core CPU with inductor, the ISA probes built once: about 11 minutes). GPT at depths 2,
+# 2-core CPU with inductor, the ISA probes built once: about 12 minutes, then the paired
+# runs, about 2.5: about 14 minutes). GPT at depths 2,
 # 8 and 32 carries every
 # goal of issue 16 measured in one process (step time at every depth, cold compile and
 # its growth to depth 32, saved-for-backward memory). Dropped from the default to make
