@@ -109,10 +109,11 @@ def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
         stderr.seek(0)
         tail = "\n".join((stderr.read() + "".join(lines)).splitlines()[-25:])
     why = "timed out and was killed" if proc.returncode == -9 else f"exit {proc.returncode}"
+    again = f" --paired {paired_rounds}" if paired_rounds else ""
     raise BenchError(f"measurement {_label(case)} failed ({why}); its last output:\n{tail}\n"
                      "Fix: run it alone with `python -m aotdist.bench.runner --strategy "
                      f"{case.strategy} --model {case.model} --depth {case.depth} --nproc "
-                     f"{case.nproc} --backend {backend}` to see the whole error.")
+                     f"{case.nproc} --backend {backend}{again}` to see the whole error.")
 
 
 def _seed_isa_probes(where: str, *, backend: str, device: str,
@@ -220,19 +221,26 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
             runs.append({**r, "repeat": rep})
         # Steady-step ratios: separate processes minutes apart disagree by tens of percent
         # on a shared machine, so each depth's strategies also run side by side in one.
-        paired, rounds = [], 2 * repeats
+        paired, failed, rounds = [], [], 2 * repeats
         for case in _paired_cells(cases) if not profile else []:
             progress(f"[paired] {case.model} depth={case.depth}: {case.strategy.replace(',', ', ')}"
                      f" in one process, {rounds} interleaved rounds of {steps} steps "
                      f"({time.perf_counter() - started:.0f}s elapsed)")
-            paired.append(_measure_once(case, backend=backend, steps=steps, warmup=warmup,
-                                        device=device, float8=float8, timeout=timeout,
-                                        profile_dir=None, progress=progress,
-                                        isa_seed=isa_seed, paired_rounds=rounds))
+            try:
+                paired.append(_measure_once(case, backend=backend, steps=steps,
+                                            warmup=warmup, device=device, float8=float8,
+                                            timeout=timeout, profile_dir=None,
+                                            progress=progress, isa_seed=isa_seed,
+                                            paired_rounds=rounds))
+            except BenchError as exc:  # the round robin's results stand without it
+                failed.append(f"depth {case.depth}: {str(exc).splitlines()[0]}")
+                progress(f"        paired run failed; the steady-step ratios at depth "
+                         f"{case.depth} stay across processes. {exc}")
     settings = {"backend": backend, "steps": steps, "warmup": warmup, "device": device,
                 "float8": float8, "repeats": repeats, "profiled": profile,
                 "cases": [asdict(c) for c in cases],
                 "order": [[rep, asdict(c)] for rep, c in order],
                 "duration_s": time.perf_counter() - started,
-                "load_start": load_start, "load_end": load_snapshot()}
+                "load_start": load_start, "load_end": load_snapshot(),
+                "paired_failures": failed}
     return write_report(runs, out, settings=settings, paired=paired)

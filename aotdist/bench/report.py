@@ -152,7 +152,7 @@ def _markdown(report: dict) -> str:
             f"{c['aot_autograd']:.2f} | {c['inductor']:.2f} | {c['inductor_codegen']:.2f} | "
             f"{c['inductor_kernel_load_wait']:.2f} | {c['cpp_compiles']} | "
             f"{c['outside_compiler']:.2f} |")
-    lines += _paired_lines(report.get("paired") or [])
+    lines += _paired_lines(report.get("paired") or [], settings.get("paired_failures") or [])
     lines += ["", "Ratios: computed per repeat from the two runs of that repeat (they ran side "
               "by side); value = median of the per-repeat ratios [min-max]. Ratios marked "
               "(paired) are per round of the paired runs above instead; their repeats column "
@@ -177,7 +177,10 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _paired_lines(paired: list[dict]) -> list[str]:
+def _paired_lines(paired: list[dict], failures: list[str]) -> list[str]:
+    if failures:
+        return ["", "Paired runs that failed (the steady-step ratios at their depths are "
+                "across processes): " + "; ".join(failures)] + _paired_lines(paired, [])
     if not paired:
         return []
     lines = ["", "### Steady step side by side (paired runs)", "",

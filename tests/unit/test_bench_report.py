@@ -288,3 +288,31 @@ def test_paired_cells_one_per_single_process_depth_with_aotdist_and_a_peer():
     assert cells[0].strategy.split(",") == ["eager", "full", "accelerate", "aotdist"]
     assert _paired_cells(plan_cases(strategies=["aotdist", "eager"])) == []
     assert _paired_cells([Case("gpt", 4, "aotdist+cache"), Case("gpt", 4, "full")]) == []
+
+
+def test_a_failed_paired_run_loses_nothing(tmp_path, monkeypatch):
+    """A paired run that fails leaves the round robin's results and report intact; its
+    depth's step ratio stays across processes, and the report says so."""
+    import aotdist.bench as bench
+    from aotdist.errors import BenchError
+
+    def fake_measure_once(case, *, paired_rounds=0, **kwargs):
+        if paired_rounds:
+            raise BenchError(f"measurement {case.strategy} failed (exit 1)")
+        step = {"full": 0.02, "aotdist": 0.03}.get(case.strategy, 0.05)
+        return _cell_fields({"strategy": case.strategy, "model": case.model,
+                             "depth": case.depth, "nproc": 1, "compile_s": 1.0,
+                             "steady_step_s": step, "saved_activation_bytes": 1024,
+                             "peak_mem_mib": 5.0})
+
+    monkeypatch.setattr(bench, "_measure_once", fake_measure_once)
+    lines: list[str] = []
+    cases = [Case("gpt", 2, s) for s in ("eager", "full", "aotdist")]
+    report = bench.run_bench(cases, backend="aot_eager", repeats=1, out=tmp_path,
+                             progress=lines.append)
+    assert any("paired run failed" in ln for ln in lines)
+    assert report["paired"] == [] and report["settings"]["paired_failures"] == [
+        "depth 2: measurement eager,full,aotdist failed (exit 1)"]
+    step = report["ratios"]["gpt: step aotdist/full @depth2"]
+    assert "source" not in step and step["value"] == pytest.approx(1.5)
+    assert "Paired runs that failed" in (tmp_path / "bench.md").read_text()
