@@ -74,6 +74,36 @@ def _saved_for_backward(model, run_model, opt, x, y) -> dict:
             "saved_bytes_total": saved.total_bytes, "saved_tensors": saved.saved_tensors}
 
 
+def _build(spec: dict, name: str, *, fsdp: bool = False) -> tuple:
+    """The seeded model (the same weights for every rank and strategy) and strategy
+    ``name`` applied to it: ``(strategy, model, module to call, strategy notes)``."""
+    import torch
+
+    from aotdist.bench.models import build_bench_model
+    from aotdist.bench.strategies import Setup, get_strategy
+
+    strategy = get_strategy(name)
+    torch.manual_seed(0)
+    model = build_bench_model(spec["model"], depth=spec["depth"]).to(spec["device"])
+    notes = strategy.notes(model) if strategy.notes else ""
+    setup = Setup(backend=spec["backend"], fsdp=fsdp, float8=spec["float8"])
+    return strategy, model, strategy.apply(model, setup), notes
+
+
+def _training(spec: dict, model, run_model, rank: int = 0) -> tuple:
+    """SGD, this rank's synthetic batch (on the device) and the timed step function:
+    ``(opt, x, y, step)``."""
+    import torch
+
+    from aotdist.bench.models import synthetic_batch
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    x, y = synthetic_batch(spec["model"], model, batch=spec["batch"], generator=g)
+    x, y = x.to(spec["device"]), y.to(spec["device"])
+    return opt, x, y, _step_fn(run_model, opt, x, y, spec["device"])
+
+
 def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
     """Builds the model, applies the strategy and times training steps.
 
@@ -90,24 +120,14 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
     import torch
 
     from aotdist import metrics
-    from aotdist.bench.models import build_bench_model, synthetic_batch
-    from aotdist.bench.strategies import Setup, get_strategy
 
-    strategy = get_strategy(spec["strategy"])
     device = spec["device"]
     _phase(rank, f"build {spec['model']} depth {spec['depth']}, apply {spec['strategy']}")
-    torch.manual_seed(0)  # every rank builds the same model
-    model = build_bench_model(spec["model"], depth=spec["depth"]).to(device)
-    setup = Setup(backend=spec["backend"], fsdp=world_size > 1, float8=spec["float8"])
-    notes = strategy.notes(model) if strategy.notes else ""
-    run_model = strategy.apply(model, setup)
+    strategy, model, run_model, notes = _build(spec, spec["strategy"], fsdp=world_size > 1)
     _import_compiler_stack()
     isa_probe_s = _probe_cpu_isa(spec, strategy)
     memory = MemoryProbe(device)  # baseline: after imports, model build and strategy
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
-    x, y = synthetic_batch(spec["model"], model, batch=spec["batch"], generator=g)
-    step = _step_fn(run_model, opt, x.to(device), y.to(device), device)
+    opt, x, y, step = _training(spec, model, run_model, rank)
     barrier = _barrier(world_size)
     tracked = model if spec["strategy"].startswith("aotdist") else None
     profile_dir = spec.get("profile_dir") if rank == 0 else None
@@ -129,7 +149,7 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
                 step()
             barrier()
             times = [step() for _ in range(spec["steps"])]
-            saved = _saved_for_backward(model, run_model, opt, x.to(device), y.to(device))
+            saved = _saved_for_backward(model, run_model, opt, x, y)
         if profile_dir:
             profile_steady_steps(step, profile_dir, label, phases)
     steady = statistics.median(times)
@@ -172,22 +192,13 @@ def measure_paired(spec: dict, strategies: list[str], slices: int) -> dict:
     """
     import torch
 
-    from aotdist.bench.models import build_bench_model, synthetic_batch
-    from aotdist.bench.strategies import Setup, get_strategy
-
     device, steps = spec["device"], {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in strategies:
             _phase(0, f"build {spec['model']} depth {spec['depth']}, apply {name}, compile")
-            torch.manual_seed(0)
-            model = build_bench_model(spec["model"], depth=spec["depth"]).to(device)
-            setup = Setup(backend=spec["backend"], fsdp=False, float8=spec["float8"])
-            run_model = get_strategy(name).apply(model, setup)
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            x, y = synthetic_batch(spec["model"], model, batch=spec["batch"],
-                                   generator=torch.Generator().manual_seed(1000))
-            steps[name] = _step_fn(run_model, opt, x.to(device), y.to(device), device)
+            _, model, run_model, _ = _build(spec, name)
+            steps[name] = _training(spec, model, run_model)[-1]
             for _ in range(1 + spec["warmup"]):
                 steps[name]()
         _phase(0, f"{slices} rounds of {spec['steps']} steps per strategy, interleaved")

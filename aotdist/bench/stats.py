@@ -148,16 +148,20 @@ def _paired_step_ratios(paired: list[dict]) -> dict:
             rows = [{"round": k, "numerator": a, "denominator": b, "value": a / b}
                     for k, (a, b) in enumerate(zip(medians["aotdist"], medians[peer], strict=True))
                     if b > 0]
-            if not rows:
-                continue
-            values = [r["value"] for r in rows]
-            name = f"{group_of(p)}: step aotdist/{peer} @depth{p['depth']}"
-            ratios[name] = {"value": statistics.median(values), "min": min(values),
-                            "max": max(values), "repeats": len(rows),
-                            "numerator": statistics.median(r["numerator"] for r in rows),
-                            "denominator": statistics.median(r["denominator"] for r in rows),
-                            "per_round": rows, "source": "paired"}
+            if rows:
+                name = f"{group_of(p)}: step aotdist/{peer} @depth{p['depth']}"
+                ratios[name] = {**_summary(rows), "per_round": rows, "source": "paired"}
     return ratios
+
+
+def _summary(rows: list[dict]) -> dict:
+    """Median and spread of per-repeat (or per-round) ratios, and the medians of their
+    numerators and denominators."""
+    values = [r["value"] for r in rows]
+    return {"value": statistics.median(values), "min": min(values), "max": max(values),
+            "repeats": len(rows),
+            "numerator": statistics.median(r["numerator"] for r in rows),
+            "denominator": statistics.median(r["denominator"] for r in rows)}
 
 
 def compute_ratios(runs: list[dict], paired: list[dict] | None = None) -> dict:
@@ -182,14 +186,7 @@ def compute_ratios(runs: list[dict], paired: list[dict] | None = None) -> dict:
         for name, (num, den) in _ratios_one_repeat(by_repeat[rep]).items():
             per_name.setdefault(name, []).append(
                 {"repeat": rep, "numerator": num, "denominator": den, "value": num / den})
-    ratios = {}
-    for name, rows in per_name.items():
-        values = [r["value"] for r in rows]
-        ratios[name] = {"value": statistics.median(values), "min": min(values),
-                        "max": max(values), "repeats": len(rows),
-                        "numerator": statistics.median(r["numerator"] for r in rows),
-                        "denominator": statistics.median(r["denominator"] for r in rows),
-                        "per_repeat": rows}
+    ratios = {name: {**_summary(rows), "per_repeat": rows} for name, rows in per_name.items()}
     ratios.update(_paired_step_ratios(paired or []))
     return ratios
 
