@@ -4,16 +4,23 @@ Importing aotdist does nothing but define names: torchao, lightning, accelerate 
 torchvision are imported where they are used.
 """
 
-from aotdist import cache
+from aotdist import cache, metrics
 from aotdist.capture import Capture, capture
 from aotdist.compile import compile_regions, restore
 from aotdist.config import AOTDistConfig
 from aotdist.errors import (
     AOTDistError,
+    BenchError,
+    CacheWarning,
     ConfigError,
     ConfigWarning,
+    DistributedTestError,
+    DistributedTimeoutError,
+    MissingDependencyError,
     OrderingError,
+    RegionCaptureError,
     RegionCompileWarning,
+    TorchFeatureUnavailable,
 )
 from aotdist.float8 import precompute_float8_scales
 from aotdist.parallelize import parallelize, parallelize_info
@@ -24,17 +31,25 @@ __all__ = [
     "__version__",
     "AOTDistConfig",
     "AOTDistError",
+    "BenchError",
+    "CacheWarning",
     "Capture",
     "ConfigError",
     "ConfigWarning",
+    "DistributedTestError",
+    "DistributedTimeoutError",
+    "MissingDependencyError",
     "OrderingError",
     "Region",
+    "RegionCaptureError",
     "RegionCompileWarning",
     "RegionPlan",
+    "TorchFeatureUnavailable",
     "cache",
     "capture",
     "compile_regions",
     "find_regions",
+    "metrics",
     "parallelize",
     "parallelize_info",
     "precompute_float8_scales",

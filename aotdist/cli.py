@@ -76,7 +76,7 @@ def _inspect(rank: int, world_size: int, opts: dict) -> str:
                             "fsdp_all_gather": opts["fsdp"] and fsdp_mode == "hooks"}
     plan = aotdist.find_regions(model)
     if opts["fsdp"] or opts["float8"]:
-        aotdist.parallelize(model, config)
+        aotdist.parallelize(model, config=config)
         plan = aotdist.parallelize_info(model).plan
     lines = [str(plan)]
     try:

@@ -14,7 +14,7 @@ import fnmatch
 import torch
 from torch import nn
 
-from aotdist._extras import require
+from aotdist._compat.extras import require
 from aotdist.config import Float8Config
 from aotdist.errors import ConfigError, RegionCompileWarning
 from aotdist.log import rank_zero_warn

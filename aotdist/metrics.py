@@ -30,11 +30,10 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from aotdist import _compat
-from aotdist.backends.recording import _GRAPH_LOG, GraphRecord
-from aotdist.modes import CompileMode
-from aotdist.state import STATE_ATTR
+from aotdist.backends.recording import GraphRecord, graph_log_cursor, records_since
+from aotdist.compile.state import STATE_ATTR, CompileMode
 
-__all__ = ["CompileMetrics", "RegionStats", "model_records", "track"]
+__all__ = ["CompileMetrics", "RegionStats", "Tracker", "model_records", "track"]
 
 
 @dataclass
@@ -139,6 +138,70 @@ _NEEDS = {
 }
 
 
+class Tracker:
+    """Collects :class:`CompileMetrics` between :meth:`start` and :meth:`stop`.
+
+    For integrations whose hooks open and close the window in different calls (the
+    Lightning callback, the Accelerate hook); :func:`track` is the ``with`` form.
+
+    Args:
+        model: A model compiled by :func:`aotdist.compile_regions`; its region reuse is
+            reported. Without it, region stats cover every aotdist model compiled.
+    """
+
+    def __init__(self, model: nn.Module | None = None):
+        self.model = model
+        self.metrics: CompileMetrics | None = None
+        self._before: tuple | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether :meth:`start` was called and :meth:`stop` not yet."""
+        return self._before is not None
+
+    def start(self) -> CompileMetrics:
+        """Opens the window; returns the :class:`CompileMetrics` :meth:`stop` fills in.
+
+        Raises:
+            RuntimeError: The window is already open.
+        """
+        if self._before is not None:
+            raise RuntimeError("Tracker.start() called twice; call stop() first")
+        self.metrics = CompileMetrics()
+        self._before = ({id(m) for m in _compat.compilation_metrics() or []},
+                        Counter(_compat.dynamo_counters("graph_break")),
+                        Counter(_compat.dynamo_counters("unimplemented")),
+                        graph_log_cursor(), time.perf_counter())
+        return self.metrics
+
+    def stop(self) -> CompileMetrics:
+        """Closes the window and fills in the metrics of what compiled inside it.
+
+        Raises:
+            RuntimeError: :meth:`start` was not called.
+        """
+        if self._before is None or self.metrics is None:
+            raise RuntimeError("Tracker.stop() called before start()")
+        before_ids, breaks_before, unsupported_before, cursor, start = self._before
+        self._before = None
+        metrics = self.metrics
+        metrics.wall_seconds = time.perf_counter() - start
+        records_now = _compat.compilation_metrics()
+        _fill_times(metrics, [m for m in records_now or [] if id(m) not in before_ids])
+        _mark_unavailable(metrics, None if records_now is None
+                          else _compat.compilation_metric_fields())
+        breaks = Counter(_compat.dynamo_counters("graph_break")) - breaks_before
+        metrics.graph_breaks = dict(breaks)
+        metrics.unsupported = dict(Counter(_compat.dynamo_counters("unimplemented"))
+                                   - unsupported_before)
+        records = records_since(cursor)
+        if self.model is not None:
+            records = [r for r in records if r.model_id == id(self.model)]
+        metrics.graphs = len(records)
+        _fill_regions(metrics, self.model, records)
+        return metrics
+
+
 @contextlib.contextmanager
 def track(model: nn.Module | None = None) -> Iterator[CompileMetrics]:
     """Collects :class:`CompileMetrics` for the compiles that happen inside the block.
@@ -150,32 +213,12 @@ def track(model: nn.Module | None = None) -> Iterator[CompileMetrics]:
     Yields:
         A :class:`CompileMetrics`, filled in when the block exits.
     """
-    before_ids = {id(m) for m in _compat.compilation_metrics() or []}
-    breaks_before = Counter(_compat.dynamo_counters("graph_break"))
-    unsupported_before = Counter(_compat.dynamo_counters("unimplemented"))
-    log_start = len(_GRAPH_LOG)
-    log_tail = _GRAPH_LOG[-1] if _GRAPH_LOG else None
-    metrics = CompileMetrics()
-    start = time.perf_counter()
+    tracker = Tracker(model)
+    metrics = tracker.start()
     try:
         yield metrics
     finally:
-        metrics.wall_seconds = time.perf_counter() - start
-        records_now = _compat.compilation_metrics()
-        _fill_times(metrics, [m for m in records_now or [] if id(m) not in before_ids])
-        _mark_unavailable(metrics, None if records_now is None
-                          else _compat.compilation_metric_fields())
-        breaks = Counter(_compat.dynamo_counters("graph_break")) - breaks_before
-        metrics.graph_breaks = dict(breaks)
-        metrics.unsupported = dict(Counter(_compat.dynamo_counters("unimplemented"))
-                                   - unsupported_before)
-        if log_tail is not None and log_tail in _GRAPH_LOG:
-            log_start = _GRAPH_LOG.index(log_tail) + 1
-        records = _GRAPH_LOG[log_start:]
-        if model is not None:
-            records = [r for r in records if r.model_id == id(model)]
-        metrics.graphs = len(records)
-        _fill_regions(metrics, model, records)
+        tracker.stop()
 
 
 def _fill_times(metrics: CompileMetrics, entries: list) -> None:

@@ -9,18 +9,19 @@ from typing import Any
 
 from torch import nn
 
+from aotdist._compat.deprecation import positional_after_first_deprecated
 from aotdist.backends.named import graph_fsdp_backend
 from aotdist.cache import load as load_cache
 from aotdist.compile import check_not_compiled, compile_regions
+from aotdist.compile.marking import mark_regions
+from aotdist.compile.state import INFO_ATTR, STATE_ATTR
 from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigWarning, OrderingError
 from aotdist.float8 import convert_to_float8, warn_unverified_combination
 from aotdist.fsdp import check_not_sharded, default_mesh, shard
-from aotdist.graph_fsdp import check_graph_config, graph_plan, shard_graph, sharded_call
+from aotdist.fsdp.graph import check_graph_config, graph_plan, shard_graph, sharded_call
 from aotdist.log import get_logger, rank_zero_warn
-from aotdist.marking import mark_regions
 from aotdist.regions import RegionPlan, find_regions
-from aotdist.state import INFO_ATTR, STATE_ATTR
 
 __all__ = ["INFO_ATTR", "ParallelizeInfo", "parallelize", "parallelize_info"]
 
@@ -46,7 +47,9 @@ class ParallelizeInfo:
     mesh: Any = None
 
 
-def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.PathLike | None = None,
+@positional_after_first_deprecated
+def parallelize(model: nn.Module, *,
+                config: AOTDistConfig | Mapping | str | os.PathLike | None = None,
                 mesh: Any = None) -> nn.Module:
     """Applies Float8, activation checkpointing, region marking, FSDP2 and compile in order.
 
@@ -107,7 +110,7 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
     # 4. fully_shard each region instance, then the root: one all-gather per instance,
     #    issued as it runs; the root unit holds what is outside the regions.
     #    Graph mode (fsdp.mode: graph) instead shards every parameter as a DTensor itself;
-    #    the collectives then live in the compiled graph (aotdist.graph_fsdp).
+    #    the collectives then live in the compiled graph (aotdist.fsdp.graph).
     if graph_fsdp:
         sharded = shard_graph(model, config, mesh)
     else:
@@ -123,7 +126,7 @@ def parallelize(model: nn.Module, config: AOTDistConfig | Mapping | str | os.Pat
             backend, options = graph_fsdp_backend(
                 backend, options, bucket_mb=config.fsdp.bucket_mb,
                 overlap=config.fsdp.overlap, device_type=mesh.device_type)
-        compile_regions(model, plan, backend=backend, mode=cc.mode, dynamic=cc.dynamic,
+        compile_regions(model, plan=plan, backend=backend, mode=cc.mode, dynamic=cc.dynamic,
                         options=options)
     if graph_fsdp:  # outermost, eager: local shards in the modules for each forward
         sharded_call(model, config)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from aotdist._compat.deprecation import positional_after_first_deprecated
 from aotdist.errors import ConfigError
 
 __all__ = ["Region", "RegionPlan", "find_regions", "structural_signature"]
@@ -270,8 +271,10 @@ def _unknown_pattern_error(key: str, unknown: list[str], modules: list[tuple[str
     )
 
 
+@positional_after_first_deprecated
 def find_regions(
     model: nn.Module,
+    *,
     include: str | Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = None,
     min_repeats: int = 2,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from aotdist._extras import require
+from aotdist._compat.extras import require
 
 __all__ = ["RegionalCompile", "RegionalCompileHook", "prepare"]
 

@@ -11,16 +11,30 @@ from typing import Any
 
 from torch import nn
 
+from aotdist._compat.enums import StrEnum
 from aotdist.compile import compile_regions
+from aotdist.compile.state import INFO_ATTR, STATE_ATTR
 from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fsdp import fsdp_modules
-from aotdist.modes import ApplyHow
 from aotdist.parallelize import parallelize, parallelize_info
 from aotdist.regions import RegionPlan, find_regions
-from aotdist.state import INFO_ATTR, STATE_ATTR
 
-__all__ = ["Applied", "apply_aotdist", "merge_config"]
+__all__ = ["Applied", "ApplyHow", "apply_aotdist", "merge_config"]
+
+
+class ApplyHow(StrEnum):
+    """How the Lightning callback / Accelerate hook applied aotdist to a model.
+
+    Attributes:
+        PARALLELIZE: aotdist applied ``aotdist.parallelize``.
+        USER: The user had applied aotdist already; left as it is.
+        COMPILE_IN_USER_FSDP: The user sharded with FSDP2; aotdist compiled inside the units.
+    """
+
+    PARALLELIZE = "parallelize"
+    USER = "user"
+    COMPILE_IN_USER_FSDP = "compile_in_user_fsdp"
 
 
 def merge_config(config: AOTDistConfig | Mapping | str | os.PathLike | None, *,
@@ -53,7 +67,7 @@ class Applied:
         target: The module aotdist compiled (the child of the root holding every region
             instance, or the root itself).
         target_fqn: Its FQN in the root (``""`` for the root).
-        how: An :class:`~aotdist.modes.ApplyHow`: ``parallelize`` (aotdist applied it),
+        how: An :class:`~aotdist.callbacks._common.ApplyHow`: ``parallelize`` (aotdist applied it),
             ``user`` (the user had called ``aotdist.parallelize``/``compile_regions``: left
             as it is) or ``compile_in_user_fsdp`` (the user sharded; aotdist compiled inside).
         config: The config in effect.
@@ -131,15 +145,15 @@ def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
             raise OrderingError(
                 f"{what}: the model was already sharded with fully_shard ({sharded[:3]}), but "
                 "fsdp/float8 are enabled: Float8 conversion and region marking must come "
-                "before sharding. Fix: call aotdist.parallelize(model, config) where you "
+                "before sharding. Fix: call aotdist.parallelize(model, config=config) where you "
                 "shard now (e.g. in configure_model) instead of fully_shard."
             )
         if config.compile.enabled:
             cc = config.compile
-            compile_regions(target, find_regions(target, include=exact["include"]),
+            compile_regions(target, plan=find_regions(target, include=exact["include"]),
                             backend=cc.backend, mode=cc.mode, dynamic=cc.dynamic,
                             options=cc.options)
         return Applied(target, fqn, ApplyHow.COMPILE_IN_USER_FSDP, config)
     effective = config.replace(regions=exact)
-    parallelize(target, effective, mesh=mesh if config.fsdp.enabled else None)
+    parallelize(target, config=effective, mesh=mesh if config.fsdp.enabled else None)
     return Applied(target, fqn, ApplyHow.PARALLELIZE, effective)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from accelerate.hooks import ModelHook
-from aotdist.callbacks._common import Applied, apply_aotdist, merge_config
+from aotdist.callbacks._common import Applied, ApplyHow, apply_aotdist, merge_config
 from torch import nn
 
 from aotdist import _compat, cache, metrics
@@ -34,7 +34,6 @@ from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
 from aotdist.fsdp import fsdp_modules, is_fsdp_module
-from aotdist.modes import ApplyHow
 
 __all__ = ["RegionalCompileHook", "prepare"]
 
@@ -93,7 +92,7 @@ class RegionalCompileHook(ModelHook):
             )
         self.applied: Applied | None = None
         self.metrics: metrics.CompileMetrics | None = None
-        self._window: Any = None
+        self._window: metrics.Tracker | None = None
         self._frames = False
         self._plain_forward: Any = None
 
@@ -135,13 +134,13 @@ class RegionalCompileHook(ModelHook):
                 "add_hook_to_module(prepared_model, RegionalCompileHook(...))."
             )
         if self._frames and self.metrics is None and self._window is None:
-            self._window = metrics.track(self.applied.target)  # frames mode: record eagerly
-            self.metrics = self._window.__enter__()
+            self._window = metrics.Tracker(self.applied.target)  # frames mode: record eagerly
+            self.metrics = self._window.start()
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output):
         if self._window is not None:
-            self._window.__exit__(None, None, None)
+            self._window.stop()
             self._window = None
         return output
 

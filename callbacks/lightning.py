@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-from aotdist.callbacks._common import Applied, apply_aotdist, merge_config
+from aotdist.callbacks._common import Applied, ApplyHow, apply_aotdist, merge_config
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -24,7 +24,6 @@ from aotdist import cache, metrics
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError
 from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
-from aotdist.modes import ApplyHow
 
 __all__ = ["RegionalCompile"]
 
@@ -66,8 +65,7 @@ class RegionalCompile(Callback):
                                                   backend=backend, mode=mode)
         self.log_metrics = log_metrics
         self.applied: Applied | None = None
-        self._window: Any = None  # metrics.track context manager in progress
-        self._window_metrics: metrics.CompileMetrics | None = None
+        self._window: metrics.Tracker | None = None  # the metrics window in progress
         self._first_batch_done = False
         self._last_step = -1
         self._cache_saved = False
@@ -166,14 +164,13 @@ class RegionalCompile(Callback):
 
     def _open_window(self) -> None:
         target = self.applied.target if self.applied is not None else None
-        self._window = metrics.track(target)
-        self._window_metrics = self._window.__enter__()
+        self._window = metrics.Tracker(target)
+        self._window.start()
 
     def _close_window(self) -> metrics.CompileMetrics | None:
         if self._window is None:
             return None
-        self._window.__exit__(None, None, None)
-        out, self._window, self._window_metrics = self._window_metrics, None, None
+        out, self._window = self._window.stop(), None
         return out
 
     def _log(self, trainer: pl.Trainer, m: metrics.CompileMetrics | None, *,

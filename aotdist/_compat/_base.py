@@ -14,7 +14,7 @@ __all__ = ["CHECKED_ON"]
 CHECKED_ON = ("2.11", "2.15")
 
 
-def _unavailable(what: str, exc: BaseException | None = None) -> TorchFeatureUnavailable:
+def unavailable(what: str, exc: BaseException | None = None) -> TorchFeatureUnavailable:
     why = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
     return TorchFeatureUnavailable(
         f"{what} is not available in torch {torch.__version__}{why}; aotdist was checked on "
@@ -22,7 +22,7 @@ def _unavailable(what: str, exc: BaseException | None = None) -> TorchFeatureUna
     )
 
 
-def _attr(module: str, name: str) -> Any | None:
+def attr(module: str, name: str) -> Any | None:
     """``module.name`` if both exist, else ``None``."""
     try:
         return getattr(importlib.import_module(module), name, None)

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from aotdist._compat._base import _attr, _unavailable
+from aotdist._compat._base import attr, unavailable
 
 __all__ = [
     "cpp_code_cache_keys",
@@ -59,9 +59,9 @@ def default_store() -> Any:
     Raises:
         TorchFeatureUnavailable: It is missing.
     """
-    fn = _attr("torch.distributed.distributed_c10d", "_get_default_store")
+    fn = attr("torch.distributed.distributed_c10d", "_get_default_store")
     if fn is None:
-        raise _unavailable("torch.distributed.distributed_c10d._get_default_store")
+        raise unavailable("torch.distributed.distributed_c10d._get_default_store")
     return fn()
 
 
@@ -76,9 +76,9 @@ def inductor_cache_dir() -> str:
     Raises:
         TorchFeatureUnavailable: It is missing.
     """
-    fn = _attr("torch._inductor.runtime.cache_dir_utils", "cache_dir")
+    fn = attr("torch._inductor.runtime.cache_dir_utils", "cache_dir")
     if fn is None:
-        raise _unavailable("torch._inductor.runtime.cache_dir_utils.cache_dir")
+        raise unavailable("torch._inductor.runtime.cache_dir_utils.cache_dir")
     return fn()
 
 
@@ -86,7 +86,7 @@ def cpp_code_cache_keys() -> set[str] | None:
     """Keys of the C++ kernels this process compiled or loaded: the ``cache`` dicts of
     ``torch._inductor.codecache.CppCodeCache`` and its subclasses; a key's files are
     ``<cache_dir>/<key[1:3]>/<key>*`` (torch 2.11, 2.15). ``None`` when missing."""
-    root = _attr("torch._inductor.codecache", "CppCodeCache")
+    root = attr("torch._inductor.codecache", "CppCodeCache")
     if root is None:
         return None
     keys: set[str] = set()
@@ -142,7 +142,7 @@ def merge_mega_cache(saved: bytes) -> bytes:
             _serialize_single_cache,
         )
     except ImportError as exc:
-        raise _unavailable("torch.compiler._cache serializers", exc) from exc
+        raise unavailable("torch.compiler._cache serializers", exc) from exc
     CacheArtifactManager._ensure_cache_artifacts_registered()
     merged: dict[str, list] = {}
     for kind, artifacts in AppendingByteSerializer.to_list(
@@ -164,10 +164,10 @@ def wrap_fx_graph_cache(wrap_lookup: Callable[[Callable], Callable],
     Raises:
         TorchFeatureUnavailable: The class or those static methods are missing.
     """
-    cls = _attr("torch._inductor.codecache", "FxGraphCache")
+    cls = attr("torch._inductor.codecache", "FxGraphCache")
     names = ("load_with_key", "_save_graph")
     if cls is None or not all(n in vars(cls) for n in names):
-        raise _unavailable("FxGraphCache.load_with_key / _save_graph")
+        raise unavailable("FxGraphCache.load_with_key / _save_graph")
     originals = {n: vars(cls)[n] for n in names}
     cls.load_with_key = staticmethod(wrap_lookup(cls.load_with_key))
     if wrap_save is not None:

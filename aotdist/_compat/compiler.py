@@ -17,7 +17,7 @@ try:  # graph-mode FSDP's traceable collectives (see functional_collectives)
 except ImportError:  # a torch built without distributed support
     _funcol = None
 
-from aotdist._compat._base import _attr, _unavailable
+from aotdist._compat._base import attr, unavailable
 
 __all__ = [
     "aot_eager_parts",
@@ -87,7 +87,7 @@ def functional_collectives():
     ``reduce_scatter_tensor`` only: callers probe for either. Imported with this module,
     not here: Dynamo cannot trace ``importlib`` inside the graph that calls this."""
     if _funcol is None:
-        raise _unavailable("torch.distributed._functional_collectives (a torch built with "
+        raise unavailable("torch.distributed._functional_collectives (a torch built with "
                      "distributed support)")
     return _funcol
 
@@ -117,7 +117,7 @@ def set_compiled_call(model: nn.Module, fn: Callable | None) -> None:
         TorchFeatureUnavailable: ``nn.Module`` has no ``_compiled_call_impl`` slot.
     """
     if not hasattr(model, "_compiled_call_impl"):
-        raise _unavailable("nn.Module._compiled_call_impl (in-place compile)")
+        raise unavailable("nn.Module._compiled_call_impl (in-place compile)")
     model._compiled_call_impl = fn
 
 
@@ -127,7 +127,7 @@ def set_compiled_call(model: nn.Module, fn: Callable | None) -> None:
 
 def optimized_module_type() -> type | None:
     """``torch._dynamo.eval_frame.OptimizedModule`` (torch 2.11, 2.15), or ``None``."""
-    return _attr("torch._dynamo.eval_frame", "OptimizedModule")
+    return attr("torch._dynamo.eval_frame", "OptimizedModule")
 
 
 def lookup_backend(name: str) -> Callable:
@@ -136,9 +136,9 @@ def lookup_backend(name: str) -> Callable:
     Raises:
         TorchFeatureUnavailable: The lookup function is missing.
     """
-    fn = _attr("torch._dynamo", "lookup_backend")
+    fn = attr("torch._dynamo", "lookup_backend")
     if fn is None:
-        raise _unavailable("torch._dynamo.lookup_backend")
+        raise unavailable("torch._dynamo.lookup_backend")
     return fn(name)
 
 
@@ -151,7 +151,7 @@ def inductor_wrapper(mode: str | None, options: dict | None, dynamic: bool | Non
     """
     cls = getattr(torch, "_TorchCompileInductorWrapper", None)
     if cls is None:
-        raise _unavailable("torch._TorchCompileInductorWrapper")
+        raise unavailable("torch._TorchCompileInductorWrapper")
     return cls(mode, options, dynamic)
 
 
@@ -164,20 +164,20 @@ def named_backend_wrapper(backend: str, mode: str | None, options: dict | None,
     """
     cls = getattr(torch, "_TorchCompileWrapper", None)
     if cls is None:
-        raise _unavailable("torch._TorchCompileWrapper")
+        raise unavailable("torch._TorchCompileWrapper")
     return cls(backend, mode, options, dynamic)
 
 
 def higher_order_operator_type() -> type | None:
     """``torch._ops.HigherOrderOperator`` (torch 2.11, 2.15), or ``None``."""
-    return _attr("torch._ops", "HigherOrderOperator")
+    return attr("torch._ops", "HigherOrderOperator")
 
 
 def current_frame_locals() -> dict | None:
     """The locals of the frame Dynamo is compiling now
     (``InstructionTranslator.current_tx().f_locals``, torch 2.11, 2.15); ``None`` outside
     a frame compile or when the internal is missing."""
-    translator = _attr("torch._dynamo.symbolic_convert", "InstructionTranslator")
+    translator = attr("torch._dynamo.symbolic_convert", "InstructionTranslator")
     try:
         return translator.current_tx().f_locals
     except Exception:  # noqa: BLE001 - not inside a Dynamo frame compile, or renamed
@@ -187,7 +187,7 @@ def current_frame_locals() -> dict | None:
 def compilation_metrics() -> list | None:
     """``torch._dynamo.utils.get_compilation_metrics()`` records (torch 2.11, 2.15), or
     ``None`` when that function is missing."""
-    fn = _attr("torch._dynamo.utils", "get_compilation_metrics")
+    fn = attr("torch._dynamo.utils", "get_compilation_metrics")
     return None if fn is None else list(fn())
 
 
@@ -197,7 +197,7 @@ def compilation_metric_fields() -> frozenset[str] | None:
     ``inductor_`` and ``backward_cumulative_compile_time_us``, ``is_forward``,
     ``recompile_reason``, ``fail_type`` and ``fail_reason`` (all present in torch 2.11 and
     2.15); a figure whose field is missing is reported as unavailable, never as 0."""
-    cls = _attr("torch._dynamo.utils", "CompilationMetrics")
+    cls = attr("torch._dynamo.utils", "CompilationMetrics")
     fields = getattr(cls, "__dataclass_fields__", None)
     return frozenset(fields) if fields is not None else None
 
@@ -205,14 +205,14 @@ def compilation_metric_fields() -> frozenset[str] | None:
 def dynamo_counters(kind: str) -> dict[str, int]:
     """A copy of ``torch._dynamo.utils.counters[kind]`` (``graph_break``,
     ``unimplemented``; torch 2.11, 2.15); empty when the counters are missing."""
-    counters = _attr("torch._dynamo.utils", "counters")
+    counters = attr("torch._dynamo.utils", "counters")
     return dict(counters[kind]) if counters is not None else {}
 
 
 def compilation_time_metrics() -> dict | None:
     """``torch._dynamo.utils.compilation_time_metrics`` (phase name -> seconds list;
     torch 2.11, 2.15), or ``None``."""
-    return _attr("torch._dynamo.utils", "compilation_time_metrics")
+    return attr("torch._dynamo.utils", "compilation_time_metrics")
 
 
 def import_compiler_stack() -> None:
@@ -228,7 +228,7 @@ def probe_cpu_isa() -> bool:
     pick_vec_isa``, torch 2.11, 2.15): a few small C++ builds and loads, once per process
     and Inductor cache dir, which the first CPU kernel would otherwise run. Returns
     whether this torch has the probe function."""
-    fn = _attr("torch._inductor.cpu_vec_isa", "pick_vec_isa")
+    fn = attr("torch._inductor.cpu_vec_isa", "pick_vec_isa")
     if fn is None:
         return False
     fn()
@@ -246,14 +246,14 @@ def dynamo_config_patch(**changes: Any) -> contextlib.AbstractContextManager:
 def tracing_context() -> Any | None:
     """``torch._guards.TracingContext.try_get()``: the AOTAutograd tracing context of the
     graph being compiled (torch 2.11, 2.15), or ``None``."""
-    cls = _attr("torch._guards", "TracingContext")
+    cls = attr("torch._guards", "TracingContext")
     return cls.try_get() if cls is not None else None
 
 
 def is_traceable_wrapper_subclass(t: Any) -> bool:
     """Whether ``t`` is a traceable tensor subclass (``__tensor_flatten__``; torch 2.11,
     2.15). Probes the protocol if the helper is missing."""
-    fn = _attr("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
+    fn = attr("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
     if fn is not None:
         return fn(t)
     return isinstance(t, torch.Tensor) and hasattr(t, "__tensor_flatten__")
@@ -277,10 +277,10 @@ def aot_eager_parts() -> tuple[Callable, Callable]:
     Raises:
         TorchFeatureUnavailable: Either is missing.
     """
-    aot_eager = _attr("torch._dynamo.backends.debugging", "aot_eager")
-    boxed_nop = _attr("torch._dynamo.backends.debugging", "boxed_nop")
+    aot_eager = attr("torch._dynamo.backends.debugging", "aot_eager")
+    boxed_nop = attr("torch._dynamo.backends.debugging", "boxed_nop")
     if aot_eager is None or boxed_nop is None:
-        raise _unavailable("torch._dynamo.backends.debugging.aot_eager / boxed_nop")
+        raise unavailable("torch._dynamo.backends.debugging.aot_eager / boxed_nop")
     return aot_eager, boxed_nop
 
 
@@ -290,9 +290,9 @@ def custom_graph_pass_base() -> type:
     Raises:
         TorchFeatureUnavailable: It is missing.
     """
-    cls = _attr("torch._inductor.custom_graph_pass", "CustomGraphPass")
+    cls = attr("torch._inductor.custom_graph_pass", "CustomGraphPass")
     if cls is None:
-        raise _unavailable("torch._inductor.custom_graph_pass.CustomGraphPass")
+        raise unavailable("torch._inductor.custom_graph_pass.CustomGraphPass")
     return cls
 
 
@@ -319,7 +319,7 @@ def inductor_takes_pass_lists() -> bool:
     """Whether Inductor's custom-pass slots take a list of passes
     (``torch._inductor.custom_graph_pass.get_custom_graph_passes``: torch 2.15; absent in
     2.11)."""
-    return _attr("torch._inductor.custom_graph_pass", "get_custom_graph_passes") is not None
+    return attr("torch._inductor.custom_graph_pass", "get_custom_graph_passes") is not None
 
 
 def inductor_disable_buffer_reuse() -> None:
@@ -340,7 +340,7 @@ def inductor_config_keys() -> frozenset[str]:
     config = importlib.import_module("torch._inductor.config")
     table = getattr(config, "_config", None)
     if not isinstance(table, dict):
-        raise _unavailable("torch._inductor.config._config")
+        raise unavailable("torch._inductor.config._config")
     return frozenset(table)
 
 
@@ -359,7 +359,7 @@ def fx_bucketing() -> Any:
     names = ("bucket_all_gather_by_mb", "merge_all_gather", "bucket_reduce_scatter_by_mb",
              "merge_reduce_scatter")
     if mod is None or not all(hasattr(mod, n) for n in names):
-        raise _unavailable("torch._inductor.fx_passes.bucketing." + " / ".join(names))
+        raise unavailable("torch._inductor.fx_passes.bucketing." + " / ".join(names))
     return mod
 
 
@@ -369,9 +369,9 @@ def stable_topological_sort(graph: torch.fx.Graph) -> None:
     Raises:
         TorchFeatureUnavailable: It is missing.
     """
-    fn = _attr("torch._inductor.pattern_matcher", "stable_topological_sort")
+    fn = attr("torch._inductor.pattern_matcher", "stable_topological_sort")
     if fn is None:
-        raise _unavailable("torch._inductor.pattern_matcher.stable_topological_sort")
+        raise unavailable("torch._inductor.pattern_matcher.stable_topological_sort")
     fn(graph)
 
 
@@ -383,8 +383,8 @@ def inductor_compile_fx() -> tuple[Callable, Callable]:
     Raises:
         TorchFeatureUnavailable: Either is missing.
     """
-    outer = _attr("torch._inductor.compile_fx", "compile_fx")
-    inner = _attr("torch._inductor.compile_fx", "compile_fx_inner")
+    outer = attr("torch._inductor.compile_fx", "compile_fx")
+    inner = attr("torch._inductor.compile_fx", "compile_fx_inner")
     if outer is None or inner is None:
-        raise _unavailable("torch._inductor.compile_fx.compile_fx / compile_fx_inner")
+        raise unavailable("torch._inductor.compile_fx.compile_fx / compile_fx_inner")
     return outer, inner

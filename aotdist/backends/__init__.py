@@ -8,6 +8,6 @@
 - :mod:`aotdist.backends.recording`: :class:`RecordingBackend`, which sees every graph
   Dynamo hands over, records region reuse, routes storage-resizing graphs to the repaired
   backend and turns a region's backend failure into ``RegionCaptureError``.
-- :mod:`aotdist.backends.recovery`: the compiled call that fixes (clones aliasing outputs)
+- :mod:`aotdist.compile.guard`: the compiled call that fixes (clones aliasing outputs)
   or demotes a region whose capture failed, reading torch's error to find which.
 """

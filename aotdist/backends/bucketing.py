@@ -1,6 +1,6 @@
 """Bucketing of graph-mode FSDP's collectives (``fsdp.bucket_mb``).
 
-Graph mode (:mod:`aotdist.graph_fsdp`) gathers every parameter with its own functional
+Graph mode (:mod:`aotdist.fsdp.graph`) gathers every parameter with its own functional
 all-gather and reduce-scatters every gradient on its own: a GPT block issues 12
 all-gathers forward (12 again in backward under ``reshard_after_forward``) and 12
 reduce-scatters. :func:`bucket_collectives` merges them, per graph, into few collectives

@@ -19,7 +19,7 @@ from aotdist.backends.reuse import is_reuse_pass, reuse_pass
 from aotdist.errors import ConfigError, ConfigWarning, RegionCompileWarning
 from aotdist.log import rank_zero_warn
 
-__all__ = ["_make_backend", "graph_fsdp_backend", "inductor_buffer_reuse_is_unsafe",
+__all__ = ["make_backend", "graph_fsdp_backend", "inductor_buffer_reuse_is_unsafe",
            "inductor_options", "overlap_options"]
 
 
@@ -164,7 +164,7 @@ def inductor_options(options: dict | None = None, *, warn: bool = True,
     unless ``options`` turns it off.
 
     The one place that decides them: :func:`aotdist.compile_regions` (through
-    ``_make_backend``), ``aotdist.capture(..., backend="inductor")`` (through
+    ``make_backend``), ``aotdist.capture(..., backend="inductor")`` (through
     :func:`aotdist.backends.aot.aot_backend`, which passes options already completed
     here: completing them again changes nothing), graph-mode FSDP (through
     :func:`graph_fsdp_backend`), and so the cache and the bench's aotdist strategies,
@@ -246,7 +246,7 @@ def graph_fsdp_backend(backend: str | Callable, options: dict | None, *,
     return backend, options
 
 
-def _make_backend(backend: str | Callable, mode: str | None, options: dict | None,
+def make_backend(backend: str | Callable, mode: str | None, options: dict | None,
                   dynamic: bool | None) -> Callable:
     if backend == "inductor":
         # Scoped to this model's compiles: the wrapper applies options as config patches.

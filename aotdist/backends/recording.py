@@ -10,7 +10,7 @@ It also decides two things about correctness:
   repaired AOTAutograd backend (:mod:`aotdist.backends.aot`), or run eagerly with a
   warning when the backend cannot be rebuilt;
 - a backend failure on a region's ``invoke_subgraph`` becomes a ``RegionCaptureError``
-  naming the regions, so the compiled call (:mod:`aotdist.backends.recovery`) can fix or
+  naming the regions, so the compiled call (:mod:`aotdist.compile.guard`) can fix or
   demote exactly those.
 
 A graph that calls a region's subgraph, or is a region's own frame, is compiled with
@@ -44,11 +44,32 @@ from aotdist.backends.aot import aot_backend, storage_resized_inputs
 from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_chain
 from aotdist.log import rank_zero_warn
 
-__all__ = ["GraphRecord", "RecordingBackend", "module_path_to_fqn"]
+__all__ = ["GraphRecord", "RecordingBackend", "graph_log_cursor", "module_path_to_fqn",
+           "records_since"]
 
-# Every RecordingBackend appends here, so track() can see graphs compiled in its window.
+# Every RecordingBackend appends here, so track() can see graphs compiled in its window;
+# readers hold a cursor (graph_log_cursor) and ask for the records since (records_since).
 _GRAPH_LOG: list[GraphRecord] = []
 _MAX_LOG = 10_000
+_appended = 0  # records ever appended: a cursor survives the log's trimming
+
+
+def graph_log_cursor() -> int:
+    """A cursor into the process-wide graph log: pass it to :func:`records_since`."""
+    return _appended
+
+
+def records_since(cursor: int) -> list[GraphRecord]:
+    """Every graph recorded (by any model) since ``cursor`` was taken, oldest first."""
+    kept = _appended - cursor
+    return list(_GRAPH_LOG[-kept:]) if kept > 0 else []
+
+
+def _append(record: GraphRecord) -> None:
+    global _appended
+    _GRAPH_LOG.append(record)
+    del _GRAPH_LOG[:-_MAX_LOG]
+    _appended += 1
 
 
 @dataclass
@@ -128,7 +149,7 @@ class RecordingBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         record = GraphRecord(
-            index=len(_GRAPH_LOG), model_id=self._model_id,
+            index=_appended, model_id=self._model_id,
             num_ops=sum(1 for n in gm.graph.nodes if n.op == "call_function"),
             backend_seconds=0.0, gm=gm if self.keep_graphs else None,
         )
@@ -148,8 +169,7 @@ class RecordingBackend:
             raise
         record.backend_seconds = time.perf_counter() - start
         self.records.append(record)
-        _GRAPH_LOG.append(record)
-        del _GRAPH_LOG[:-_MAX_LOG]
+        _append(record)
         return compiled
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aotdist._extras import require
+from aotdist._compat.extras import require
 from aotdist.errors import ConfigError
 
 __all__ = ["MODELS", "build_bench_model", "describe_model", "synthetic_batch", "training_loss"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from aotdist._extras import require
+from aotdist._compat.extras import require
 from aotdist.errors import ConfigError
 
 __all__ = ["STRATEGIES", "Setup", "Strategy", "get_strategy", "register_strategy"]
@@ -158,7 +158,7 @@ def _accelerate(model: nn.Module, setup: Setup) -> nn.Module:
 def _aotdist(model: nn.Module, setup: Setup) -> nn.Module:
     import aotdist
 
-    return aotdist.parallelize(model, {
+    return aotdist.parallelize(model, config={
         "compile": {"backend": setup.backend},
         "fsdp": {"enabled": setup.fsdp},
         "float8": {"enabled": setup.float8},
@@ -173,7 +173,7 @@ def _aotdist(model: nn.Module, setup: Setup) -> nn.Module:
 def _aotdist_graph(model: nn.Module, setup: Setup) -> nn.Module:
     import aotdist
 
-    return aotdist.parallelize(model, {
+    return aotdist.parallelize(model, config={
         "compile": {"backend": setup.backend},
         "fsdp": {"enabled": setup.fsdp, "mode": "graph" if setup.fsdp else "hooks"},
         "float8": {"enabled": setup.float8},
@@ -201,7 +201,7 @@ def _aotdist_cache(model: nn.Module, setup: Setup) -> nn.Module:
     if not where:
         raise ConfigError(f"bench strategy aotdist+cache needs ${ARTIFACTS_ENV} (the bundle "
                           "directory); `aotdist bench` sets it. Fix: set it to a directory.")
-    return aotdist.parallelize(model, {
+    return aotdist.parallelize(model, config={
         "compile": {"backend": setup.backend},
         "fsdp": {"enabled": setup.fsdp},
         "float8": {"enabled": setup.float8},

@@ -23,22 +23,40 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from aotdist._compat.enums import StrEnum
 from aotdist.cache.artifacts import install, pack
 from aotdist.cache.bundle import FORMAT, decode, write_atomic
 from aotdist.cache.share import CompileSharing
+from aotdist.compile.state import INFO_ATTR
 from aotdist.config import AOTDistConfig, CacheConfig
 from aotdist.errors import CacheWarning
 from aotdist.log import get_logger, rank_zero_warn
-from aotdist.modes import CacheStatus
 from aotdist.regions import RegionPlan
-from aotdist.state import INFO_ATTR
 from aotdist.version import __version__
 
-__all__ = ["STATE_ATTR", "CacheLoad", "cache_key", "load", "save"]
+__all__ = ["STATE_ATTR", "CacheLoad", "CacheStatus", "cache_key", "load", "save"]
 
 _log = get_logger(__name__)
 
 STATE_ATTR = "_aotdist_cache"
+
+
+class CacheStatus(StrEnum):
+    """What ``aotdist.cache.load`` did with a bundle.
+
+    Attributes:
+        OFF: ``cache.mode: off``.
+        MISSING: No bundle yet (the first run); this run compiles and saves one.
+        LOADED: The bundle was loaded.
+        STALE: Made for another setup (key mismatch); ignored.
+        CORRUPT: Unreadable or failed to install; ignored.
+    """
+
+    OFF = "off"
+    MISSING = "missing"
+    LOADED = "loaded"
+    STALE = "stale"
+    CORRUPT = "corrupt"
 
 
 @dataclass(frozen=True)
@@ -46,7 +64,7 @@ class CacheLoad:
     """What :func:`load` did.
 
     Attributes:
-        status: A :class:`~aotdist.modes.CacheStatus`: ``off``, ``missing`` (no bundle
+        status: A :class:`~aotdist.cache.store.CacheStatus`: ``off``, ``missing`` (no bundle
             yet), ``loaded``, ``stale`` (key mismatch) or ``corrupt``.
         reason: Why it was not loaded, empty when it was.
         path: The bundle file.

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["_rank_main"]
+__all__ = ["rank_main"]
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -36,7 +36,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _rank_main(
+def rank_main(
     rank: int,
     world_size: int,
     port: int,

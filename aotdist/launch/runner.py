@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from aotdist.errors import ConfigError, DistributedTestError, DistributedTimeoutError
-from aotdist.launch.rank import _rank_main
+from aotdist.launch.rank import rank_main
 
 __all__ = ["free_port", "run_distributed"]
 
@@ -112,7 +112,7 @@ def run_distributed(
         try:
             for rank in range(world_size):
                 proc = ctx.Process(
-                    target=_rank_main,
+                    target=rank_main,
                     args=(
                         rank,
                         world_size,

@@ -47,7 +47,7 @@ def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0
     model = build_model("gpt", depth=2, dim=32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        aotdist.parallelize(model, config)
+        aotdist.parallelize(model, config=config)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         g = torch.Generator().manual_seed(1)
         losses, first = [], None

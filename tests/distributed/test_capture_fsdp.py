@@ -32,7 +32,7 @@ def _capture_all(rank: int, world_size: int, out_dir: str) -> dict:
     results = {}
     for name, config in CONFIGS.items():
         torch.manual_seed(0)
-        model = aotdist.parallelize(build_model("gpt", depth=2), config)
+        model = aotdist.parallelize(build_model("gpt", depth=2), config=config)
         (x,), _ = example_inputs(model, generator=torch.Generator().manual_seed(rank))
         cap = aotdist.capture(model, x, loss_fn=lambda o: o.float().mean())
         d = cap.to_dict()

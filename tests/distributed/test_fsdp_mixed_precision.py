@@ -54,7 +54,7 @@ def _train(rank: int, world_size: int, policy: dict, *, use_aotdist: bool, reduc
     torch.manual_seed(0)
     model = build_model("gpt", depth=DEPTH)
     if use_aotdist:
-        aotdist.parallelize(model, {"fsdp": {"enabled": True, **policy},
+        aotdist.parallelize(model, config={"fsdp": {"enabled": True, **policy},
                                     "compile": {"backend": "aot_eager"}})
     else:
         mp = MixedPrecisionPolicy(**{k: getattr(torch, v) for k, v in policy.items()})

@@ -126,7 +126,7 @@ class _SavedTensors:
     def watch_eager_packing(self):
         """Eager graph mode packs saved tensors itself (inner hooks hide them from ours):
         record what its pack hook keeps, and how many it will gather again."""
-        from aotdist import graph_fsdp
+        from aotdist.fsdp import graph as graph_fsdp
 
         original = graph_fsdp._pack_gathered
 
@@ -183,7 +183,7 @@ def _train_steps(rank: int, world_size: int, name: str, *, config: dict | None =
 
     optim, accum, clip = TRAIN[name]
     model = _model()
-    aotdist.parallelize(model, CONFIGS[name] if config is None else config)
+    aotdist.parallelize(model, config=CONFIGS[name] if config is None else config)
     opt = _optimizer(optim, model.parameters())
     batches = list(_batches(model, world_size * accum))
     losses, saved, norms = [], None, []
@@ -373,7 +373,7 @@ def test_config_keys():
     with pytest.raises(ConfigError, match="fsdp.enabled: true"):
         aotdist.AOTDistConfig.from_dict({"fsdp": {"mode": "graph"}})
     with pytest.raises(ConfigError, match="fsdp_all_gather is not supported with fsdp.mode"):
-        aotdist.parallelize(build_model("gpt", depth=2), {
+        aotdist.parallelize(build_model("gpt", depth=2), config={
             "fsdp": GRAPH, "float8": {"enabled": True, "fsdp_all_gather": True}})
 
 
@@ -416,21 +416,21 @@ def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: st
     for mode, cfg in MODES.items():  # mixed precision: graph mode against FSDP2's policy
         torch._dynamo.reset()
         model = _model()
-        aotdist.parallelize(model, {**cfg, "fsdp": {**cfg["fsdp"], **MP}})
+        aotdist.parallelize(model, config={**cfg, "fsdp": {**cfg["fsdp"], **MP}})
         losses = _sgd_steps(model, rank, world_size, 3)
         out["mp"][mode] = {"losses": losses, "params": _full(model.state_dict()),
                            "grad_dtype": str(next(model.parameters()).dtype)}
     for src, dst in (("graph", "hooks"), ("hooks", "graph")):  # train, save, load elsewhere
         torch._dynamo.reset()
         model = _model()
-        aotdist.parallelize(model, MODES[src])
+        aotdist.parallelize(model, config=MODES[src])
         _sgd_steps(model, rank, world_size, 2)
         sd = get_model_state_dict(model)
         path = os.path.join(ckpt, src)
         dcp.save(sd, checkpoint_id=path)
         torch.manual_seed(123)
         other = build_model("gpt", depth=DEPTH, vocab=VOCAB)
-        aotdist.parallelize(other, MODES[dst])
+        aotdist.parallelize(other, config=MODES[dst])
         other_sd = get_model_state_dict(other)
         dcp.load(other_sd, checkpoint_id=path)
         loaded = _full(other_sd)
@@ -451,7 +451,7 @@ def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: st
     out["scaled"] = _graph_break_region(rank, world_size, ScaledBlock)
     torch._dynamo.reset()  # capture of a graph-mode model: collectives per graph
     model = _model()
-    aotdist.parallelize(model, {"fsdp": GRAPH, "compile": {"enabled": False}})
+    aotdist.parallelize(model, config={"fsdp": GRAPH, "compile": {"enabled": False}})
     cap = aotdist.capture(model, x, backend="aot_eager",
                           loss_fn=lambda o: o.float().mean())
     out["capture"] = {g.name: g.collectives for g in cap.graphs}
@@ -459,7 +459,7 @@ def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: st
     # a single-process eager checkpoint into graph mode
     torch.manual_seed(5)
     model = build_model("gpt", depth=DEPTH, vocab=VOCAB)
-    aotdist.parallelize(model, MODES["graph"])
+    aotdist.parallelize(model, config=MODES["graph"])
     sd = get_model_state_dict(model)
     dcp.load(sd, checkpoint_id=plain_ckpt)
     full = _full(sd)  # a collective: every rank
@@ -517,7 +517,7 @@ def _graph_break_region(rank: int, world_size: int, block=BreakingBlock):
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
     with warnings.catch_warnings(record=True) as caught, record_logs("aotdist") as logs:
         warnings.simplefilter("always", aotdist.RegionCompileWarning)
-        aotdist.parallelize(model, MODES["graph"])
+        aotdist.parallelize(model, config=MODES["graph"])
         model(x).square().mean().backward()
     ref(x).square().mean().backward()  # every rank the same input: the averaged gradient
     grads_ok = all(
@@ -610,7 +610,7 @@ def test_capture_shows_collectives(modes):
 
 def _four(rank: int, world_size: int):
     model = _model()
-    aotdist.parallelize(model, CONFIGS["graph"])
+    aotdist.parallelize(model, config=CONFIGS["graph"])
     losses = _sgd_steps(model, rank, world_size, 3)
     return losses, _full(model.state_dict())
 
@@ -638,7 +638,7 @@ def test_four_ranks_match_eager():
 
 def _rank_dies(rank: int, world_size: int):
     model = _model()
-    aotdist.parallelize(model, CONFIGS["graph"])
+    aotdist.parallelize(model, config=CONFIGS["graph"])
     if rank == 1:
         raise RuntimeError("rank 1 lost its data loader")
     (x,), y = example_inputs(model, 2)

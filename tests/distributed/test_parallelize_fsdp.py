@@ -100,7 +100,7 @@ def _train_configs(rank: int, world_size: int, names: list[str], ckpt_dir: str):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = build_model("gpt", depth=DEPTH)
-        aotdist.parallelize(model, CONFIGS[name])
+        aotdist.parallelize(model, config=CONFIGS[name])
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         gathers.clear()
         batches = list(_batches(world_size, model))
@@ -116,7 +116,7 @@ def _train_configs(rank: int, world_size: int, names: list[str], ckpt_dir: str):
         # load into a freshly parallelized model with other weights, on the same ranks
         torch.manual_seed(123)
         other = build_model("gpt", depth=DEPTH)
-        aotdist.parallelize(other, CONFIGS[name])
+        aotdist.parallelize(other, config=CONFIGS[name])
         other_sd = get_model_state_dict(other)
         dcp.load(other_sd, checkpoint_id=path)
         reloaded = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
@@ -236,7 +236,7 @@ def test_dcp_round_trip(two_ranks, name):
 def _four_ranks(rank: int, world_size: int):
     torch.manual_seed(0)
     model = build_model("gpt", depth=DEPTH)
-    aotdist.parallelize(model, CONFIGS["fsdp+compile"])
+    aotdist.parallelize(model, config=CONFIGS["fsdp+compile"])
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = [_step(model, opt, xs[rank], ys[rank]) for xs, ys in _batches(world_size, model)]
     return losses, {k: v.full_tensor() for k, v in model.state_dict().items()}
@@ -266,12 +266,12 @@ def _ordering_errors(rank: int, world_size: int):
 
     fsdp = {"fsdp": {"enabled": True}, "compile": {"backend": "aot_eager"}}
     m = build_model("gpt", depth=2)
-    aotdist.parallelize(m, fsdp)
-    attempt("twice", lambda: aotdist.parallelize(m, fsdp))
+    aotdist.parallelize(m, config=fsdp)
+    attempt("twice", lambda: aotdist.parallelize(m, config=fsdp))
 
     m = build_model("gpt", depth=2)
     fully_shard(m)
-    attempt("fsdp2_then_parallelize", lambda: aotdist.parallelize(m, fsdp))
+    attempt("fsdp2_then_parallelize", lambda: aotdist.parallelize(m, config=fsdp))
 
 
     # compile first, shard after: refused at the first call, before a silent eager run
@@ -290,7 +290,7 @@ def _ordering_errors(rank: int, world_size: int):
     for block in m.blocks:
         fully_shard(block)
     fully_shard(m)
-    aotdist.parallelize(m, {"compile": {"backend": "aot_eager"}})
+    aotdist.parallelize(m, config={"compile": {"backend": "aot_eager"}})
     with metrics.track(m) as t:
         out = m(x)
     errors["user_sharded_ok"] = torch.allclose(out, ref(x), atol=1e-5)
@@ -312,7 +312,7 @@ def test_wrong_orderings_are_refused():
 
 def _rank_dies(rank: int, world_size: int):
     model = build_model("gpt", depth=2)
-    aotdist.parallelize(model, CONFIGS["fsdp+compile"])
+    aotdist.parallelize(model, config=CONFIGS["fsdp+compile"])
     if rank == 1:
         raise RuntimeError("rank 1 lost its data loader")
     (x,), y = example_inputs(model, 2)
@@ -331,7 +331,7 @@ def test_a_dying_rank_stops_the_others():
 def _inductor_everything(rank: int, world_size: int, config: dict):
     torch.manual_seed(0)
     model = build_model("gpt", depth=DEPTH)
-    aotdist.parallelize(model, config)
+    aotdist.parallelize(model, config=config)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with metrics.track(model) as t:
         losses = [_step(model, opt, xs[rank], ys[rank]) for xs, ys in _batches(world_size, model)]

@@ -66,7 +66,7 @@ def _nccl_train(rank: int, world_size: int, config: dict):
     device = torch.device("cuda", rank)
     torch.manual_seed(0)
     model = build_model("gpt", depth=DEPTH).to(device)
-    aotdist.parallelize(model, config)
+    aotdist.parallelize(model, config=config)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     with warnings.catch_warnings(), metrics.track(model) as t:

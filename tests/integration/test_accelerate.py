@@ -19,7 +19,7 @@ from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_mod
 from aotdist.callbacks import RegionalCompileHook
 
 from aotdist import ConfigError, OrderingError
-from aotdist.state import STATE_ATTR
+from aotdist.compile.state import STATE_ATTR
 from aotdist.testing import build_model, example_inputs, run_distributed
 from aotdist.testing.parity import assert_parity
 
@@ -214,7 +214,6 @@ def test_fsdp2_save_state_resume_and_plain_keys(tmp_path, eager_losses):
 
 def test_prepare_refuses_a_foreign_optimizer_before_touching_the_model():
     from accelerate.utils import DistributedType
-
     from aotdist.callbacks import prepare
 
     accelerator = SimpleNamespace(state=SimpleNamespace(dynamo_plugin=None),
@@ -239,8 +238,9 @@ def _fresh_accelerator(**kwargs):
 
 
 def _fsdp_prepare_configs(rank: int, world_size: int):
-    import aotdist
     from aotdist.callbacks import prepare
+
+    import aotdist
 
     fsdp = {"fsdp": {"enabled": True}, **AOT}
     g = torch.Generator().manual_seed(rank + 10)
@@ -281,7 +281,7 @@ def _fsdp_prepare_configs(rank: int, world_size: int):
             accelerator = _fresh_accelerator(gradient_accumulation_steps=2)
             model, optimizer = prepare(accelerator, model, optimizer, config=fsdp)
         else:
-            aotdist.parallelize(model, fsdp)
+            aotdist.parallelize(model, config=fsdp)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
             optimizer.register_step_post_hook(lambda *_: steps.append(1))
         for i, (x, y) in enumerate(batches):
@@ -343,7 +343,6 @@ def test_prepare_fsdp_mixed_precision_accumulation_and_float8():
 
 def test_prepare_refuses_fsdp_param_dtype_that_conflicts_with_accelerate_mixed_precision():
     from accelerate.utils import DistributedType
-
     from aotdist.callbacks import prepare
 
     accelerator = SimpleNamespace(state=SimpleNamespace(dynamo_plugin=None),

@@ -55,8 +55,8 @@ def _orders(rank: int, world_size: int) -> dict:
     from aotdist.callbacks import RegionalCompileHook
     from torch.distributed.fsdp import FSDPModule
 
+    from aotdist.compile.state import STATE_ATTR
     from aotdist.errors import OrderingError
-    from aotdist.state import STATE_ATTR
 
     g = torch.Generator().manual_seed(rank + 10)
     batches = [example_inputs(build_model("gpt", depth=1), 2, generator=g) for _ in range(3)]

@@ -139,7 +139,7 @@ class ParallelizedByUser(GPTModule):
 
     def configure_model(self):
         if aotdist.parallelize_info(self.model) is None:
-            aotdist.parallelize(self.model, {**AOT, "fsdp": {"enabled": True}},
+            aotdist.parallelize(self.model, config={**AOT, "fsdp": {"enabled": True}},
                                 mesh=self.device_mesh["data_parallel"])
 
 

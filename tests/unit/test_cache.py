@@ -45,7 +45,7 @@ def _run(config, depth=2):
     model = build_model("gpt", depth=depth)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        aotdist.parallelize(model, config)
+        aotdist.parallelize(model, config=config)
         losses = _losses(model)
     state = vars(model).get(aotdist.cache.STATE_ATTR)
     return model, state and state["load"], losses, [w for w in caught if w.category is CacheWarning]
@@ -162,7 +162,7 @@ import aotdist, aotdist.cache
 from aotdist.testing import build_model, example_inputs
 torch.manual_seed(0)
 model = build_model("gpt", depth=2)
-aotdist.parallelize(model, {"compile": {"backend": "inductor"},
+aotdist.parallelize(model, config={"compile": {"backend": "inductor"},
                             "cache": {"mode": "local", "dir": sys.argv[1]}})
 (x,), y = example_inputs(model, 2, generator=torch.Generator().manual_seed(1))
 loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())

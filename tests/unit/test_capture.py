@@ -238,7 +238,7 @@ def test_capture_with_inductor_uses_the_options_of_compile_regions(monkeypatch):
     # One decision for every aotdist compile: capture's rebuilt Inductor gets the same
     # config patches (buffer reuse and aotdist's reuse pass) as compile_regions' Inductor wrapper.
     from aotdist import _compat
-    from aotdist.backends.named import _make_backend, inductor_options
+    from aotdist.backends.named import inductor_options, make_backend
     from aotdist.backends.reuse import comparable_options
 
     seen = []
@@ -253,7 +253,7 @@ def test_capture_with_inductor_uses_the_options_of_compile_regions(monkeypatch):
     (x,), _ = example_inputs(model)
     aotdist.capture(model, x, loss_fn=_loss, backend="inductor")
     assert seen, "capture's inductor backend never ran"
-    expected = _make_backend("inductor", None, None, None).config
+    expected = make_backend("inductor", None, None, None).config
     for patches in seen:
         patches.pop("joint_custom_pre_pass")
         assert comparable_options(patches) == comparable_options(inductor_options())

@@ -11,9 +11,10 @@ import torch
 
 import aotdist
 from aotdist import _compat, metrics
-from aotdist._extras import require
+from aotdist._compat.extras import require
+from aotdist.cache.store import CacheStatus
+from aotdist.compile.state import CompileMode
 from aotdist.errors import MissingDependencyError
-from aotdist.modes import CacheStatus, CompileMode
 from aotdist.testing import TinyGPT, example_inputs
 
 
@@ -143,7 +144,7 @@ def _count_schema_builds(monkeypatch) -> list:
 def test_region_schema_is_built_once_per_region_not_per_call_site(monkeypatch, cached):
     """AOTAutograd asks for a region's schema at every call site (metadata collection and
     joint trace); with the memo inside aotdist's compiled call it is built once."""
-    from aotdist.backends import recovery
+    from aotdist.compile import guard as recovery
 
     if not cached:
         monkeypatch.setattr(recovery._compat, "cached_subgraph_schemas",

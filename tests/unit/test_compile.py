@@ -100,9 +100,9 @@ def test_naive_bound_method_marking_is_wrong_on_this_torch_and_aotdist_is_not():
     lets Dynamo reuse the first block's weights (torch 2.15). If torch fixes this, the
     first half stops failing and the test says so."""
     naive, reference = _pair(TinyGPT(depth=3))
-    from aotdist.marking import _copy_function  # never mark the shared class function
+    from aotdist.compile.marking import copy_function  # never mark the shared class function
 
-    fn = torch.compiler.nested_compile_region(_copy_function(GPTBlock.forward))
+    fn = torch.compiler.nested_compile_region(copy_function(GPTBlock.forward))
     for block in naive.blocks:
         block.forward = types.MethodType(fn, block)
     naive.compile(backend="aot_eager")
@@ -321,25 +321,25 @@ def test_metrics_attribute_call_sites_when_the_root_is_a_sequential():
 
 
 def test_inductor_options_install_the_reuse_pass_and_keep_buffer_reuse_on():
-    from aotdist.backends.named import _make_backend, _without_reuse_pass
+    from aotdist.backends.named import _without_reuse_pass, make_backend
 
-    config = _make_backend("inductor", None, None, None).config
+    config = make_backend("inductor", None, None, None).config
     assert config["allow_buffer_reuse"] is True
     assert config["post_grad_custom_post_pass"].uuid() == "aotdist.forward_aliased_outputs.v2"
     # the user can still turn reuse off (then no pass), and chain a pass of their own
-    off = _make_backend("inductor", None, {"allow_buffer_reuse": False}, None).config
+    off = make_backend("inductor", None, {"allow_buffer_reuse": False}, None).config
     assert off == {"allow_buffer_reuse": False}
     mine = lambda graph: None  # noqa: E731
     if not aotdist._compat.inductor_takes_pass_lists():  # torch 2.11: one post-grad pass
         with pytest.raises(aotdist.ConfigError, match="allow_buffer_reuse': False"):
-            _make_backend("inductor", None, {"post_grad_custom_post_pass": mine}, None)
+            make_backend("inductor", None, {"post_grad_custom_post_pass": mine}, None)
         return
-    chained = _make_backend("inductor", None, {"post_grad_custom_post_pass": mine}, None).config
+    chained = make_backend("inductor", None, {"post_grad_custom_post_pass": mine}, None).config
     passes = chained["post_grad_custom_post_pass"]
     assert passes[0] is mine and passes[1].uuid() == "aotdist.forward_aliased_outputs.v2"
     with pytest.warns(aotdist.RegionCompileWarning, match="allow_buffer_reuse"), \
             _without_reuse_pass():
-        bare = _make_backend("inductor", None, {"allow_buffer_reuse": True}, None).config
+        bare = make_backend("inductor", None, {"allow_buffer_reuse": True}, None).config
     assert "post_grad_custom_post_pass" not in bare
 
 

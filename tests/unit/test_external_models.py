@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 import aotdist
+import aotdist.compile.state
 import aotdist.metrics
-import aotdist.state
 from aotdist import Region, RegionCompileWarning, RegionPlan
 from aotdist.regions import structural_signature
 from aotdist.testing import TinyGPT, example_inputs
@@ -359,7 +359,7 @@ def test_llama_decoder_layer_plan_parity_and_metrics(attn_implementation):
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 128, (2, 16))
     _assert_blocks_differ(reference, LLAMA_FQNS, (ids,))
-    aotdist.compile_regions(model, plan, backend="aot_eager")
+    aotdist.compile_regions(model, plan=plan, backend="aot_eager")
     # The layers get position_embeddings (a tuple) and attention_mask/position_ids
     # keywords; reuse still works.
     with _caught_warnings() as caught, aotdist.metrics.track(model) as m:
@@ -394,7 +394,7 @@ def _assert_reuse_pass_forwarded(model):
     input (the pattern behind the torch bug) and replayed the views of its inputs it saves
     (torch 2.15: 8 weight transposes in TinyGPT's forward), so no graph needed buffer
     reuse off."""
-    config = vars(model)[aotdist.state.STATE_ATTR].backend.inner.config
+    config = vars(model)[aotdist.compile.state.STATE_ATTR].backend.inner.config
     assert config["allow_buffer_reuse"] is True
     reports = config["post_grad_custom_post_pass"].reports
     assert sum(len(r.forwarded) for r in reports) >= 1, reports

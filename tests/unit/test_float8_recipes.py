@@ -45,7 +45,7 @@ def _train(base, config: dict):
     model = copy.deepcopy(base)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        aotdist.parallelize(model, config)
+        aotdist.parallelize(model, config=config)
         with metrics.track(model) as m:
             losses = train_steps(model, steps=STEPS)
     warned = [str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)]
@@ -67,7 +67,7 @@ def test_rowwise_recipe_trains_compiled_like_eager_or_is_refused(recipe):
         with pytest.raises(aotdist.ConfigError,
                            match=rf"float8.recipe: '{recipe}' cannot run on cpu.*"
                                  "Fix: set float8.recipe: tensorwise"):
-            aotdist.parallelize(model, {"float8": float8, "compile": {"backend": "aot_eager"}})
+            aotdist.parallelize(model, config={"float8": float8, "compile": {"backend": "aot_eager"}})
         assert not any(isinstance(m, Float8Linear) for m in model.modules())  # untouched
         assert aotdist.parallelize_info(model) is None
         return

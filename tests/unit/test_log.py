@@ -38,7 +38,7 @@ def test_package_logger_and_module_children():
 def test_progress_reaches_the_package_logger():
     model = aotdist.testing.build_model("gpt", depth=2)
     with record_logs("aotdist", logging.INFO) as logs:
-        aotdist.parallelize(model, {"compile": {"backend": "eager"}})
+        aotdist.parallelize(model, config={"compile": {"backend": "eager"}})
     mine = [r for r in logs if r.name == "aotdist.parallelize"]
     assert len(mine) == 1 and mine[0].levelno == logging.INFO, [r.getMessage() for r in logs]
     assert "1 region(s) ['GPTBlock']" in mine[0].getMessage()

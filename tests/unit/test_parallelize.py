@@ -39,7 +39,7 @@ def test_regional_compile_matches_eager_and_keeps_keys():
     model = build_model("gpt", depth=3)
     ref = copy.deepcopy(model)
     keys = list(model.state_dict())
-    out = aotdist.parallelize(model, AOT_EAGER)
+    out = aotdist.parallelize(model, config=AOT_EAGER)
     assert out is model and list(model.state_dict()) == keys
     (x,), _ = example_inputs(model, 4)
     with metrics.track(model) as t:
@@ -56,8 +56,8 @@ def test_activation_checkpointing_recomputes_and_still_reuses_the_region():
     model = build_model("gpt", depth=3)
     ref = copy.deepcopy(model)
     plain = copy.deepcopy(model)
-    aotdist.parallelize(model, {**AOT_EAGER, "ac": {"enabled": True}})
-    aotdist.parallelize(plain, AOT_EAGER)
+    aotdist.parallelize(model, config={**AOT_EAGER, "ac": {"enabled": True}})
+    aotdist.parallelize(plain, config=AOT_EAGER)
     (x,), _ = example_inputs(model, 16)
     with metrics.track(model) as t:
         assert_parity(model, ref, (x,))
@@ -71,7 +71,7 @@ def test_activation_checkpointing_without_compile():
     torch.manual_seed(0)
     model = build_model("vit", depth=2)
     ref = copy.deepcopy(model)
-    aotdist.parallelize(model, {"compile": {"enabled": False}, "ac": {"enabled": True}})
+    aotdist.parallelize(model, config={"compile": {"enabled": False}, "ac": {"enabled": True}})
     (x,), _ = example_inputs(model, 4)
     assert_parity(model, ref, (x,))
     assert _saved_bytes(model, x) < _saved_bytes(ref, x) / 2
@@ -82,7 +82,7 @@ def test_float8_compile_matches_float8_eager():
     model = build_model("gpt", depth=2)
     ref = copy.deepcopy(model)
     convert_to_float8(ref, Float8Config(enabled=True, exclude=("head",)))
-    aotdist.parallelize(model, {**AOT_EAGER, "float8": {"enabled": True, "exclude": ["head"]}})
+    aotdist.parallelize(model, config={**AOT_EAGER, "float8": {"enabled": True, "exclude": ["head"]}})
     from torchao.float8.float8_linear import Float8Linear
 
     assert isinstance(model.blocks[0].mlp.fc, Float8Linear)
@@ -130,48 +130,48 @@ def test_float8_filter_skips_misaligned_and_excluded_layers():
 
 def test_fsdp_without_process_group_is_a_config_error():
     with pytest.raises(ConfigError, match="init_process_group"):
-        aotdist.parallelize(build_model("gpt", depth=2), {"fsdp": {"enabled": True}})
+        aotdist.parallelize(build_model("gpt", depth=2), config={"fsdp": {"enabled": True}})
 
 
 def test_config_forms(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("compile: {backend: aot_eager}\nac: {enabled: true}\n")
-    model = aotdist.parallelize(build_model("gpt", depth=2), str(path))
+    model = aotdist.parallelize(build_model("gpt", depth=2), config=str(path))
     assert aotdist.parallelize_info(model).config.ac.enabled
     with pytest.raises(ConfigError, match="config must be"):
-        aotdist.parallelize(build_model("gpt", depth=2), 42)
+        aotdist.parallelize(build_model("gpt", depth=2), config=42)
     with pytest.raises(ConfigError, match="compile.backnd"):
-        aotdist.parallelize(build_model("gpt", depth=2), {"compile": {"backnd": "x"}})
+        aotdist.parallelize(build_model("gpt", depth=2), config={"compile": {"backnd": "x"}})
     with pytest.warns(ConfigWarning, match="mesh"):
-        aotdist.parallelize(build_model("gpt", depth=2), AOT_EAGER, mesh=object())
+        aotdist.parallelize(build_model("gpt", depth=2), config=AOT_EAGER, mesh=object())
 
 
 def test_wrong_orderings_are_refused():
     model = build_model("gpt", depth=2)
-    aotdist.parallelize(model, AOT_EAGER)
+    aotdist.parallelize(model, config=AOT_EAGER)
     with pytest.raises(OrderingError, match="already applied"):
-        aotdist.parallelize(model, AOT_EAGER)
+        aotdist.parallelize(model, config=AOT_EAGER)
     aotdist.restore(model)  # nothing irreversible was applied: it may start over
     assert aotdist.parallelize_info(model) is None
-    aotdist.parallelize(model, AOT_EAGER)
+    aotdist.parallelize(model, config=AOT_EAGER)
     converted = build_model("gpt", depth=2)
-    aotdist.parallelize(converted, {**AOT_EAGER, "float8": {"enabled": True}})
+    aotdist.parallelize(converted, config={**AOT_EAGER, "float8": {"enabled": True}})
     aotdist.restore(converted)  # Float8 stays: still recorded, still refused
     with pytest.raises(OrderingError, match="already applied"):
-        aotdist.parallelize(converted, AOT_EAGER)
+        aotdist.parallelize(converted, config=AOT_EAGER)
 
     with pytest.raises(OrderingError, match="_orig_mod"):
-        aotdist.parallelize(torch.compile(build_model("gpt", depth=2)), AOT_EAGER)
+        aotdist.parallelize(torch.compile(build_model("gpt", depth=2)), config=AOT_EAGER)
 
     model = build_model("gpt", depth=2)
     model.blocks[0].compile(backend="aot_eager")
     with pytest.raises(OrderingError, match=r"\['blocks.0'\] are already compiled"):
-        aotdist.parallelize(model, AOT_EAGER)
+        aotdist.parallelize(model, config=AOT_EAGER)
 
     model = build_model("gpt", depth=2)
     aotdist.compile_regions(model, backend="aot_eager")
     with pytest.raises(OrderingError, match="restore"):
-        aotdist.parallelize(model, AOT_EAGER)
+        aotdist.parallelize(model, config=AOT_EAGER)
 
 
 def test_fsdp1_is_refused():
@@ -182,7 +182,7 @@ def test_fsdp1_is_refused():
     nn.Module.__init__(wrapper)
     wrapper._fsdp_wrapped_module = build_model("gpt", depth=2)
     with pytest.raises(OrderingError, match="FSDP1"):
-        aotdist.parallelize(wrapper, AOT_EAGER)
+        aotdist.parallelize(wrapper, config=AOT_EAGER)
 
 
 @pytest.mark.parametrize("compile_cfg", [
@@ -205,7 +205,7 @@ def test_compile_mode_dynamic_and_options_reach_inductor(compile_cfg, monkeypatc
     monkeypatch.setattr(_compat, "inductor_wrapper", wrapper)
     model = build_model("gpt", depth=2)
     ref = copy.deepcopy(model)
-    aotdist.parallelize(model, {"compile": compile_cfg})
+    aotdist.parallelize(model, config={"compile": compile_cfg})
     (x,), _ = example_inputs(model)
     with metrics.track(model) as m:
         assert_parity(model, ref, (x,))

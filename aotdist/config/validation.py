@@ -1,6 +1,6 @@
 """Strict validation of config sections: types from annotations, rules, every problem.
 
-A section is a frozen keyword-only dataclass deriving from :class:`_Section`; in
+A section is a frozen keyword-only dataclass deriving from :class:`Section`; in
 ``__post_init__`` it checks each field against its annotation, then the section's own
 rules, and raises one ``ConfigError`` that lists every problem with its dotted key.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from aotdist.errors import ConfigError
 
-__all__ = ["_Section", "_message"]
+__all__ = ["Section", "problems_message"]
 
 
 def _type_problem(value: Any, hint: Any) -> str | None:
@@ -57,7 +57,7 @@ def _type_name(hint: Any) -> str:
             str: "a string"}.get(hint, str(hint))
 
 
-class _Section:
+class Section:
     """Validation shared by the config sections: types from annotations, then rules."""
 
     _key: typing.ClassVar[str] = ""
@@ -73,7 +73,7 @@ class _Section:
         except TypeError:
             pass
         if problems:
-            raise ConfigError(_message(problems), problems=problems)
+            raise ConfigError(problems_message(problems), problems=problems)
 
     def _type_problems(self) -> list[str]:
         hints = typing.get_type_hints(type(self))
@@ -89,7 +89,7 @@ class _Section:
         return []
 
 
-def _message(problems: list[str]) -> str:
+def problems_message(problems: list[str]) -> str:
     if len(problems) == 1:
         return f"invalid aotdist config: {problems[0]}"
     return "invalid aotdist config, {} problems:\n  - {}".format(

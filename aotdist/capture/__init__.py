@@ -18,8 +18,8 @@ Compile state is left as it was: the step is compiled from fresh code objects (n
 aotdist's own compiled forwards are put back, and the gradients and buffers the step
 changed are restored.
 
-The report's dataclasses are in :mod:`aotdist.capture_report`, the recorder that fills
-them in :mod:`aotdist.capture_recorder`.
+The report's dataclasses are in :mod:`aotdist.capture.report`, the recorder that fills
+them in :mod:`aotdist.capture.recorder`.
 """
 
 from __future__ import annotations
@@ -32,16 +32,15 @@ from torch import nn
 from aotdist import _compat
 from aotdist.backends.aot import aot_backend, backend_name
 from aotdist.backends.recording import RecordingBackend
-from aotdist.backends.recovery import _RegionGuardedCall
-from aotdist.capture_recorder import _Recorder
-from aotdist.capture_report import Capture, RegionCapture
+from aotdist.capture.recorder import Recorder
+from aotdist.capture.report import Capture, RegionCapture
+from aotdist.compile.guard import RegionGuardedCall
+from aotdist.compile.marking import copy_function, mark_regions, unmark_regions
+from aotdist.compile.state import STATE_ATTR, CompileMode
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fsdp import fsdp_modules, fsdp_params
-from aotdist.graph_fsdp import local_shards
-from aotdist.marking import _copy_function, mark_regions, unmark_regions
+from aotdist.fsdp.graph import local_shards
 from aotdist.metrics import track
-from aotdist.modes import CompileMode
-from aotdist.state import STATE_ATTR
 
 __all__ = ["Capture", "RegionCapture", "capture"]
 
@@ -50,7 +49,7 @@ def _runner():
     def run(model, args, kwargs):
         return model(*args, **kwargs)
 
-    return _copy_function(run, new_code=True)  # a fresh code object: a Dynamo cache of its own
+    return copy_function(run, new_code=True)  # a fresh code object: a Dynamo cache of its own
 
 
 def _install_frames(model: nn.Module, state, backend, calls: dict) -> dict[type, Any]:
@@ -60,7 +59,7 @@ def _install_frames(model: nn.Module, state, backend, calls: dict) -> dict[type,
     for region in state.plan:
         cls = state.classes[region.name]
         old[cls] = cls.__dict__.get("forward")
-        fn = torch.compile(_copy_function(cls._aotdist_plain_forward, new_code=True),
+        fn = torch.compile(copy_function(cls._aotdist_plain_forward, new_code=True),
                            backend=backend)
 
         def forward(self, *args, _fn=fn, _name=region.name, **kwargs):
@@ -103,7 +102,7 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
         raise OrderingError(
             "this model holds FSDP2 units but aotdist has not marked its regions; marking "
             "after fully_shard would drop FSDP's class. Fix: build it with "
-            "aotdist.parallelize(model, config), which marks before sharding."
+            "aotdist.parallelize(model, config=config), which marks before sharding."
         )
     if state is not None and plan is not None and plan is not state.plan:
         raise ConfigError(
@@ -112,7 +111,7 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
         )
     marked_here = state is None
     state = mark_regions(model, plan) if marked_here else state
-    recorder = _Recorder(model, state.plan, report)
+    recorder = Recorder(model, state.plan, report)
     aot = aot_backend(backend, on_graph=recorder.on_graph)
     if aot is None:
         if marked_here:
@@ -165,12 +164,12 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
     return report
 
 
-def _run_demoting(model: nn.Module, state, recorder: _Recorder, compiled, args, kwargs):
+def _run_demoting(model: nn.Module, state, recorder: Recorder, compiled, args, kwargs):
     """``compiled(model, args, kwargs)``; a region that cannot be an ``invoke_subgraph``
     (in-place buffer mutation in training, a graph break...) is fixed or demoted to
     inline compilation as :func:`aotdist.compile_regions` does (same warning), what the
     failed attempt recorded is dropped, and the step is traced again."""
-    guard = _RegionGuardedCall(model, state, compiled)
+    guard = RegionGuardedCall(model, state, compiled)
     report = recorder.report
     for _ in range(2 * len(state.plan) + 1):
         try:
@@ -207,7 +206,7 @@ def _restore_buffers(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
             b.copy_(saved[name])
 
 
-def _finish(report: Capture, recorder: _Recorder, calls: dict, model: nn.Module) -> None:
+def _finish(report: Capture, recorder: Recorder, calls: dict, model: nn.Module) -> None:
     fsdp = fsdp_params(model)
     for region in report.regions.values():
         if report.mode == CompileMode.FRAMES:

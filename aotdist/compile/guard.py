@@ -1,7 +1,7 @@
 """Region failure recovery: the compiled call that fixes or demotes a failing region.
 
 A region that Dynamo cannot capture as a reusable subgraph fails *at trace time*, before
-anything ran. :class:`_RegionGuardedCall` catches that failure, finds the region from the
+anything ran. :class:`RegionGuardedCall` catches that failure, finds the region from the
 error (the recording backend's ``RegionCaptureError``, else Dynamo's user stack and error
 text), and either fixes it (clones aliasing outputs) or demotes it to inline compilation,
 with a ``RegionCompileWarning`` each time. Parsing torch's error text lives here only.
@@ -14,17 +14,17 @@ from collections.abc import Callable
 from torch import nn
 
 from aotdist import _compat
+from aotdist.compile.marking import apply_region_class, unmark_region
+from aotdist.compile.state import RegionState
 from aotdist.errors import OrderingError, RegionCaptureError, RegionCompileWarning
 from aotdist.errors import exception_chain as _chain
 from aotdist.fsdp import fsdp_modules
 from aotdist.log import rank_zero_warn
-from aotdist.marking import _apply_region_class, _unmark_region
-from aotdist.state import RegionState
 
-__all__ = ["_RegionGuardedCall"]
+__all__ = ["RegionGuardedCall"]
 
 
-class _RegionGuardedCall:
+class RegionGuardedCall:
     """The compiled ``_call_impl``, with region failures fixed or demoted, never hidden.
 
     A region that Dynamo cannot capture as a reusable subgraph fails *at trace time*,
@@ -70,8 +70,8 @@ class _RegionGuardedCall:
             return False
         for name in names:
             if aliasing and state.fixes.get(name) != "clone_aliasing_outputs":
-                _unmark_region(self._model_ref, state, name)
-                _apply_region_class(self._model_ref, state, name, clone_aliases=True)
+                unmark_region(self._model_ref, state, name)
+                apply_region_class(self._model_ref, state, name, clone_aliases=True)
                 state.fixes[name] = "clone_aliasing_outputs"
                 rank_zero_warn(
                     f"aotdist region {name!r}: an output aliases an input ({reason}). "
@@ -80,9 +80,9 @@ class _RegionGuardedCall:
                     RegionCompileWarning, stacklevel=4,
                 )
             else:
-                _unmark_region(self._model_ref, state, name)
+                unmark_region(self._model_ref, state, name)
                 if state.checkpoint:  # inline, but still checkpointed
-                    _apply_region_class(self._model_ref, state, name, nested=False)
+                    apply_region_class(self._model_ref, state, name, nested=False)
                 state.demoted[name] = reason
                 rank_zero_warn(
                     f"aotdist region {name!r} cannot be a reusable subgraph: {reason}. "
@@ -100,7 +100,7 @@ def _check_no_fsdp_added(model: nn.Module) -> None:
             f"fully_shard was applied to {sharded[:4]} after aotdist.compile_regions. FSDP2's "
             "hooks cannot run inside the compiled whole-model graph, so compiling would "
             "silently stop at them. Fix: call aotdist.restore(model) before sharding and "
-            "compile_regions after, or let aotdist.parallelize(model, config) do both in order."
+            "compile_regions after, or let aotdist.parallelize(model, config=config) do both in order."
         )
 
 

@@ -1,14 +1,14 @@
 """Compiling a model in place: ``compile_regions``, ``compile_callable``, ``restore``.
 
-Regions are marked by :mod:`aotdist.marking`; the backend is wrapped by
+Regions are marked by :mod:`aotdist.compile.marking`; the backend is wrapped by
 :mod:`aotdist.backends.recording`, and region failures are fixed or demoted by
-:mod:`aotdist.backends.recovery`.
+:mod:`aotdist.compile.guard`.
 
 The model is compiled in place (``nn.Module._compiled_call_impl``, as
 ``nn.Module.compile`` does), so ``state_dict()`` keys, ``named_parameters()`` and hooks
 are unchanged: no ``_orig_mod.`` prefix, no ``OptimizedModule`` wrapper.
 
-Two compile modes (:class:`aotdist.modes.CompileMode`), chosen from the model:
+Two compile modes (:class:`aotdist.compile.state.CompileMode`), chosen from the model:
 
 - ``graph`` (no FSDP2 in the model): the root's ``_call_impl`` is compiled, so the whole
   model is one graph and each region is an ``invoke_subgraph`` call in it.
@@ -29,16 +29,16 @@ import torch
 from torch import nn
 
 from aotdist import _compat
-from aotdist.backends.named import _make_backend
+from aotdist._compat.deprecation import positional_after_first_deprecated
+from aotdist.backends.named import make_backend
 from aotdist.backends.recording import RecordingBackend
-from aotdist.backends.recovery import _RegionGuardedCall
+from aotdist.compile.guard import RegionGuardedCall
+from aotdist.compile.marking import is_compiled, mark_regions, unmark_regions
+from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode, RegionState
 from aotdist.errors import OrderingError, RegionCompileWarning
 from aotdist.fsdp import fsdp_modules
 from aotdist.log import rank_zero_warn
-from aotdist.marking import is_compiled, mark_regions, unmark_regions
-from aotdist.modes import CompileMode
 from aotdist.regions import RegionPlan
-from aotdist.state import INFO_ATTR, STATE_ATTR, RegionState
 
 __all__ = [
     "check_not_compiled",
@@ -95,8 +95,10 @@ def _compile_frames(model: nn.Module, state: RegionState, dynamic: bool | None) 
         cls.forward = forward
 
 
+@positional_after_first_deprecated
 def compile_regions(
     model: nn.Module,
+    *,
     plan: RegionPlan | None = None,
     backend: str | Callable = "inductor",
     mode: str | None = None,
@@ -135,7 +137,7 @@ def compile_regions(
         compiled = torch.compile(_compat.root_call_function(), backend=state.backend,
                                  dynamic=dynamic)
         compiled = functools.partial(compiled, model)  # compiled(model, *args, **kwargs)
-        _compat.set_compiled_call(model, _RegionGuardedCall(model, state, compiled))
+        _compat.set_compiled_call(model, RegionGuardedCall(model, state, compiled))
     state.compiled = True
     return model
 
@@ -168,7 +170,7 @@ def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None 
     state = _prepare(model, plan, backend, mode, dynamic, options)
     compiled = torch.compile(fn, backend=state.backend, dynamic=dynamic)
     state.compiled = True
-    return _RegionGuardedCall(model, state, compiled)
+    return RegionGuardedCall(model, state, compiled)
 
 
 def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
@@ -182,7 +184,7 @@ def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
             "Fix: call aotdist.restore(model) first, or use the model as it is."
         )
     check_not_compiled(model)
-    inner = _make_backend(backend, mode, options, dynamic)
+    inner = make_backend(backend, mode, options, dynamic)
     if state is None:  # parallelize marks before fully_shard, then compiles here
         state = mark_regions(model, plan)
     elif plan is not None and plan is not state.plan:
@@ -217,7 +219,7 @@ def restore(model: nn.Module) -> nn.Module:
         return model
     # Instances sharded after marking keep FSDP's class; their forward becomes plain eager.
     unmark_regions(model, neutralize=True)
-    if isinstance(_compat.compiled_call(model), _RegionGuardedCall):
+    if isinstance(_compat.compiled_call(model), RegionGuardedCall):
         _compat.set_compiled_call(model, None)
     del model.__dict__[STATE_ATTR]
     return model

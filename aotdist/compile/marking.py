@@ -29,14 +29,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from aotdist import _compat
+from aotdist.compile.state import STATE_ATTR, RegionState
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan, find_regions
-from aotdist.state import STATE_ATTR, RegionState
 
 __all__ = ["is_compiled", "mark_regions", "unmark_regions"]
 
 
-def _copy_function(fn: Callable, *, new_code: bool = False) -> types.FunctionType:
+def copy_function(fn: Callable, *, new_code: bool = False) -> types.FunctionType:
     """A fresh function object with ``fn``'s code, so marking never writes attributes on it.
 
     With ``new_code`` the code object is a copy too: Dynamo caches compiled frames per
@@ -131,14 +131,14 @@ def _detach_no_grad_outputs(fn: Callable) -> Callable:
 
 def _region_class(base: type, region: str, *, clone_aliases: bool = False,
                   checkpoint: bool = False, nested: bool = True) -> type:
-    fwd = _copy_function(base.forward)
+    fwd = copy_function(base.forward)
     if clone_aliases:
         fwd = _clone_aliasing_outputs(fwd)
     if nested:
         fwd = _detach_no_grad_outputs(fwd)
     marked = torch.compiler.nested_compile_region(fwd) if nested else fwd
     # For frames mode: the same forward without invoke_subgraph, with a code object of its own.
-    plain = _copy_function(base.forward, new_code=True)
+    plain = copy_function(base.forward, new_code=True)
     if checkpoint:
         marked, plain = _checkpointed(marked), _checkpointed(plain)
     namespace = {
@@ -213,12 +213,12 @@ def mark_regions(model: nn.Module, plan: RegionPlan | None = None, *,
         )
     state = RegionState(plan=plan, checkpoint=checkpoint)
     for region in plan:
-        _apply_region_class(model, state, region.name)
+        apply_region_class(model, state, region.name)
     model.__dict__[STATE_ATTR] = state
     return state
 
 
-def _apply_region_class(model: nn.Module, state: RegionState, name: str, *,
+def apply_region_class(model: nn.Module, state: RegionState, name: str, *,
                         clone_aliases: bool = False, nested: bool = True):
     region = state.plan.by_name(name)
     cls = _region_class(region.module_type, name, clone_aliases=clone_aliases,
@@ -229,7 +229,7 @@ def _apply_region_class(model: nn.Module, state: RegionState, name: str, *,
         state.marked[fqn] = name
 
 
-def _unmark_region(model: nn.Module, state: RegionState, name: str, *,
+def unmark_region(model: nn.Module, state: RegionState, name: str, *,
                    neutralize: bool = False) -> None:
     """Returns the region's instances to their own class.
 
@@ -245,7 +245,7 @@ def _unmark_region(model: nn.Module, state: RegionState, name: str, *,
             continue
         if type(mod).__bases__ != (base,) and neutralize:
             region_cls = next(c for c in type(mod).__mro__ if "_aotdist_region" in vars(c))
-            region_cls.forward = _copy_function(base.forward)
+            region_cls.forward = copy_function(base.forward)
             state.marked.pop(fqn, None)
             continue
         if type(mod).__bases__ != (base,):
@@ -263,4 +263,4 @@ def unmark_regions(model: nn.Module, *, neutralize: bool = False) -> None:
     if state is None:
         return
     for region in state.plan:
-        _unmark_region(model, state, region.name, neutralize=neutralize)
+        unmark_region(model, state, region.name, neutralize=neutralize)

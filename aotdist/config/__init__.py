@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aotdist.config.validation import Section, problems_message
 from aotdist.errors import ConfigError, ConfigWarning
 from aotdist.log import rank_zero_warn
-from aotdist.validation import _message, _Section
 
 __all__ = [
     "AOTDistConfig",
@@ -44,7 +44,7 @@ _FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclass(frozen=True, kw_only=True)
-class RegionsConfig(_Section):
+class RegionsConfig(Section):
     """Which submodules become regions (see ``aotdist.find_regions``).
 
     Attributes:
@@ -66,7 +66,7 @@ class RegionsConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class CompileConfig(_Section):
+class CompileConfig(Section):
     """How the regions are compiled.
 
     Attributes:
@@ -100,7 +100,7 @@ class CompileConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FSDPConfig(_Section):
+class FSDPConfig(Section):
     """FSDP2 (``fully_shard``) on each region instance, then on the root.
 
     Attributes:
@@ -114,7 +114,7 @@ class FSDPConfig(_Section):
             graph inside FSDP2's eager hooks. ``graph``: aotdist shards the parameters
             as DTensors itself and puts the all-gather / reduce-scatter in the one
             whole-model graph, each region an ``invoke_subgraph`` fed its own shards
-            (see ``aotdist.graph_fsdp``).
+            (see ``aotdist.fsdp.graph``).
         bucket_mb: ``graph`` mode, compiled with ``aot_eager`` or ``inductor``: merge each
             compiled graph's all-gathers (and reduce-scatters) into buckets of at most
             this many MiB, one collective per bucket (see ``aotdist.backends.bucketing``).
@@ -158,7 +158,7 @@ class FSDPConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Float8Config(_Section):
+class Float8Config(Section):
     """Float8 training with torchao (``convert_to_float8_training``).
 
     Attributes:
@@ -192,7 +192,7 @@ class Float8Config(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ACConfig(_Section):
+class ACConfig(Section):
     """Activation checkpointing of each region instance.
 
     Attributes:
@@ -208,7 +208,7 @@ _CACHE_MODES = ("off", "local", "shared")
 
 
 @dataclass(frozen=True, kw_only=True)
-class CacheConfig(_Section):
+class CacheConfig(Section):
     """The compile artifact cache (``aotdist.cache``): compile once, reuse across runs and ranks.
 
     Attributes:
@@ -240,7 +240,7 @@ class CacheConfig(_Section):
         return out
 
 
-_SECTIONS: dict[str, type[_Section]] = {
+_SECTIONS: dict[str, type[Section]] = {
     "regions": RegionsConfig,
     "compile": CompileConfig,
     "fsdp": FSDPConfig,
@@ -276,7 +276,7 @@ class AOTDistConfig:
             for key, cls in _SECTIONS.items() if not isinstance(getattr(self, key), cls)
         ]
         if problems:
-            raise ConfigError(_message(problems), problems=problems)
+            raise ConfigError(problems_message(problems), problems=problems)
         if self.float8.enabled and self.float8.fsdp_all_gather and not self.fsdp.enabled:
             rank_zero_warn(
                 "float8.fsdp_all_gather has no effect without FSDP (fsdp.enabled is false); "
@@ -309,7 +309,7 @@ class AOTDistConfig:
             if not isinstance(data, Mapping):
                 raise ConfigError(f"aotdist: expected a mapping of sections; got {data!r}")
         problems: list[str] = []
-        sections: dict[str, _Section] = {}
+        sections: dict[str, Section] = {}
         for key in data:
             if key not in _SECTIONS:
                 problems.append(f"{key}: unknown section; known sections: {list(_SECTIONS)}")
@@ -327,7 +327,7 @@ class AOTDistConfig:
             except ConfigError as exc:
                 problems.extend(exc.problems)
         if problems:
-            raise ConfigError(_message(problems), problems=problems)
+            raise ConfigError(problems_message(problems), problems=problems)
         return cls(**sections)
 
     @classmethod

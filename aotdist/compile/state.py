@@ -12,13 +12,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from aotdist.modes import CompileMode
+from aotdist._compat.enums import StrEnum
 from aotdist.regions import RegionPlan
 
-__all__ = ["INFO_ATTR", "STATE_ATTR", "RegionState"]
+__all__ = ["INFO_ATTR", "STATE_ATTR", "CompileMode", "RegionState"]
 
 STATE_ATTR = "_aotdist_state"
 INFO_ATTR = "_aotdist_parallelized"  # aotdist.parallelize's ParallelizeInfo
+
+
+class CompileMode(StrEnum):
+    """How a model was compiled (:mod:`aotdist.compile`).
+
+    Attributes:
+        GRAPH: No FSDP2: the whole model is one graph, each region an ``invoke_subgraph``.
+        FRAMES: FSDP2 units: each region's forward is one compiled graph shared by its
+            instances, inside FSDP2's eager hooks.
+    """
+
+    GRAPH = "graph"
+    FRAMES = "frames"
 
 
 @dataclass

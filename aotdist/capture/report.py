@@ -1,7 +1,7 @@
 """The report :func:`aotdist.capture` returns: :class:`Capture` and :class:`RegionCapture`.
 
 Plain dataclasses: JSON-able with ``to_dict()``, a text table with ``summary()``, files
-with ``save(dir)``. Filled by the recorder (:mod:`aotdist.capture_recorder`).
+with ``save(dir)``. Filled by the recorder (:mod:`aotdist.capture.recorder`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from aotdist.graphs import GraphCapture
+from aotdist.capture.graphs import GraphCapture
+from aotdist.compile.state import CompileMode
 from aotdist.metrics import CompileMetrics
-from aotdist.modes import CompileMode
 
 __all__ = ["Capture", "RegionCapture"]
 

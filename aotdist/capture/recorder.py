@@ -1,6 +1,6 @@
 """The capture recorder: Dynamo's graphs, then AOTAutograd's, into a :class:`Capture`.
 
-:class:`_Recorder` is the backend chain :func:`aotdist.capture` compiles one step with:
+:class:`Recorder` is the backend chain :func:`aotdist.capture` compiles one step with:
 its Dynamo-level backend names each graph input (parameters, buffers, FSDP2's unsharded
 parameters, tensor subclasses, storage resizes); its AOTAutograd hook (``on_graph``)
 analyses every forward, backward and region subgraph before the real backend compiles it.
@@ -18,11 +18,11 @@ from torch import nn
 from aotdist import _compat
 from aotdist.backends.aot import storage_resized_inputs
 from aotdist.backends.recording import RecordingBackend, module_path_to_fqn
-from aotdist.capture_report import Capture
+from aotdist.capture.graphs import GraphCapture, analyse_graph, tensor_info
+from aotdist.capture.report import Capture
 from aotdist.fsdp import fsdp_params
-from aotdist.graphs import GraphCapture, analyse_graph, tensor_info
 
-__all__ = ["_Recorder"]
+__all__ = ["Recorder"]
 
 
 @dataclass
@@ -35,7 +35,7 @@ class _DynamoGraph:
     forward: GraphCapture | None = None
 
 
-class _Recorder:
+class Recorder:
     """Receives Dynamo's graphs, then AOTAutograd's, and builds the report as they come."""
 
     def __init__(self, model: nn.Module, plan, report: Capture):

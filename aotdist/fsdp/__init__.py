@@ -1,0 +1,38 @@
+"""FSDP2 behind one interface: sharding per region instance (hooks mode) and graph-mode FSDP.
+
+:mod:`~aotdist.fsdp.hooks`: ``fully_shard`` per region instance, then the root; FSDP2's
+eager hooks gather and free parameters and aotdist compiles each region's forward inside
+them (per-region frames). :mod:`~aotdist.fsdp.graph`: parameters become DTensor shards
+and the all-gathers and reduce-scatters are functional collectives inside the one
+whole-model graph. Ordering checks and the default mesh live in ``hooks``.
+"""
+
+from aotdist.fsdp.graph import (
+    check_graph_config,
+    graph_plan,
+    local_shards,
+    shard_graph,
+    sharded_call,
+)
+from aotdist.fsdp.hooks import (
+    check_not_sharded,
+    default_mesh,
+    fsdp_modules,
+    fsdp_params,
+    is_fsdp_module,
+    shard,
+)
+
+__all__ = [
+    "check_graph_config",
+    "check_not_sharded",
+    "default_mesh",
+    "fsdp_modules",
+    "fsdp_params",
+    "graph_plan",
+    "is_fsdp_module",
+    "local_shards",
+    "shard",
+    "shard_graph",
+    "sharded_call",
+]

@@ -1,0 +1,138 @@
+"""The package's seams and words: what a newcomer meets first stays readable.
+
+Private names stay private to their module, ``__all__`` lists public names only, the core
+has at most 20 top-level entries, module docstrings say what and why in a few lines, and
+nothing a user reads carries an issue number of this project.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = {"aotdist": ROOT / "aotdist", "aotdist.callbacks": ROOT / "callbacks"}
+MAX_TOP_LEVEL = 20
+MAX_MODULE_DOCSTRING = 15  # lines: what and why; measurements and narratives go to docs/
+# Documents a user reads (the bench report text is checked through its renderer's source).
+USER_TEXT = ["README.md", "docs/**/*.md", "CONTRIBUTING.md", "aotdist/bench/report.py"]
+ISSUE_NUMBER = re.compile(r"(?<![\w/-])(?:issue|Issue|ISSUE)s?\s+#?\d+|(?<![\w/.-])#\d{1,4}\b")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, folder in SOURCES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _private_imports(source: str) -> list[str]:
+    """``from aotdist... import _name``: a private name taken from another module."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aotdist"):
+            found += [f"line {node.lineno}: from {node.module} import {a.name}"
+                      for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")
+                      and a.name != "_compat"]
+    return found
+
+
+def _dunder_all(source: str) -> list[str]:
+    for node in ast.parse(source).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and getattr(node.targets[0], "id", None) == "__all__"):
+            return [e.value for e in getattr(node.value, "elts", [])
+                    if isinstance(e, ast.Constant)]
+    return []
+
+
+def test_private_import_detector_sees_a_private_name():
+    assert _private_imports("from aotdist.x import a, _b\nfrom torch import _c\n") == [
+        "line 1: from aotdist.x import _b"]
+    assert _private_imports("from aotdist import _compat\n") == []
+
+
+def test_no_private_name_imported_across_library_modules():
+    bad = {str(p.relative_to(ROOT)): f for p in _modules().values()
+           if (f := _private_imports(p.read_text()))}
+    assert not bad, f"rename what is really shared (a public name), or keep it local: {bad}"
+
+
+def test_no_private_name_in_any_dunder_all():
+    bad = {str(p.relative_to(ROOT)): [n for n in _dunder_all(p.read_text())
+                                      if n.startswith("_") and not n.startswith("__")]
+           for p in _modules().values()}
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"__all__ lists public names only: {bad}"
+
+
+def test_core_has_at_most_20_top_level_entries():
+    entries = sorted(p.name for p in (ROOT / "aotdist").iterdir()
+                     if p.name != "__pycache__" and (p.suffix == ".py" or p.is_dir()))
+    assert len(entries) <= MAX_TOP_LEVEL, f"{len(entries)} entries: {entries}"
+
+
+def test_module_docstrings_are_short():
+    long = {}
+    for path in _modules().values():
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=True) or ""
+        if len(doc.splitlines()) > MAX_MODULE_DOCSTRING:
+            long[str(path.relative_to(ROOT))] = len(doc.splitlines())
+    assert not long, f"module docstrings over {MAX_MODULE_DOCSTRING} lines (move to docs/): {long}"
+
+
+def test_issue_number_detector():
+    assert ISSUE_NUMBER.search("Targets (issue 16)")
+    assert ISSUE_NUMBER.search("see #24 for the sweep")
+    assert not ISSUE_NUMBER.search("pytorch/pytorch#181208 and vLLM#33357")
+    assert not ISSUE_NUMBER.search("pytorch#192631, [link](#limits), color #fff")
+
+
+def test_no_issue_numbers_in_what_users_read():
+    found = {}
+    for pattern in USER_TEXT:
+        for path in ROOT.glob(pattern):
+            hits = [m.group(0) for m in ISSUE_NUMBER.finditer(path.read_text())]
+            if hits:
+                found[str(path.relative_to(ROOT))] = hits[:5]
+    assert not found, f"issue numbers in user-facing text: {found}"
+
+
+@pytest.mark.parametrize("name", ["Tracker", "track", "CompileMetrics"])
+def test_metrics_is_part_of_the_public_face(name):
+    import aotdist
+
+    assert "metrics" in aotdist.__all__ and hasattr(aotdist.metrics, name)
+
+
+def test_every_public_error_and_warning_is_exported_at_the_root():
+    import aotdist
+    import aotdist.errors
+
+    classes = [n for n in aotdist.errors.__all__
+               if isinstance(getattr(aotdist.errors, n), type)]
+    missing = [n for n in classes if n not in aotdist.__all__]
+    assert not missing, f"add to aotdist.__all__: {missing}"
+
+
+def test_arguments_after_the_first_are_keyword_only_with_the_old_form_deprecated():
+    import aotdist
+    from aotdist.testing.models import TinyGPT
+
+    model = TinyGPT(depth=2)
+    with pytest.warns(DeprecationWarning, match=r"find_regions: passing include by position.*"
+                                                r"Fix: pass include=\.\.\."):
+        old = aotdist.find_regions(model, "GPTBlock")
+    assert [r.name for r in old] == [r.name for r in aotdist.find_regions(model, include="GPTBlock")]
+    with pytest.raises(TypeError, match="multiple values"):
+        aotdist.find_regions(model, "GPTBlock", include="GPTBlock")
+    with pytest.raises(TypeError, match="at most 3 keyword arguments"):
+        aotdist.find_regions(model, None, None, 2, 4)
