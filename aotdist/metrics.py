@@ -67,6 +67,8 @@ class CompileMetrics:
     regions: dict[str, RegionStats] = field(default_factory=dict)
     fixes: dict[str, str] = field(default_factory=dict)
     demoted: dict[str, str] = field(default_factory=dict)
+    eager: dict[str, str] = field(default_factory=dict)  # region -> why it ran uncompiled
+    reuse: dict[str, str] = field(default_factory=dict)  # region -> why >1 subgraph
     # "graph": one whole-model graph calling region subgraphs; "frames": each region its
     # own compiled graph (under FSDP2); "" when no aotdist model was tracked
     mode: CompileMode | str = ""
@@ -109,6 +111,10 @@ class CompileMetrics:
             lines.append(f"  region {name} fixed: {fix}")
         for name, why in self.demoted.items():
             lines.append(f"  region {name} compiled inline: {why[:160]}")
+        for name, why in self.eager.items():
+            lines.append(f"  region {name} RAN EAGER: {why[:160]}")
+        for name, why in self.reuse.items():
+            lines.append(f"  region {name} reuse: {why[:160]}")
         return "\n".join(lines)
 
 
@@ -256,6 +262,8 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
         metrics.mode = state.mode
         metrics.fixes = dict(state.fixes)
         metrics.demoted = dict(state.demoted)
+        metrics.eager = dict(state.eager)
+        metrics.reuse = dict(state.reuse)
     subgraphs: dict[str, set[str]] = {}
     inlined: dict[str, set[str]] = {}
     for rec in records:

@@ -31,6 +31,12 @@ from aotdist._compat.caches import (
     merge_mega_cache,
     wrap_fx_graph_cache,
 )
+from aotdist._compat.codes import (
+    dynamo_error_types,
+    maybe_mark_dynamic,
+    region_options,
+    unique_code_function,
+)
 from aotdist._compat.compiler import (
     aot_eager_parts,
     call_impl,
@@ -74,6 +80,10 @@ from aotdist._compat.subgraphs import (
 )
 
 __all__ = [
+    "unique_code_function",
+    "region_options",
+    "maybe_mark_dynamic",
+    "dynamo_error_types",
     "CHECKED_ON",
     "accelerate_old_forward",
     "accelerator_state_initialized",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -62,7 +61,7 @@ def _root_call(self, *args, **kwargs):
     return self._call_impl(*args, **kwargs)
 
 
-def root_call_function() -> Callable:
+def root_call_function(label: str = "model") -> Callable:
     """A fresh function ``f(model, *args, **kwargs)`` calling ``model._call_impl``: what
     graph mode compiles (torch 2.11, 2.15).
 
@@ -72,12 +71,13 @@ def root_call_function() -> Callable:
     (``OptimizedModule._should_wrap_module_call_impl``), torch 2.11 does not, so there the
     root ran eagerly and each region instance was compiled as a frame of its own. Tracing
     from a function of ours, which calls ``_call_impl``, makes the whole model one graph on
-    both. Each call returns a function with a code object of its own (Dynamo caches frames
-    per code object), and the model is its ``self``, so graph sources read
+    both. Each call returns a function with a code object and name of its own (Dynamo keys
+    frames and automatic-dynamic profiles by code), and the model is its ``self``, so graph sources read
     ``L['self'].<fqn>``.
     """
-    fn = _root_call
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    from aotdist._compat.codes import unique_code_function
+
+    return unique_code_function(_root_call, label)
 
 
 def functional_collectives():

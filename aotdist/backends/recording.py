@@ -44,7 +44,7 @@ from aotdist.backends.aot import aot_backend, storage_resized_inputs
 from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_chain
 from aotdist.log import rank_zero_warn
 
-__all__ = ["GraphRecord", "RecordingBackend", "graph_log_cursor", "module_path_to_fqn",
+__all__ = ["DryRunDone", "GraphRecord", "RecordingBackend", "graph_log_cursor", "module_path_to_fqn",
            "records_since"]
 
 # Every RecordingBackend appends here, so track() can see graphs compiled in its window;
@@ -52,6 +52,10 @@ __all__ = ["GraphRecord", "RecordingBackend", "graph_log_cursor", "module_path_t
 _GRAPH_LOG: list[GraphRecord] = []
 _MAX_LOG = 10_000
 _appended = 0  # records ever appended: a cursor survives the log's trimming
+
+
+class DryRunDone(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by a dry-run backend once the graph is traced: the call stops, nothing ran."""
 
 
 def graph_log_cursor() -> int:
@@ -132,11 +136,14 @@ class RecordingBackend:
     are forwarded, so Dynamo treats it as the backend it wraps.
     """
 
+    dry_run = False  # set per instance by aotdist.compile.isolate for its trials
+
     def __init__(self, inner: Callable, *, model: nn.Module | None = None, plan=None,
                  keep_graphs: bool = False):
         self.inner = _compat.lookup_backend(inner) if isinstance(inner, str) else inner
         self.plan = plan
         self.keep_graphs = keep_graphs
+        self.dry_run = False
         self._model_id = id(model) if model is not None else 0
         self._model_ref = weakref.ref(model) if model is not None else None
         self._fqn_to_region = {f: r.name for r in plan for f in r.fqns} if plan else {}
@@ -148,6 +155,11 @@ class RecordingBackend:
         return getattr(self.inner, name)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        if self.dry_run:  # a trial (aotdist.compile.isolate): trace the joint graph, stop
+            if not storage_resized_inputs(gm):
+                aot_eager, _ = _compat.aot_eager_parts()
+                aot_eager(gm, example_inputs)
+            raise DryRunDone()
         record = GraphRecord(
             index=_appended, model_id=self._model_id,
             num_ops=sum(1 for n in gm.graph.nodes if n.op == "call_function"),

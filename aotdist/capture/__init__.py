@@ -58,7 +58,7 @@ def _install_frames(model: nn.Module, state, backend, calls: dict) -> dict[type,
     old = {}
     for region in state.plan:
         cls = state.classes[region.name]
-        old[cls] = cls.__dict__.get("forward")
+        old[cls] = cls.__dict__.get("_aotdist_impl")
         fn = torch.compile(copy_function(cls._aotdist_plain_forward, new_code=True),
                            backend=backend)
 
@@ -66,7 +66,7 @@ def _install_frames(model: nn.Module, state, backend, calls: dict) -> dict[type,
             calls.setdefault(_name, []).append(fqn_of.get(id(self), "?"))
             return _fn(self, *args, **kwargs)
 
-        cls.forward = forward
+        cls._aotdist_impl = forward  # the region class's forward dispatches to it
     return old
 
 
@@ -141,7 +141,7 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
                 out = model(*args, **kwargs)
             else:
                 with local_shards(model):  # graph-mode FSDP: regions read local shards
-                    out = _run_demoting(model, state, recorder,
+                    out = _run_demoting(model, state, recorder, recording,
                                         torch.compile(_runner(), backend=recording), args,
                                         kwargs)
             loss = loss_fn(out) if loss_fn is not None else out
@@ -149,7 +149,7 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
                 loss.backward()
     finally:
         for cls, fwd in old_forwards.items():
-            cls.forward = fwd
+            cls._aotdist_impl = fwd
         _compat.set_compiled_call(model, compiled_call)
         for p, g in grads.items():
             p.grad = g
@@ -164,18 +164,19 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
     return report
 
 
-def _run_demoting(model: nn.Module, state, recorder: Recorder, compiled, args, kwargs):
+def _run_demoting(model: nn.Module, state, recorder: Recorder, recording, compiled, args,
+                  kwargs):
     """``compiled(model, args, kwargs)``; a region that cannot be an ``invoke_subgraph``
     (in-place buffer mutation in training, a graph break...) is fixed or demoted to
     inline compilation as :func:`aotdist.compile_regions` does (same warning), what the
     failed attempt recorded is dropped, and the step is traced again."""
-    guard = RegionGuardedCall(model, state, compiled)
+    guard = RegionGuardedCall(model, state, compiled, backend=recording)
     report = recorder.report
     for _ in range(2 * len(state.plan) + 1):
         try:
             return compiled(model, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is a region failure
-            if not guard._handle(exc):
+            if not guard.handle(exc, lambda: compiled(model, args, kwargs)):
                 raise
         recorder.reset()
         report.graphs.clear()

@@ -32,6 +32,7 @@ from aotdist import _compat
 from aotdist._compat.deprecation import positional_after_first_deprecated
 from aotdist.backends.named import make_backend
 from aotdist.backends.recording import RecordingBackend
+from aotdist.compile.frames import compile_frames
 from aotdist.compile.guard import RegionGuardedCall
 from aotdist.compile.marking import is_compiled, mark_regions, unmark_regions
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode, RegionState
@@ -80,21 +81,6 @@ def check_not_compiled(model: nn.Module) -> None:
         )
 
 
-def _compile_frames(model: nn.Module, state: RegionState, dynamic: bool | None) -> None:
-    """Frames mode: one compiled forward per region, shared by its instances."""
-    for region in state.plan:
-        cls = state.classes[region.name]
-        compiled = torch.compile(cls._aotdist_plain_forward, backend=state.backend,
-                                 dynamic=dynamic)
-        calls = state.frame_calls.setdefault(region.name, set())
-
-        def forward(self, *args, _compiled=compiled, _calls=calls, **kwargs):
-            _calls.add(id(self))
-            return _compiled(self, *args, **kwargs)
-
-        cls.forward = forward
-
-
 @positional_after_first_deprecated
 def compile_regions(
     model: nn.Module,
@@ -115,7 +101,9 @@ def compile_regions(
         plan: Regions to use; ``aotdist.find_regions(model)`` when ``None``.
         backend: A ``torch.compile`` backend name or callable.
         mode: ``torch.compile`` mode (named backends only).
-        dynamic: ``torch.compile``'s ``dynamic``.
+        dynamic: ``True``: input shapes are dynamic from the first compile (module
+            constants stay static); ``False``: static shapes; ``None``: torch's automatic
+            dynamic (recompile once when a shape changes).
         options: Backend options (named backends only).
 
     Returns:
@@ -130,12 +118,14 @@ def compile_regions(
     state = _prepare(model, plan, backend, mode, dynamic, options)
     if fsdp_modules(model):  # FSDP2's hooks would break the whole graph: see module doc
         state.mode = CompileMode.FRAMES
-        _compile_frames(model, state, dynamic)
+        compile_frames(model, state, functools.partial(
+            torch.compile, backend=state.backend, dynamic=_torch_dynamic(dynamic)))
     else:
         # Through an aotdist function, not model._call_impl: see _compat.root_call_function
-        # (torch 2.11 does not trace an nn.Sequential root's _call_impl).
-        compiled = torch.compile(_compat.root_call_function(), backend=state.backend,
-                                 dynamic=dynamic)
+        # (torch 2.11 does not trace an nn.Sequential root's _call_impl); its code is this
+        # model's own, so Dynamo's per-code state (automatic dynamic) is never shared.
+        compiled = torch.compile(_compat.root_call_function(type(model).__name__),
+                                 backend=state.backend, dynamic=_torch_dynamic(dynamic))
         compiled = functools.partial(compiled, model)  # compiled(model, *args, **kwargs)
         _compat.set_compiled_call(model, RegionGuardedCall(model, state, compiled))
     state.compiled = True
@@ -168,7 +158,8 @@ def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None 
             "use aotdist.compile_regions(model), which compiles inside the FSDP units."
         )
     state = _prepare(model, plan, backend, mode, dynamic, options)
-    compiled = torch.compile(fn, backend=state.backend, dynamic=dynamic)
+    compiled = torch.compile(_compat.unique_code_function(fn, type(model).__name__),
+                             backend=state.backend, dynamic=_torch_dynamic(dynamic))
     state.compiled = True
     return RegionGuardedCall(model, state, compiled)
 
@@ -184,7 +175,7 @@ def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
             "Fix: call aotdist.restore(model) first, or use the model as it is."
         )
     check_not_compiled(model)
-    inner = make_backend(backend, mode, options, dynamic)
+    inner = make_backend(backend, mode, options, _torch_dynamic(dynamic))
     if state is None:  # parallelize marks before fully_shard, then compiles here
         state = mark_regions(model, plan)
     elif plan is not None and plan is not state.plan:
@@ -200,7 +191,16 @@ def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
             RegionCompileWarning, stacklevel=3,
         )
     state.backend = RecordingBackend(inner, model=model, plan=state.plan)
+    state.dynamic_inputs = dynamic is True
     return state
+
+
+def _torch_dynamic(dynamic: bool | None) -> bool | None:
+    """``dynamic=True`` becomes automatic dynamic with every input dimension marked dynamic
+    at each call: shapes become symbolic, module constants (a norm's ``eps``) stay
+    constants, so each region stays one reusable subgraph (torch's ``dynamic=True`` would
+    make those floats symbolic inputs of the subgraph)."""
+    return None if dynamic else dynamic
 
 
 def restore(model: nn.Module) -> nn.Module:

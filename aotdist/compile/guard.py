@@ -10,87 +10,152 @@ with a ``RegionCompileWarning`` each time. Parsing torch's error text lives here
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import torch
 from torch import nn
 
 from aotdist import _compat
+from aotdist.compile.isolate import Trials
 from aotdist.compile.marking import apply_region_class, unmark_region
+from aotdist.compile.reuse import report_reuse
 from aotdist.compile.state import RegionState
 from aotdist.errors import OrderingError, RegionCaptureError, RegionCompileWarning
 from aotdist.errors import exception_chain as _chain
 from aotdist.fsdp import fsdp_modules
 from aotdist.log import rank_zero_warn
 
-__all__ = ["RegionGuardedCall"]
+__all__ = ["RegionGuardedCall", "mark_dynamic_inputs"]
 
 
 class RegionGuardedCall:
     """The compiled ``_call_impl``, with region failures fixed or demoted, never hidden.
 
-    A region that Dynamo cannot capture as a reusable subgraph fails *at trace time*,
-    before anything ran, with ``UncapturedHigherOrderOpError``. The failing region is
-    identified from the error's user stack; an aliasing output is fixed by cloning, any
-    other failure (graph break, data-dependent branch) demotes the region to inline
-    compilation inside the surrounding graph. Each gets a ``RegionCompileWarning``.
+    A region that cannot be a reusable subgraph fails while the model is traced or
+    compiled, before any of it ran. The responsible regions are found from the error
+    (the recording backend names them; else Dynamo's user stack), or, when the error does
+    not say, by bisection over the live regions with dry-run compiles that stop before
+    anything runs (:mod:`aotdist.compile.isolate`). Each is fixed (aliasing outputs
+    cloned) or demoted to inline compilation, with a ``RegionCompileWarning``. Only an
+    error that remains with every region demoted propagates, with a note saying so.
     """
 
-    def __init__(self, model: nn.Module, state: RegionState, compiled: Callable):
+    def __init__(self, model: nn.Module, state: RegionState, compiled: Callable, *,
+                 backend: Any = None):
         self._model_ref = model
         self._state = state
         self._compiled = compiled
+        self._backend = backend  # the recording backend, when not state.backend
 
     def __call__(self, *args, **kwargs):
-        if not self._state.fsdp_checked:
+        state = self._state
+        if not state.fsdp_checked:
             _check_no_fsdp_added(self._model_ref)
-            self._state.fsdp_checked = True
-        for _ in range(2 * len(self._state.plan) + 1):
+            state.fsdp_checked = True
+        if state.dynamic_inputs:
+            mark_dynamic_inputs(args, kwargs)
+        first = not state.reuse_checked
+        for _ in range(2 * len(state.plan) + 2):
             try:
-                with _compat.tolerant_subgraph_dedup(), _compat.cached_subgraph_schemas():
-                    return self._compiled(*args, **kwargs)  # dedup: reuse, not a crash (2.11)
+                out = self._run(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - re-raised unless it is a region failure
-                if not self._handle(exc):
+                if not self.handle(exc, lambda: self._run(*args, **kwargs)):
                     raise
-        with _compat.tolerant_subgraph_dedup(), _compat.cached_subgraph_schemas():
-            return self._compiled(*args, **kwargs)
+                continue
+            if first:
+                state.reuse_checked = True
+                report_reuse(self._model_ref, state)
+            return out
+        return self._run(*args, **kwargs)
 
-    def _handle(self, exc: Exception) -> bool:
+    def _run(self, *args, **kwargs):
+        with _compat.tolerant_subgraph_dedup(), _compat.cached_subgraph_schemas():
+            return self._compiled(*args, **kwargs)  # dedup: reuse, not a crash (2.11)
+
+    def handle(self, exc: Exception, run: Callable[[], Any]) -> bool:
+        """Fixes or demotes the regions behind ``exc``, a failure of the compiled call;
+        ``run`` repeats that call (for dry-run trials). Returns whether to try again."""
         state = self._state
         live = [r.name for r in state.plan if r.name not in state.demoted]
         captured = next((e for e in _chain(exc) if isinstance(e, RegionCaptureError)), None)
+        text = _exception_text(exc)
         if captured is not None:  # the backend rejected named regions
             names = [n for n in captured.regions if n in live]
             reason, aliasing = captured.reason, False
-        else:  # Dynamo could not capture a region (graph break, aliasing...)
-            text = _exception_text(exc)
-            if "invoke_subgraph" not in text:
-                return False
-            names = _regions_in_stack(exc, state, live) or live
+        elif "invoke_subgraph" in text and (named := _regions_in_stack(exc, state, live)):
+            names = named  # Dynamo could not capture a region its user stack names
             reason, aliasing = _first_line_of_cause(text), "aliasing" in text.lower()
+        elif live and isinstance(exc, _compat.dynamo_error_types()):
+            return self._bisect(exc, run, live, _first_line_of_cause(text))
+        else:
+            return False
         if not names:
             return False
         for name in names:
             if aliasing and state.fixes.get(name) != "clone_aliasing_outputs":
-                unmark_region(self._model_ref, state, name)
-                apply_region_class(self._model_ref, state, name, clone_aliases=True)
-                state.fixes[name] = "clone_aliasing_outputs"
-                rank_zero_warn(
-                    f"aotdist region {name!r}: an output aliases an input ({reason}). "
-                    "Fixed by cloning the aliasing outputs inside the region; it still "
-                    "compiles once as a reusable subgraph.",
-                    RegionCompileWarning, stacklevel=4,
-                )
+                _fix(self._model_ref, state, name, reason)
             else:
-                unmark_region(self._model_ref, state, name)
-                if state.checkpoint:  # inline, but still checkpointed
-                    apply_region_class(self._model_ref, state, name, nested=False)
-                state.demoted[name] = reason
-                rank_zero_warn(
-                    f"aotdist region {name!r} cannot be a reusable subgraph: {reason}. "
-                    "It is compiled inline in the surrounding graph instead (Dynamo handles "
-                    "its graph breaks as usual); exclude it or fix the cause to regain reuse.",
-                    RegionCompileWarning, stacklevel=4,
-                )
+                _demote(self._model_ref, state, name, reason)
         return True
+
+    def _bisect(self, exc: Exception, run: Callable[[], Any], live: list[str],
+                reason: str) -> bool:
+        """The error does not say which regions: dry-run trials find them."""
+        state = self._state
+        trial = Trials(self._model_ref, state, run, self._backend or state.backend)
+        names = trial.isolate(live)
+        if not names:
+            _note(exc, "aotdist: the model fails the same way with every region demoted, "
+                  "i.e. as a whole-model torch.compile; this is torch.compile's own error "
+                  "(above), not a region problem.")
+            return False
+        for name in names:  # a fix that keeps the region reusable, where a trial passes
+            if trial.fixed_by_cloning(name):
+                _fix(self._model_ref, state, name, reason, apply=False)
+            else:
+                _demote(self._model_ref, state, name, reason)
+        return True
+
+
+def mark_dynamic_inputs(args: tuple, kwargs: dict) -> None:
+    """Every dimension of every input tensor marked dynamic (a hint: a dimension the
+    program needs static is specialized without error); for ``dynamic=True``."""
+    for leaf in _compat.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and not isinstance(leaf, nn.Parameter):
+            _compat.maybe_mark_dynamic(leaf)
+
+
+def _fix(model: nn.Module, state: RegionState, name: str, reason: str, *,
+         apply: bool = True) -> None:
+    if apply:
+        unmark_region(model, state, name)
+        apply_region_class(model, state, name, clone_aliases=True)
+    state.fixes[name] = "clone_aliasing_outputs"
+    rank_zero_warn(
+        f"aotdist region {name!r}: an output aliases an input ({reason}). Fixed by cloning "
+        "the aliasing outputs inside the region; it still compiles once as a reusable "
+        "subgraph.", RegionCompileWarning, stacklevel=5,
+    )
+
+
+def _demote(model: nn.Module, state: RegionState, name: str, reason: str) -> None:
+    unmark_region(model, state, name)
+    if state.checkpoint:  # inline, but still checkpointed
+        apply_region_class(model, state, name, nested=False)
+    state.demoted[name] = reason
+    hint = (" The region writes a tensor into an object passed to it (a KV cache?): for "
+            "training, pass use_cache=False." if "side effect" in reason else "")
+    rank_zero_warn(
+        f"aotdist region {name!r} cannot be a reusable subgraph: {reason}. It is compiled "
+        "inline in the surrounding graph instead (no reuse; Dynamo handles its graph breaks "
+        f"as usual); exclude it or fix the cause to regain reuse.{hint}",
+        RegionCompileWarning, stacklevel=5,
+    )
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(text)
 
 
 def _check_no_fsdp_added(model: nn.Module) -> None:
@@ -113,8 +178,8 @@ def _first_line_of_cause(text: str) -> str:
     for i, ln in enumerate(lines):
         if ln.endswith("Got graph break/error:") and i + 1 < len(lines):
             expl = next((x for x in lines[i + 1:] if x.startswith("Explanation:")), "")
-            return (lines[i + 1] + (f" - {expl[len('Explanation: '):]}" if expl else ""))[:300]
-    return lines[0][:300] if lines else "unknown reason"
+            return (lines[i + 1] + (f" - {expl[len('Explanation: '):]}" if expl else ""))[:500]
+    return lines[0][:500] if lines else "unknown reason"
 
 
 def _regions_in_stack(exc: BaseException, state: RegionState, live: list[str]) -> list[str]:

@@ -129,20 +129,32 @@ def _detach_no_grad_outputs(fn: Callable) -> Callable:
     return forward
 
 
-def _region_class(base: type, region: str, *, clone_aliases: bool = False,
+def _dispatch(self, *args, **kwargs):
+    return self._aotdist_impl(*args, **kwargs)
+
+
+def _region_class(base: type, region: str, *, count: int = 2, clone_aliases: bool = False,
                   checkpoint: bool = False, nested: bool = True) -> type:
     fwd = copy_function(base.forward)
     if clone_aliases:
         fwd = _clone_aliasing_outputs(fwd)
     if nested:
-        fwd = _detach_no_grad_outputs(fwd)
-    marked = torch.compiler.nested_compile_region(fwd) if nested else fwd
+        # One code object per region: torch keys subgraph reuse (and its entry cap) by code.
+        fwd = _compat.unique_code_function(_detach_no_grad_outputs(fwd), region)
+        marked = torch.compiler.nested_compile_region(
+            fwd, **_compat.region_options(max(8, 2 * count)))
+    else:
+        marked = fwd
     # For frames mode: the same forward without invoke_subgraph, with a code object of its own.
-    plain = copy_function(base.forward, new_code=True)
+    plain = _compat.unique_code_function(base.forward, f"{region}_frame")
     if checkpoint:
         marked, plain = _checkpointed(marked), _checkpointed(plain)
     namespace = {
-        "forward": marked,
+        # forward only dispatches to _aotdist_impl, read at call time: classes made later from
+        # this one (fully_shard's FSDP<cls>, a library's __init_subclass__ wrapper) may
+        # snapshot forward, and still reach what frames mode or a demotion installs.
+        "forward": _compat.unique_code_function(_dispatch, region),
+        "_aotdist_impl": marked,
         "_aotdist_plain_forward": plain,
         "__module__": base.__module__,
         "__qualname__": base.__qualname__,
@@ -221,8 +233,8 @@ def mark_regions(model: nn.Module, plan: RegionPlan | None = None, *,
 def apply_region_class(model: nn.Module, state: RegionState, name: str, *,
                         clone_aliases: bool = False, nested: bool = True):
     region = state.plan.by_name(name)
-    cls = _region_class(region.module_type, name, clone_aliases=clone_aliases,
-                        checkpoint=state.checkpoint, nested=nested)
+    cls = _region_class(region.module_type, name, count=region.count,
+                        clone_aliases=clone_aliases, checkpoint=state.checkpoint, nested=nested)
     state.classes[name] = cls
     for fqn in region.fqns:
         model.get_submodule(fqn).__class__ = cls
@@ -245,7 +257,7 @@ def unmark_region(model: nn.Module, state: RegionState, name: str, *,
             continue
         if type(mod).__bases__ != (base,) and neutralize:
             region_cls = next(c for c in type(mod).__mro__ if "_aotdist_region" in vars(c))
-            region_cls.forward = copy_function(base.forward)
+            region_cls._aotdist_impl = copy_function(base.forward)
             state.marked.pop(fqn, None)
             continue
         if type(mod).__bases__ != (base,):

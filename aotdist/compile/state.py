@@ -49,3 +49,8 @@ class RegionState:
     classes: dict[str, type] = field(default_factory=dict)  # region name -> its class
     frame_calls: dict[str, set[int]] = field(default_factory=dict)  # region -> id(instance)
     fsdp_checked: bool = False
+    dynamic_inputs: bool = False  # dynamic=True: inputs' dims marked dynamic at each call
+    eager: dict[str, str] = field(default_factory=dict)  # region -> why it ran uncompiled
+    reuse: dict[str, str] = field(default_factory=dict)  # region -> why it has >1 subgraph
+    frames_checked: bool = False  # frames mode: the first forward's eager check ran
+    reuse_checked: bool = False  # whole-model compile: reuse reported after the first call

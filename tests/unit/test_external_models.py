@@ -142,7 +142,9 @@ def test_vit_train_parity_and_metrics():
     with _caught_warnings() as caught, aotdist.metrics.track(model) as m:
         assert_parity(model, reference, (x,))
     _assert_blocks_got_gradients(model, VIT_FQNS)
-    assert _region_warnings(caught) == []
+    # block 0's input layout differs from the others' (below): that reuse loss is named
+    assert [w for w in _region_warnings(caught) if "'EncoderBlock' is compiled" not in w] == []
+    assert "input" in m.reuse["EncoderBlock"] and "3 instances" in m.reuse["EncoderBlock"]
     assert m.graph_breaks == {}, m.summary()
     assert m.recompiles == [] and m.failures == [], m.summary()
     assert m.demoted == {} and m.fixes == {}, m.summary()

@@ -1,0 +1,83 @@
+"""Per-region frames (FSDP2 hooks mode): one compiled forward per region, and proof it ran.
+
+FSDP2's hooks are ``torch._dynamo.disable``-d, so under ``fully_shard`` each region's
+forward is compiled as a graph of its own, shared by its instances, inside FSDP's eager
+hooks. It is installed as the region class's ``_aotdist_impl``, which the region class's
+``forward`` reads at call time, so it reaches instances whose class another library made
+later (``FSDP<cls>``, a wrapper snapshotting ``forward``). After the first forward every
+region instance that ran is checked to have run compiled; one that did not is named in a
+``RegionCompileWarning`` and in ``metrics`` (``eager``), never silently eager.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from aotdist.compile.guard import mark_dynamic_inputs
+from aotdist.compile.state import RegionState
+from aotdist.errors import RegionCompileWarning
+from aotdist.log import rank_zero_warn
+
+__all__ = ["compile_frames"]
+
+
+def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
+    """Installs one compiled forward per region and the first-forward check.
+
+    Args:
+        model: The root module (holding FSDP2 units).
+        state: Its region state; ``state.classes`` are the region classes.
+        compile_fn: ``torch.compile`` with the backend and options bound.
+    """
+    for region in state.plan:
+        cls = state.classes[region.name]
+        compiled = compile_fn(cls._aotdist_plain_forward)
+        calls = state.frame_calls.setdefault(region.name, set())
+
+        def forward(self, *args, _compiled=compiled, _calls=calls, _state=state, **kwargs):
+            _calls.add(id(self))
+            if _state.dynamic_inputs:
+                mark_dynamic_inputs(args, kwargs)
+            return _compiled(self, *args, **kwargs)
+
+        cls._aotdist_impl = forward
+    _watch_first_forward(model, state)
+
+
+def _watch_first_forward(model: nn.Module, state: RegionState) -> None:
+    """Forward pre-hooks on the instances record which ran; after the root's first forward
+    the ones that ran but never entered their compiled forward are reported."""
+    ran: dict[str, set[int]] = {}
+    handles = []
+    for region in state.plan:
+        seen = ran.setdefault(region.name, set())
+        for fqn in region.fqns:
+            handles.append(model.get_submodule(fqn).register_forward_pre_hook(
+                lambda mod, args, _seen=seen: _seen.add(id(mod))))
+
+    def check(module, args, output):
+        for handle in handles:
+            handle.remove()
+        state.frames_checked = True
+        for region in state.plan:
+            missed = ran[region.name] - state.frame_calls.get(region.name, set())
+            if not missed or region.name in state.demoted:
+                continue
+            fqn_of = {id(model.get_submodule(f)): f for f in region.fqns}
+            names = sorted(fqn_of.get(i, "?") for i in missed)
+            cls = type(model.get_submodule(names[0])) if names[0] != "?" else None
+            why = (f"{len(missed)} of {region.count} instances ran uncompiled ({names[:3]}); "
+                   f"their class {getattr(cls, '__qualname__', '?')} does not reach aotdist's "
+                   "region forward (a wrapper or class created after marking replaced "
+                   "forward)")
+            state.eager[region.name] = why
+            rank_zero_warn(
+                f"aotdist region {region.name!r} ran EAGER, not compiled: {why}. Fix: apply "
+                "aotdist.parallelize(model, config=...) to the unwrapped model (it marks, "
+                "then shards), or exclude the region and use torch.compile on it.",
+                RegionCompileWarning, stacklevel=2,
+            )
+        root_handle.remove()
+        return output
+
+    root_handle = model.register_forward_hook(check)

@@ -1,0 +1,247 @@
+"""Compile robustness on models nobody tuned for aotdist: failures isolated whatever their
+text, no region spending another's reuse budget, reuse losses explained, dynamic shapes
+keeping reuse, and one model's compile never changing another's.
+
+Every test compares against eager on the same weights and inputs, with blocks whose
+weights differ (``aot_eager``: bitwise).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import aotdist
+from aotdist import metrics
+from aotdist.testing.models import TinyGPT, example_inputs
+
+_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2])
+
+
+def _step(model, *inputs):
+    out = model(*inputs)
+    loss = out.float().square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _assert_same_training(model, reference, *inputs):
+    torch.manual_seed(1)
+    got = _step(model, *inputs)
+    torch.manual_seed(1)
+    want = _step(reference, *inputs)
+    assert torch.equal(got, want)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def _pair(model):
+    torch.manual_seed(0)
+    for p in model.parameters():  # blocks with different weights
+        nn.init.normal_(p, std=0.2)
+    return model, copy.deepcopy(model)
+
+
+def _warnings(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(w.message) for w in caught if issubclass(w.category,
+                                                                aotdist.RegionCompileWarning)]
+
+
+# -------------------------------------------------------------- failure isolation
+
+
+class Scratch:
+    """An object handed to every block, as a KV cache is."""
+
+
+class Writer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, scratch):
+        scratch.last = x.to(x.dtype)  # an alias of the input escapes through an object
+        return torch.relu(self.lin(x))
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, scratch):
+        return torch.tanh(self.lin(x))
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Writer(), Plain(), Writer(), Plain()])
+
+    def forward(self, x):
+        scratch = Scratch()
+        for block in self.blocks:
+            x = block(x, scratch)
+        return x + scratch.last
+
+
+def test_a_failure_that_does_not_name_invoke_subgraph_is_isolated_by_bisection():
+    model, eager = _pair(Mixed())
+    aotdist.compile_regions(model, backend="aot_eager")
+    x = torch.randn(3, 8)
+    with metrics.track(model) as m:
+        _, caught = _warnings(lambda: _assert_same_training(model, eager, x))
+    assert list(m.demoted) == ["Writer"], m.summary()
+    assert m.demoted["Writer"].startswith("InternalTorchDynamoError")  # torch's own words
+    assert any("'Writer' cannot be a reusable subgraph" in w for w in caught), caught
+    assert m.regions["Plain"].call_sites == 2 and m.regions["Plain"].subgraphs == 1
+
+
+class Raises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Plain(), Plain()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, None)
+        raise ValueError("the user's own error")
+
+
+def test_a_user_error_propagates_unchanged_and_demotes_nothing():
+    model = Raises()
+    aotdist.compile_regions(model, backend="aot_eager")
+    with pytest.raises(ValueError, match="the user's own error"):
+        model(torch.randn(2, 8))
+    assert model._aotdist_state.demoted == {}
+
+
+# -------------------------------------------------------------- reuse budget and reasons
+
+
+def _distinct_block_classes(n):
+    """``n`` region classes of one shape (different classes: one region each)."""
+    return [type(f"Block{i}", (Plain,), {}) for i in range(n)]
+
+
+class ManyKinds(nn.Module):
+    def __init__(self, classes):
+        super().__init__()
+        self.stem = nn.Linear(8, 8)  # every block gets an activation (requires_grad)
+        self.blocks = nn.ModuleList([cls() for cls in classes for _ in range(2)])
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x, None)
+        return x
+
+
+def test_more_than_eight_region_classes_each_keep_their_own_reuse():
+    model, eager = _pair(ManyKinds(_distinct_block_classes(10)))
+    aotdist.compile_regions(model, backend="aot_eager")
+    with metrics.track(model) as m:
+        _, caught = _warnings(lambda: _assert_same_training(model, eager, torch.randn(2, 8)))
+    assert not caught
+    assert len(m.regions) == 10
+    for name, st in m.regions.items():
+        assert (st.call_sites, st.subgraphs) == (2, 1), (name, m.summary())
+
+
+class PerLayer(nn.Module):
+    def __init__(self, index, kind):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.kind = kind
+        self.layer_index = index
+        self.layer_name = f"layers.{index}"
+        self.drop = 0.1 * index
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.kind == "int":
+            y = y * (self.layer_index + 1)
+        elif self.kind == "str":
+            y = y * len(self.layer_name)
+        else:
+            y = y * (1.0 - self.drop)
+        return torch.relu(y)
+
+
+class PerLayerNet(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.blocks = nn.ModuleList([PerLayer(i, kind) for i in range(3)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("kind,attribute", [("int", "layer_index"), ("str", "layer_name"),
+                                            ("float", "drop")])
+def test_a_per_layer_constant_is_named_as_the_reason_reuse_is_lost(kind, attribute):
+    model, eager = _pair(PerLayerNet(kind))
+    aotdist.compile_regions(model, backend="aot_eager")
+    with metrics.track(model) as m:
+        _, caught = _warnings(lambda: _assert_same_training(model, eager, torch.randn(2, 8)))
+    why = m.reuse.get("PerLayer", "")
+    assert attribute in why and "3 instances" in why, m.summary()
+    assert any("'PerLayer' is compiled" in w and attribute in w and "Fix:" in w
+               for w in caught), caught
+
+
+# -------------------------------------------------------------- dynamic shapes
+
+
+def test_dynamic_true_keeps_every_region_one_reused_subgraph():
+    torch.manual_seed(0)
+    model, eager = _pair(TinyGPT(depth=3))
+    aotdist.compile_regions(model, backend="aot_eager", dynamic=True)
+    (x,), _ = example_inputs(model)
+    with metrics.track(model) as m:
+        _, caught = _warnings(lambda: [_assert_same_training(model, eager, x[:, :n].contiguous())
+                                       for n in (x.shape[1], x.shape[1] // 2)])
+    assert m.graphs == 1 and not m.recompiles and not m.demoted, m.summary()
+    (st,) = m.regions.values()
+    if _TORCH < (2, 14):  # 2.11: the first block's symbolic input strides differ, named
+        assert (st.call_sites, st.subgraphs) == (3, 2), m.summary()
+        assert "inputs differ" in m.reuse["GPTBlock"] and len(caught) == 1, caught
+    else:
+        assert (st.call_sites, st.subgraphs) == (3, 1) and not caught, (m.summary(), caught)
+
+
+# -------------------------------------------------------------- isolation between models
+
+
+def _symbolic_backend(seen):
+    def backend(gm, example_inputs):
+        seen.append(any(isinstance(s, torch.SymInt)
+                        for t in example_inputs if isinstance(t, torch.Tensor)
+                        for s in t.shape) or any(isinstance(t, torch.SymInt)
+                                                 for t in example_inputs))
+        return gm.forward
+    return backend
+
+
+def test_one_models_shapes_do_not_make_another_compile_dynamic():
+    torch._dynamo.reset()
+    first, second = [], []
+    a = TinyGPT(depth=2)
+    aotdist.compile_regions(a, backend=_symbolic_backend(first))
+    (x,), _ = example_inputs(a)
+    a(x.repeat(2, 1))
+    a(x.repeat(3, 1))  # a second batch size: model A becomes dynamic
+    assert first == [False, True]
+    b = TinyGPT(depth=3)  # another model, same classes
+    aotdist.compile_regions(b, backend=_symbolic_backend(second))
+    b(x.repeat(2, 1))
+    assert second == [False], "model B compiled dynamic on its first call"
