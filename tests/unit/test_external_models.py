@@ -167,7 +167,7 @@ def test_vit_train_parity_and_metrics():
 
 def _compiled_eval_matches(model: nn.Module, block_fqns) -> aotdist.metrics.CompileMetrics:
     """Compiles ``model`` in eval mode and checks one no-grad forward against eager: same
-    output, no region warning, no graph break. Returns the forward's metrics."""
+    output, no region warning but a named reuse loss, no graph break. Returns the forward's metrics."""
     model = model.eval()
     reference = copy.deepcopy(model)
     x = torch.randn(2, 3, 32, 32)
@@ -177,7 +177,12 @@ def _compiled_eval_matches(model: nn.Module, block_fqns) -> aotdist.metrics.Comp
         out = model(x)
         ref = reference(x)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    assert _region_warnings(caught) == []
+    # A region compiled more than once (block 0's input layout, on torch 2.11) is named
+    # in a warning and in metrics.reuse; nothing else may warn.
+    unexplained = [w for w in _region_warnings(caught) if "' is compiled " not in w]
+    assert unexplained == []
+    assert sorted(m.reuse) == sorted(
+        w.split("'")[1] for w in _region_warnings(caught) if "' is compiled " in w)
     assert m.graph_breaks == {}, m.summary()
     return m
 
