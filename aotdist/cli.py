@@ -1,4 +1,4 @@
-"""The ``aotdist`` command: ``aotdist bench`` and ``aotdist inspect``."""
+"""The ``aotdist`` command: ``bench``, ``inspect``, ``check`` and ``zoo``."""
 
 from __future__ import annotations
 
@@ -111,6 +111,56 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _cmd_check(args) -> int:
+    import json
+
+    from aotdist.check import check_family, check_fsdp, resolve
+
+    if sum(x is not None for x in (args.model, args.hf, args.torchvision)) != 1:
+        print("aotdist check: give one model: a family name or module:factory, --hf TYPE "
+              "or --torchvision NAME", file=sys.stderr)
+        return 2
+    spec = args.model or (f"hf:{args.hf}" if args.hf else f"torchvision:{args.torchvision}")
+    try:
+        resolve(spec)
+    except ValueError as exc:
+        print(f"aotdist check: {exc}", file=sys.stderr)
+        return 2
+    if args.fsdp and args.fsdp > 1:
+        result = check_fsdp(spec, args.fsdp, backend=args.backend, timeout=args.timeout)
+    else:
+        result = check_family(spec, backend=args.backend)
+    print(result.line())
+    for name, why in result.notes.items():
+        print(f"  {name}: {why}")
+    if result.status == "crash" and result.error:
+        print(result.error, file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_dict(), f, indent=1)
+    return 0 if result.ok else 1
+
+
+def _cmd_zoo(args) -> int:
+    import os
+
+    from aotdist.check import FAILING, render, run_zoo
+    from aotdist.check.zoo import FSDP_FAMILIES
+
+    results = run_zoo(args.families, backend=args.backend,
+                      fsdp_names=FSDP_FAMILIES if args.fsdp_families is None
+                      else args.fsdp_families, fsdp_ranks=args.fsdp, timeout=args.timeout)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(render(results, backend=args.backend))
+        print(f"wrote {args.out}")
+    failing = [r.name for r in results if r.status in FAILING]
+    if failing:
+        print(f"failing: {', '.join(failing)}", file=sys.stderr)
+    return 1 if failing else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``aotdist`` console script."""
     parser = argparse.ArgumentParser(prog="aotdist", description=__doc__)
@@ -163,6 +213,33 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--out", default=None, help="save capture.json and one .py per graph")
     i.add_argument("--timeout", type=float, default=300.0, help="seconds, with --nproc/--fsdp")
     i.set_defaults(func=_cmd_inspect)
+
+    c = sub.add_parser(
+        "check", help="does aotdist train this model? one step eager, whole-model "
+        "torch.compile and aotdist; exit 1 on a crash, a parity failure or a silent eager "
+        "region")
+    c.add_argument("model", nargs="?", default=None,
+                   help="a family of `aotdist zoo` (e.g. llama) or module:factory, a function "
+                   "returning (model, inputs), inputs a dict of keyword arguments or a tuple")
+    c.add_argument("--hf", default=None, help="a transformers model type (tiny config)")
+    c.add_argument("--torchvision", default=None, help="a torchvision.models constructor")
+    c.add_argument("--fsdp", type=int, default=0, help="ranks: shard with FSDP2 hooks mode "
+                   "(aotdist.parallelize, gloo) and compare with single-process eager")
+    c.add_argument("--backend", default="aot_eager")
+    c.add_argument("--timeout", type=float, default=600.0, help="seconds, with --fsdp")
+    c.add_argument("--json", default=None, help="also write the result to this file")
+    c.set_defaults(func=_cmd_check)
+
+    z = sub.add_parser("zoo", help="check every model family (tiny transformers and "
+                       "torchvision builds), each in a fresh process; write docs/models.md")
+    z.add_argument("--families", type=_csv, default=None, help="default: the listed families; all: also every causal LM of the installed transformers")
+    z.add_argument("--fsdp-families", type=_csv, default=None,
+                   help="also checked under FSDP2 (default llama,qwen3_moe,bert)")
+    z.add_argument("--fsdp", type=int, default=2, help="ranks for those (1: none)")
+    z.add_argument("--backend", default="aot_eager")
+    z.add_argument("--timeout", type=float, default=600.0, help="seconds per family")
+    z.add_argument("--out", default="docs/models.md", help="the table ('' to skip)")
+    z.set_defaults(func=_cmd_zoo)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -191,14 +191,17 @@ def _tensor_desc(t: torch.Tensor) -> tuple:
 def _plain_attrs(module: nn.Module) -> tuple:
     """Configuration attributes of torch.nn's own modules (``stride``, ``eps``, ``p``...).
 
-    A user module's attributes are left out: they are often bookkeeping that differs per
-    instance (``layer_idx`` in transformers' attention) and would split every stack of
+    A user module's attributes other than bools are left out: they are often bookkeeping
+    that differs per instance (``layer_idx`` in transformers' attention) and would split every stack of
     blocks into singletons. That is safe: when such an attribute does change what a block
     computes, Dynamo's reuse guards see it and trace another subgraph (the metrics then
     show ``subgraphs > 1``); results stay right.
     """
     if not type(module).__module__.startswith("torch.nn."):
-        return ()
+        # A user module's flags (T5's is_decoder, is_causal) do select what it computes:
+        # encoder and decoder layers of one class are two regions, not one split by guards.
+        return tuple(sorted((k, repr(v)) for k, v in vars(module).items()
+                            if not k.startswith("_") and k != "training" and type(v) is bool))
     items = []
     for key, value in vars(module).items():
         if key.startswith("_"):

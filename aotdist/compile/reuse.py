@@ -57,12 +57,17 @@ def report_reuse(model: nn.Module, state: RegionState) -> None:
 
 def differing_attributes(instances: list[nn.Module]) -> list[tuple[str, str, str]]:
     """``(path, type name, values)`` of each plain Python attribute (int, float, str,
-    bool, None) whose value differs between ``instances``, by attribute path."""
+    bool, None, or a list or tuple of those) whose value differs between ``instances``, by attribute path."""
     values: dict[str, list] = {}
     for inst in instances:
         for prefix, mod in inst.named_modules():
             for key, value in vars(mod).items():
-                if key.startswith("_") or key == "training" or not isinstance(value, _SCALARS):
+                if isinstance(value, (list, tuple)) and all(isinstance(v, _SCALARS)
+                                                            for v in value):
+                    value = tuple(value)  # e.g. Swin's shift_size: [0, 0] vs [4, 4]
+                elif not isinstance(value, _SCALARS):
+                    continue
+                if key.startswith("_") or key == "training":
                     continue
                 values.setdefault(f"{prefix}.{key}" if prefix else key, []).append(value)
     out = []

@@ -1,0 +1,215 @@
+"""The model families ``aotdist zoo`` checks: tiny random-weight builds, offline.
+
+Each :class:`Family` builds a model and one batch from a config alone (``transformers``'
+``AutoConfig.for_model`` shrunk to a few layers of width 64, or a ``torchvision``
+constructor): no weights or datasets are downloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FAMILIES", "Family", "causal_lm_types", "family", "hf_family", "torchvision_family"]
+
+# Config attributes that set the size of a transformers model, and their tiny values.
+# Only those a config has are set; a family's own overrides come after.
+TINY = {
+    "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64,
+    "intermediate_size": 128, "ffn_dim": 128, "d_ff": 128, "n_inner": 128,
+    "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+    "num_hidden_layers": 3, "n_layer": 3, "num_layers": 3, "n_layers": 3,
+    "encoder_layers": 3, "decoder_layers": 3, "num_decoder_layers": 3,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4,
+    "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "d_kv": 16,
+    "vocab_size": 256, "max_position_embeddings": 128, "n_positions": 128,
+    "max_source_positions": 64, "max_target_positions": 64,
+    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+    "use_cache": False, "tie_word_embeddings": False,
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: ``build(seed)`` returns ``(model, inputs)``; ``inputs`` is a dict of
+    keyword arguments, and ``loss(model(**inputs))`` a scalar to train on."""
+
+    name: str
+    kind: str  # a short description of the architecture: "dense decoder", "MoE", ...
+    build: Callable[[int], tuple[nn.Module, dict[str, Any]]]
+    source: str = "transformers"
+    notes: str = ""
+    loss: Callable[[Any], torch.Tensor] | None = None  # default: :func:`loss_of`
+
+    def loss_of(self, output: Any) -> torch.Tensor:
+        return (self.loss or loss_of)(output)
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """A scalar from a model's output: its ``loss`` when it has one, else the mean of
+    every floating tensor in it."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, torch.Tensor):
+        return output.float().square().mean()
+    values = output.values() if isinstance(output, dict) else (
+        output.to_tuple() if hasattr(output, "to_tuple") else output)
+    tensors = [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not tensors:
+        raise TypeError(f"no loss and no floating tensor in the output ({type(output).__name__})")
+    return sum(t.float().square().mean() for t in tensors)
+
+
+def without_randomness(model: nn.Module) -> nn.Module:
+    """``model`` with dropout and stochastic depth off, so that one training step is
+    deterministic and comparable with eager. (A per-block stochastic-depth rate is a
+    per-instance constant: with it on, aotdist names the lost reuse.)"""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        elif type(m).__name__ == "StochasticDepth":
+            m.p = 0.0
+    return model
+
+
+def hf_config(model_type: str, **overrides: Any):
+    """``AutoConfig.for_model(model_type)`` with :data:`TINY` sizes and ``overrides``."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type)
+    for key, value in {**TINY, **overrides}.items():
+        if key in overrides or hasattr(config, key):
+            setattr(config, key, value)
+    for key, value in config.to_dict().items():  # dropout off: the step is deterministic
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and key not in overrides:
+            setattr(config, key, 0.0)
+    # Special token ids past the shrunk vocabulary (or missing) become 0, 1, 2.
+    for i, key in enumerate(("pad_token_id", "bos_token_id", "eos_token_id",
+                             "decoder_start_token_id")):
+        value = getattr(config, key, None)
+        if key not in overrides and (value is None or isinstance(value, int)) and (
+                value is None or value >= config.vocab_size):
+            setattr(config, key, min(i, 2))
+    return config
+
+
+def hf_family(model_type: str, kind: str, *, auto: str = "AutoModelForCausalLM",
+              seq: int = 12, notes: str = "", inputs: Callable | None = None,
+              **overrides: Any) -> Family:
+    """A ``transformers`` family: the ``auto`` class built ``from_config`` on the tiny
+    config; the batch is 2 random token sequences of length ``seq`` that are also the
+    labels (or what ``inputs(config, generator)`` returns)."""
+
+    def build(seed: int):
+        import transformers
+
+        torch.manual_seed(seed)
+        config = hf_config(model_type, **overrides)
+        model = without_randomness(
+            getattr(transformers, auto).from_config(config, attn_implementation="eager"))
+        g = torch.Generator().manual_seed(seed + 1)
+        if inputs is not None:
+            batch = inputs(config, g)
+        else:
+            ids = torch.randint(0, config.vocab_size, (2, seq), generator=g)
+            batch = {"input_ids": ids, "labels": ids}
+        return model, batch
+
+    return Family(model_type, kind, build, "transformers", notes)
+
+
+def torchvision_family(name: str, kind: str, *, size: int = 32, notes: str = "",
+                       ctor: str | None = None, **kwargs: Any) -> Family:
+    """A ``torchvision.models`` constructor (``ctor``, default ``name``) with random weights
+    and 10 classes; the batch is 2 random images of ``size`` pixels square."""
+
+    def build(seed: int):
+        import torchvision
+
+        torch.manual_seed(seed)
+        model = without_randomness(
+            getattr(torchvision.models, ctor or name)(num_classes=10, **kwargs))
+        g = torch.Generator().manual_seed(seed + 1)
+        return model, {"x": torch.randn(2, 3, size, size, generator=g)}
+
+    return Family(name, kind, build, "torchvision", notes, loss=_classification_loss)
+
+
+def _classification_loss(logits: torch.Tensor) -> torch.Tensor:
+    labels = torch.arange(logits.shape[0]) % logits.shape[-1]
+    return nn.functional.cross_entropy(logits, labels)
+
+
+def _seq2seq(config, g):
+    ids = torch.randint(0, config.vocab_size, (2, 10), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _masked(config, g):
+    ids = torch.randint(0, config.vocab_size, (2, 12), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _speech(config, g):
+    feats = torch.randn(2, config.num_mel_bins, 2 * config.max_source_positions, generator=g)
+    labels = torch.randint(0, config.vocab_size, (2, 8), generator=g)
+    return {"input_features": feats, "labels": labels}
+
+
+FAMILIES: tuple[Family, ...] = (
+    hf_family("llama", "dense decoder"),
+    hf_family("mistral", "dense decoder, sliding window", sliding_window=8),
+    hf_family("qwen2", "dense decoder, QKV bias"),
+    hf_family("qwen3", "dense decoder, QK norm"),
+    hf_family("gemma", "dense decoder, GeGLU"),
+    hf_family("gemma2", "dense decoder, local/global, soft-capping", sliding_window=8),
+    hf_family("phi3", "dense decoder, fused QKV"),
+    hf_family("olmo2", "dense decoder, post-norm"),
+    hf_family("granite", "dense decoder, scaled residuals"),
+    hf_family("gpt2", "dense decoder, learned positions"),
+    hf_family("gpt_neox", "dense decoder, parallel residual"),
+    hf_family("mixtral", "MoE decoder"),
+    hf_family("qwen3_moe", "MoE decoder", decoder_sparse_step=1, mlp_only_layers=[]),
+    hf_family("deepseek_v3", "MLA + MoE decoder", q_lora_rank=32, kv_lora_rank=16,
+              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+              qk_head_dim=16, num_key_value_heads=4, first_k_dense_replace=0,
+              n_group=1, topk_group=1, n_shared_experts=1),
+    hf_family("jamba", "hybrid attention/Mamba, MoE", num_hidden_layers=4,
+              attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+              expert_layer_offset=1, use_mamba_kernels=False, mamba_d_state=8,
+              mamba_dt_rank=8),
+    hf_family("bert", "encoder", auto="AutoModelForMaskedLM", inputs=_masked),
+    hf_family("t5", "encoder-decoder", auto="AutoModelForSeq2SeqLM", inputs=_seq2seq,
+              num_heads=4, relative_attention_num_buckets=8),
+    hf_family("whisper", "speech encoder-decoder", auto="AutoModelForSpeechSeq2Seq",
+              inputs=_speech, num_mel_bins=16, max_source_positions=16),
+    torchvision_family("resnet18", "CNN"),
+    torchvision_family("efficientnet_b0", "CNN, squeeze-excitation, BatchNorm"),
+    torchvision_family("convnext_tiny", "CNN, stochastic depth"),
+    torchvision_family("swin_t", "windowed vision transformer", size=64),
+    torchvision_family("vit", "vision transformer", ctor="VisionTransformer", size=32,
+                       image_size=32, patch_size=8, num_layers=3, num_heads=4, hidden_dim=64, mlp_dim=128),
+)
+
+
+def family(name: str) -> Family:
+    """The family called ``name`` in :data:`FAMILIES`; an error lists the names."""
+    for f in FAMILIES:
+        if f.name == name:
+            return f
+    names = ", ".join(f.name for f in FAMILIES)
+    raise KeyError(f"no model family {name!r}; the families are: {names}")
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type of the installed ``transformers``' causal-LM auto mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

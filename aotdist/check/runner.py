@@ -1,0 +1,282 @@
+"""One training step of a model three ways (eager, whole-model ``torch.compile``, aotdist)
+and what came of it: :func:`check_family`, :func:`check_fsdp`, :class:`CheckResult`.
+
+The step is forward, loss and backward on one batch; aotdist must match eager (loss and
+every gradient), account for every region instance (compiled, demoted or run eager with a
+warning) and crash only where whole-model ``torch.compile`` crashes too.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from aotdist.check.families import FAMILIES, Family, hf_family, torchvision_family
+
+__all__ = ["FAILING", "CheckResult", "check_family", "check_fsdp", "resolve"]
+
+# Statuses that fail ``aotdist check`` (non-zero exit) and the zoo's test.
+FAILING = ("crash", "parity", "eager!")
+
+
+@dataclass
+class CheckResult:
+    """What one check saw. ``status``: ``reused`` (every region one subgraph for all its
+    instances), ``partly reused`` (some region demoted, inlined or compiled more than once,
+    each named in ``notes``), ``demoted`` (no region kept as a subgraph; the model compiled
+    whole), ``no regions`` (nothing repeats), ``torch.compile fails too`` (aotdist and
+    whole-model ``torch.compile`` both fail), or a failure: ``crash`` (aotdist fails where
+    whole-model ``torch.compile`` trains), ``not built`` (the tiny config does not build or
+    train eagerly: nothing to check), ``parity`` (loss or a gradient differs from eager),
+    ``eager!`` (a region instance ran uncompiled without a warning)."""
+
+    name: str
+    kind: str = ""
+    source: str = ""
+    status: str = ""
+    fsdp: int = 0  # ranks; 0 without FSDP
+    regions: dict[str, dict[str, int]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # region -> demotion/reuse/eager cause
+    whole_model: str = ""  # "trains" or "fails: <error>"
+    loss_eager: float | None = None
+    loss_aotdist: float | None = None
+    max_grad_diff: float | None = None
+    error: str = ""
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status not in FAILING
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+    def line(self) -> str:
+        """One progress line: name, status, regions and the loss difference."""
+        regions = ", ".join(f"{n} x{r['instances']}" for n, r in self.regions.items()) or "-"
+        diff = ("" if self.loss_eager is None or self.loss_aotdist is None
+                else f" | loss diff {abs(self.loss_aotdist - self.loss_eager):.1e}, grad diff "
+                f"{self.max_grad_diff:.1e}")
+        where = f" (FSDP x{self.fsdp})" if self.fsdp else ""
+        text = f"{self.name}{where}: {self.status} | {regions}{diff} | {self.seconds:.0f} s"
+        return text + (f" | {self.error.splitlines()[0][:160]}" if self.error else "")
+
+
+def resolve(spec: str) -> Family:
+    """A family from a spec: a name in :data:`FAMILIES`, ``hf:TYPE`` (a ``transformers``
+    model type, causal LM unless listed), ``torchvision:NAME``, or ``module:factory`` (a
+    zero-argument function returning ``(model, inputs)``, ``inputs`` a dict of keyword
+    arguments or a tuple of positional ones)."""
+    kind, _, rest = spec.partition(":")
+    known = {f.name: f for f in FAMILIES}
+    if not rest:
+        if spec in known:
+            return known[spec]
+        raise ValueError(f"unknown model {spec!r}: give a family ({', '.join(known)}), "
+                         "hf:TYPE, torchvision:NAME or module:factory")
+    listed = known.get(rest)
+    if kind == "hf":
+        return listed if listed is not None and listed.source == "transformers" else \
+            hf_family(rest, "transformers model")
+    if kind == "torchvision":
+        return listed if listed is not None and listed.source == "torchvision" else \
+            torchvision_family(rest, "torchvision model")
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        made = getattr(importlib.import_module(kind), rest)()
+        if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module)):
+            raise TypeError(f"{spec} must return (model, inputs): inputs a dict of keyword "
+                            f"arguments or a tuple of positional ones; got {type(made).__name__}")
+        model, inputs = made
+        return model, inputs if isinstance(inputs, dict) else {"*": tuple(inputs)}
+
+    return Family(spec, "user model", build, "user")
+
+
+def _call(model: nn.Module, inputs: dict[str, Any]):
+    if set(inputs) == {"*"}:
+        return model(*inputs["*"])
+    return model(**inputs)
+
+
+def _step(family: Family, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    loss = family.loss_of(_call(model, inputs))
+    loss.backward()
+    return loss.detach()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0][:400] if text else type(exc).__name__
+
+
+def _grad_diff(model: nn.Module, reference: nn.Module, *, rtol: float) -> tuple[float, bool]:
+    """Largest gradient difference scaled by the gradient's size, and whether every
+    parameter's gradient is within ``rtol`` of the reference's."""
+    worst, ok = 0.0, True
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        r = ref.get(name)
+        if r is None or (p.grad is None) != (r.grad is None):
+            return float("inf"), False
+        if p.grad is None:
+            continue
+        g, rg = _full(p.grad), _full(r.grad)
+        scale = rg.abs().max().item() + 1e-6
+        diff = (g - rg).abs().max().item() / scale
+        worst = max(worst, diff)
+        ok &= diff <= rtol
+    return worst, ok
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)
+    return (full() if full is not None else t).detach().float()
+
+
+def _tolerance(backend: str) -> float:
+    return 1e-4 if backend in ("eager", "aot_eager") else 2e-2
+
+
+def _classify(result: CheckResult, m, caught: list[str]) -> None:
+    """Fills ``status``, ``regions`` and ``notes`` from the aotdist step's metrics."""
+    for name, st in m.regions.items():
+        result.regions[name] = {"instances": st.instances, "call_sites": st.call_sites,
+                                "subgraphs": st.subgraphs, "inlined": st.inlined}
+    for source in (m.reuse, m.demoted, m.eager):
+        for name, why in source.items():
+            result.notes.setdefault(name, why.splitlines()[0][:300])
+    silent = [n for n in m.eager if not any(f"'{n}'" in w for w in caught)]
+    if silent:
+        result.status = "eager!"
+        return
+    if not m.regions:
+        result.status = "no regions"
+        return
+    kept = [n for n in m.regions if n not in m.demoted and n not in m.eager]
+    if not kept:
+        result.status = "demoted"
+    elif len(kept) < len(m.regions) or any(n in m.reuse for n in kept):
+        result.status = "partly reused"
+    else:
+        result.status = "reused"
+
+
+def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int = 0,
+                 whole_model: bool = True) -> CheckResult:
+    """One training step of ``family`` eager, with aotdist and (``whole_model``) with
+    whole-model ``torch.compile``, on one batch and the same weights."""
+    import aotdist
+
+    family = resolve(family) if isinstance(family, str) else family
+    start = time.perf_counter()
+    result = CheckResult(family.name, family.kind, family.source)
+    try:
+        model, inputs = family.build(seed)
+        reference, whole = copy.deepcopy(model), copy.deepcopy(model)
+        result.loss_eager = _step(family, reference, inputs).item()
+    except Exception as exc:  # noqa: BLE001 - the tiny build itself fails: not aotdist's
+        if family.source == "user":
+            raise
+        result.status, result.error = "not built", _first_line(exc)
+        result.seconds = time.perf_counter() - start
+        return result
+
+    crashed: BaseException | None = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            aotdist.compile_regions(model, backend=backend)
+            with aotdist.metrics.track(model) as m:
+                loss = _step(family, model, inputs)
+        except Exception as exc:  # noqa: BLE001 - classified below against torch.compile
+            crashed = exc
+            result.error = _first_line(exc)
+    result.warnings = [str(w.message).splitlines()[0][:300] for w in caught
+                       if issubclass(w.category, (aotdist.RegionCompileWarning,))]
+    if whole_model:
+        try:
+            _step(family, torch.compile(whole, backend=backend), inputs)
+            result.whole_model = "trains"
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            result.whole_model = f"fails: {_first_line(exc)}"
+    if crashed is not None:
+        result.status = ("torch.compile fails too" if result.whole_model.startswith("fails")
+                         else "crash")
+        if result.status == "crash":
+            result.error = "".join(traceback.format_exception(crashed))[-3000:]
+    else:
+        result.loss_aotdist = loss.item()
+        result.max_grad_diff, grads_ok = _grad_diff(model, reference, rtol=_tolerance(backend))
+        _classify(result, m, result.warnings)
+        loss_ok = abs(result.loss_aotdist - result.loss_eager) <= _tolerance(backend) * max(
+            1.0, abs(result.loss_eager))
+        if not (loss_ok and grads_ok) and result.status != "eager!":
+            result.status = "parity"
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _fsdp_rank(rank: int, world_size: int, spec: str, backend: str, seed: int) -> dict:
+    """One rank of :func:`check_fsdp`: every rank trains on the whole batch, so the
+    averaged sharded gradients equal the single-process eager ones."""
+    import aotdist
+
+    family = resolve(spec)
+    start = time.perf_counter()
+    result = CheckResult(family.name, family.kind, family.source, fsdp=world_size)
+    model, inputs = family.build(seed)
+    reference = copy.deepcopy(model)
+    result.loss_eager = _step(family, reference, inputs).item()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            aotdist.parallelize(model, config={"fsdp": {"enabled": True},
+                                               "compile": {"backend": backend}})
+            with aotdist.metrics.track(model) as m:
+                loss = _step(family, model, inputs)
+        except Exception as exc:  # noqa: BLE001 - reported
+            result.status = "crash"
+            result.error = "".join(traceback.format_exception(exc))[-3000:]
+    result.warnings = [str(w.message).splitlines()[0][:300] for w in caught
+                       if issubclass(w.category, aotdist.RegionCompileWarning)]
+    if result.status != "crash":
+        result.loss_aotdist = loss.item()
+        result.max_grad_diff, grads_ok = _grad_diff(model, reference, rtol=_tolerance(backend))
+        _classify(result, m, result.warnings)
+        # Per-region frames: every instance of a kept region is a compiled frame call.
+        for name, st in m.regions.items():
+            if name not in m.demoted and name not in m.eager and st.call_sites < st.instances:
+                result.notes.setdefault(name, f"{st.call_sites} of {st.instances} instances "
+                                        "ran compiled")
+                if result.status != "eager!":
+                    result.status = "eager!"
+        loss_ok = abs(result.loss_aotdist - result.loss_eager) <= _tolerance(backend) * max(
+            1.0, abs(result.loss_eager))
+        if not (loss_ok and grads_ok) and result.status != "eager!":
+            result.status = "parity"
+    result.seconds = time.perf_counter() - start
+    return result.to_dict()
+
+
+def check_fsdp(family: Family | str, world_size: int, *, backend: str = "aot_eager",
+               seed: int = 0, timeout: float = 600.0) -> CheckResult:
+    """One training step under FSDP2 hooks mode (``aotdist.parallelize``) on
+    ``world_size`` gloo ranks against single-process eager; the worst rank's result."""
+    from aotdist.launch import run_distributed
+
+    spec = family if isinstance(family, str) else family.name
+    outs = run_distributed(_fsdp_rank, world_size, spec, backend, seed, timeout=timeout)
+    fields = set(CheckResult.__dataclass_fields__)
+    results = [CheckResult(**{k: v for k, v in o.items() if k in fields}) for o in outs]
+    return next((r for r in results if not r.ok), results[0])

@@ -1,0 +1,48 @@
+"""The model families people train, built from their configs (tiny, random weights): one
+training step each, aotdist against eager, in one process (so each model's compile must
+also leave the next one's alone), and three of them under FSDP2 hooks mode on 2 ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from aotdist.check import check_family, check_fsdp
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+
+pytest.importorskip("transformers")
+
+# Every region of these stays one reused subgraph on every supported torch.
+REUSED = ("llama", "mistral", "qwen3", "gemma2", "phi3", "gpt2", "mixtral", "qwen3_moe",
+          "deepseek_v3", "bert", "t5", "whisper", "convnext_tiny")
+# These keep some regions and name the rest (a BatchNorm buffer update in training, a
+# per-block constant, a layout that differs at one call site).
+PARTLY = ("jamba", "efficientnet_b0", "vit")
+
+
+@pytest.mark.timeout(900)
+def test_families_train_with_parity_and_account_for_every_region():
+    seen = {}
+    for name in REUSED + PARTLY:
+        result = check_family(name, whole_model=False)
+        seen[name] = result.line()
+        assert result.ok, result.line() + "\n" + result.error
+        assert result.regions, result.line()
+        assert result.max_grad_diff is not None and result.max_grad_diff < 1e-4, result.line()
+        if name in REUSED:
+            assert result.status == "reused", result.line()
+        else:
+            assert result.status in ("reused", "partly reused"), result.line()
+            if result.status == "partly reused":  # what is not kept is named
+                assert result.notes and set(result.notes) <= set(result.regions), result.line()
+    assert len(seen) >= 12
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "bert"])
+def test_families_under_fsdp_hooks_run_every_instance_compiled(name):
+    result = check_fsdp(name, 2, timeout=600)
+    assert result.status == "reused", result.line() + "\n" + result.error
+    for region, stats in result.regions.items():
+        assert stats["call_sites"] == stats["instances"], (region, result.line())
+    assert result.max_grad_diff < 1e-4, result.line()

@@ -1,0 +1,127 @@
+"""``aotdist check``: the classification of one training step, and the command's exits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import aotdist
+from aotdist.check import FAMILIES, CheckResult, check_family, family, render, resolve
+from aotdist.check.runner import _classify
+from aotdist.cli import main
+from aotdist.metrics import CompileMetrics, RegionStats
+from aotdist.testing.models import TinyGPT
+
+
+def toy():
+    """A ``module:factory`` for ``aotdist check``: three blocks whose weights differ."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=32, depth=3, heads=4, seq_len=16)
+    return model, (torch.randint(0, 64, (2, 16)),)
+
+
+def not_a_pair():
+    return nn.Linear(2, 2)
+
+
+def _metrics(**kw) -> CompileMetrics:
+    m = CompileMetrics()
+    m.regions = {"Block": RegionStats(instances=3, call_sites=3, subgraphs=1),
+                 "Other": RegionStats(instances=2, call_sites=2, subgraphs=1)}
+    for k, v in kw.items():
+        setattr(m, k, v)
+    return m
+
+
+@pytest.mark.parametrize("fields, warned, status", [
+    ({}, [], "reused"),
+    ({"reuse": {"Block": "differs in scale (float)"}}, [], "partly reused"),
+    ({"demoted": {"Block": "torch: aliasing"}}, [], "partly reused"),
+    ({"demoted": {"Block": "x", "Other": "y"}}, [], "demoted"),
+    ({"eager": {"Block": "FSDP class"}}, ["aotdist region 'Block' ran eager"], "partly reused"),
+    ({"eager": {"Block": "FSDP class"}}, [], "eager!"),
+    ({"regions": {}}, [], "no regions"),
+])
+def test_classification(fields, warned, status):
+    result = CheckResult("m")
+    _classify(result, _metrics(**fields), warned)
+    assert result.status == status
+    assert result.ok == (status != "eager!")
+    for source in ("reuse", "demoted", "eager"):
+        for name in fields.get(source, {}):
+            assert name in result.notes
+
+
+def test_every_family_has_a_unique_name_and_resolves():
+    names = [f.name for f in FAMILIES]
+    assert len(names) == len(set(names)) and len(names) >= 12
+    assert resolve("llama") is family("llama")
+    assert resolve("hf:llama") is family("llama")
+    assert resolve("hf:cohere").name == "cohere"
+    with pytest.raises(ValueError, match="hf:TYPE"):
+        resolve("nonexistent")
+    with pytest.raises(KeyError, match="llama"):
+        family("nonexistent")
+
+
+@pytest.mark.timeout(120)
+def test_a_user_factory_is_checked_against_eager_and_torch_compile():
+    result = check_family(f"{__name__}:toy")
+    assert result.status == "reused", result
+    assert result.regions["GPTBlock"]["instances"] == 3
+    assert result.regions["GPTBlock"]["subgraphs"] == 1
+    assert result.whole_model == "trains"
+    assert result.loss_aotdist == pytest.approx(result.loss_eager, abs=1e-5)
+    assert result.max_grad_diff < 1e-4
+
+
+@pytest.mark.timeout(120)
+def test_a_crash_where_torch_compile_trains_fails_the_check(monkeypatch, capsys):
+    def broken(model, **kwargs):
+        raise RuntimeError("an aotdist bug")
+
+    monkeypatch.setattr(aotdist, "compile_regions", broken)
+    assert main(["check", f"{__name__}:toy"]) == 1
+    out = capsys.readouterr()
+    assert "crash" in out.out and "an aotdist bug" in out.err
+
+
+@pytest.mark.timeout(120)
+def test_a_wrong_result_fails_the_check(monkeypatch, capsys, tmp_path):
+    real = aotdist.compile_regions
+
+    def perturbing(model, **kwargs):
+        with torch.no_grad():
+            head = list(model.parameters())[-1]
+            head.add_(torch.randn_like(head))
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(aotdist, "compile_regions", perturbing)
+    out = tmp_path / "r.json"
+    assert main(["check", f"{__name__}:toy", "--json", str(out)]) == 1
+    assert "parity" in capsys.readouterr().out
+    assert '"status": "parity"' in out.read_text()
+
+
+def test_bad_input_is_named(capsys):
+    assert main(["check"]) == 2
+    assert "give one model" in capsys.readouterr().err
+    assert main(["check", "nonexistent"]) == 2
+    assert "unknown model 'nonexistent'" in capsys.readouterr().err
+    with pytest.raises(TypeError, match=r"must return \(model, inputs\)"):
+        check_family(f"{__name__}:not_a_pair")
+
+
+def test_the_table_counts_and_explains():
+    results = [
+        CheckResult("a", "dense", status="reused", loss_eager=1.0, loss_aotdist=1.0,
+                    regions={"A": {"instances": 3}}, whole_model="trains"),
+        CheckResult("b", "MoE", status="partly reused", notes={"B": "demoted: aliasing"},
+                    whole_model="trains"),
+        CheckResult("a", "dense", status="crash", fsdp=2, error="Traceback\nRuntimeError: x"),
+    ]
+    text = render(results)
+    assert "1 of 2 families keep every region" in text and "1 check(s) fail" in text
+    assert "| a (FSDP2, 2 ranks) |" in text and "RuntimeError: x" in text
+    assert "B: demoted: aliasing" in text
