@@ -131,18 +131,9 @@ def uses_fsdp_float8_all_gather(model: nn.Module) -> bool:
 
 
 def warn_unverified_combination(config, *, stacklevel: int = 3) -> None:
-    """Warns when ``config`` asks for Inductor + FSDP2 float8 all-gather: aotdist's parity
-    test (``tests/distributed/test_parallelize_fsdp.py::test_inductor_fsdp_float8_all_gather_ac``)
-    sees that combination drift from the same Float8 model in eager, and the cause is not
-    found.
-
-    Measured on this project's CI machine (Intel Xeon, 2 ranks, 5 SGD steps), the same on
-    torch 2.11.0 and 2.15.0: parameters up to 1.46e-3 apart (1.4% of that weight's largest
-    value), loss 7.7e-4, with or without activation checkpointing. aot_eager with the same
-    sharding, Inductor without the float8 all-gather, and Inductor with Float8 in one
-    process all match eager; an AMD EPYC machine matched at 1e-4 on 2.15 (float8 rounding
-    flips that depend on the CPU's vector code are suspected, not shown).
-    """
+    """Warns when ``config`` asks for Inductor + FSDP2 float8 all-gather, a combination
+    aotdist's parity test sees drift from the same Float8 model in eager for a cause not
+    yet found (the measurements: docs/internals.md, ``aotdist/float8.py``)."""
     if (config.float8.enabled and config.float8.fsdp_all_gather and config.fsdp.enabled
             and config.compile.enabled and config.compile.backend == "inductor"):
         rank_zero_warn(

@@ -1,16 +1,9 @@
 """Compile metrics: time by phase, graphs, graph breaks, recompiles, region reuse.
 
-Two sources, both read without changing any compiler setting:
-
-* ``torch._dynamo.utils.get_compilation_metrics()``: one record per Dynamo frame
-  compile (and per lazily compiled backward) with cumulative times for Dynamo,
-  AOTAutograd and Inductor, the recompile reason and the failure, if any;
-  ``torch._dynamo.utils.counters["graph_break"]`` for graph-break reasons.
-* the :class:`~aotdist.backends.recording.GraphRecord` log that the recording backend
-  (:mod:`aotdist.backends.recording`) appends to for every FX graph Dynamo hands over:
-  ``invoke_subgraph`` call sites and distinct subgraphs of each region.
-
-This module only reads: it decides nothing about how a model is compiled.
+Read from Dynamo's compilation metrics and graph-break counters, and from the
+:class:`~aotdist.backends.recording.GraphRecord` log of the recording backend
+(``invoke_subgraph`` call sites and distinct subgraphs of each region). This module only
+reads: it decides nothing about how a model is compiled.
 
 Use :func:`track` around the first training step(s)::
 

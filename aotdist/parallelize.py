@@ -74,6 +74,21 @@ def parallelize(model: nn.Module, *,
         OrderingError: ``model`` is a ``torch.compile`` wrapper, was compiled, holds FSDP1
             or DDP wrappers, was sharded already (with ``fsdp.enabled``) or parallelized.
         ConfigError: A bad config, or ``fsdp.enabled`` without a process group.
+
+    Example::
+
+        import torch
+
+        import aotdist
+        from aotdist.testing import TinyGPT
+
+        # One process, FSDP off (its default): regional compile only.
+        model = aotdist.parallelize(TinyGPT(depth=3), config={"compile": {"backend": "aot_eager"}})
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # after parallelize
+        model(torch.randint(0, 64, (2, 16))).logsumexp(-1).mean().backward()
+        optimizer.step()
+        plan = aotdist.parallelize_info(model).plan
+        assert list(plan.fqns) == ["blocks.0", "blocks.1", "blocks.2"]
     """
     config = as_config(config)
     graph_fsdp = config.fsdp.enabled and config.fsdp.mode == "graph"

@@ -1,20 +1,15 @@
 """Accelerate: :class:`RegionalCompileHook` (a ``ModelHook``) and :func:`prepare`.
 
 - ``add_hook_to_module(model, RegionalCompileHook())`` compiles the model's regions in
-  place; ``remove_hook_from_module(model)`` makes it eager again. Attach it before or after
-  ``accelerator.prepare`` with DDP (after prepare it compiles the module inside DDP), and
-  after ``prepare`` when Accelerate's own FSDP2 shards the model (it then compiles inside
-  the FSDP units; attached before, the first forward raises an ``OrderingError``).
+  place; ``remove_hook_from_module(model)`` makes it eager again. With DDP attach it
+  before or after ``accelerator.prepare``; with Accelerate's own FSDP2, after.
 - ``prepare(accelerator, model, optimizer, dataloader, ..., config=...)`` applies
   ``aotdist.parallelize`` (FSDP2, Float8, activation checkpointing, regional compile),
-  rebinds the optimizers to the new parameters, runs the Float8 scale precompute after
-  each optimizer step, and prepares the rest with Accelerate, without wrapping an
-  FSDP2-sharded model in DDP. ``accelerator.save_state`` then writes the *full* model and
-  optimizer state (plain keys, loadable into an unsharded model) and ``load_state`` puts
-  it back into the sharded one.
+  rebinds the optimizers, runs the Float8 scale precompute after each optimizer step,
+  and prepares the rest with Accelerate (no DDP around an FSDP2-sharded model).
 
 aotdist settings live in their own YAML (``configs/aotdist/*.yaml``), not in Accelerate's
-config file: ``accelerate launch`` rejects unknown keys there.
+config file: ``accelerate launch`` rejects unknown keys there. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -25,6 +20,7 @@ from typing import Any
 
 import torch
 from accelerate.hooks import ModelHook
+from aotdist.callbacks._accelerate_state import full_state_checkpoints
 from aotdist.callbacks._common import Applied, ApplyHow, apply_aotdist, merge_config
 from torch import nn
 
@@ -77,6 +73,26 @@ class RegionalCompileHook(ModelHook):
 
     Raises:
         ConfigError: A bad config, or FSDP/Float8 enabled in it.
+
+    Example::
+
+        import torch
+        from accelerate import Accelerator
+        from accelerate.hooks import add_hook_to_module, remove_hook_from_module
+
+        from aotdist.callbacks import RegionalCompileHook
+        from aotdist.testing import TinyGPT
+
+        accelerator = Accelerator(cpu=True)
+        model = TinyGPT(depth=2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        hook = RegionalCompileHook(backend="aot_eager")
+        add_hook_to_module(model, hook)
+        accelerator.backward(model(torch.randint(0, 64, (2, 16))).logsumexp(-1).mean())
+        optimizer.step()
+        assert hook.metrics.regions["GPTBlock"].subgraphs == 1
+        remove_hook_from_module(model)  # eager again
     """
 
     def __init__(self, config: AOTDistConfig | Mapping | str | None = None, *,
@@ -199,6 +215,30 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
     Raises:
         ConfigError: A bad config; Accelerate's own dynamo, FSDP or DeepSpeed also enabled.
         OrderingError: ``model`` was prepared or compiled already.
+
+    Example::
+
+        import torch
+        from accelerate import Accelerator
+        from torch.utils.data import DataLoader
+
+        from aotdist.callbacks import prepare
+        from aotdist.testing import TinyGPT
+
+        accelerator = Accelerator(cpu=True)
+        model = TinyGPT(depth=2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = DataLoader(torch.randint(0, 64, (4, 16)), batch_size=2)
+        model, optimizer, data = prepare(accelerator, model, optimizer, data,
+                                         config={"compile": {"backend": "aot_eager"}})
+        losses = []
+        for idx in data:
+            loss = model(idx).logsumexp(-1).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        assert len(losses) == 2
     """
     from accelerate.utils import DistributedType
 
@@ -242,7 +282,7 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
         _compat.mark_accelerate_prepared(model)
     prepared = accelerator.prepare(model, *objects)
     if cfg.fsdp.enabled:  # after prepare: its optimizer wrapper reloads the state once
-        _full_state_checkpoints(accelerator, model, optimizers)
+        full_state_checkpoints(accelerator, model, optimizers)
     return prepared if isinstance(prepared, tuple) else (prepared,)
 
 
@@ -308,87 +348,3 @@ def _rebind(optimizer: torch.optim.Optimizer, old_names: dict[int, str],
     """Points ``optimizer`` at the parameters that replaced the ones it was built with."""
     for group in optimizer.param_groups:
         group["params"] = [new_params[old_names[id(p)]] for p in group["params"]]
-
-
-class _AlreadyLoaded:
-    """Stands in for a model whose state a load hook restored itself: Accelerate's loader
-    (``safetensors.torch.load_model``) compares keys and calls ``load_state_dict``."""
-
-    def __init__(self, keys):
-        self._keys = list(keys)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: torch.empty(0) for k in self._keys}  # keys only: the data went in already
-
-    def load_state_dict(self, *args, **kwargs):
-        return [], []  # (missing, unexpected): none
-
-
-def _full_state_checkpoints(accelerator: Any, model: nn.Module,
-                            optimizers: list[torch.optim.Optimizer]) -> None:
-    """``save_state``/``load_state`` of an FSDP2 model as full, unsharded state dicts."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-    def save_hook(models, weights, output_dir):
-        for i, m in enumerate(models):
-            if m is model:  # every rank takes part in the gather; the main process writes
-                weights[i] = get_model_state_dict(model, options=options)
-
-    def load_hook(models, input_dir):
-        from accelerate.utils import load_state_dict as read_weights
-
-        for i, m in enumerate(models):
-            if m is not model:
-                continue
-            stem = "model" if i == 0 else f"model_{i}"
-            path = os.path.join(input_dir, f"{stem}.safetensors")
-            if not os.path.exists(path):
-                path = os.path.join(input_dir, f"{stem}.bin")
-            state = read_weights(path) if path.endswith(".safetensors") else torch.load(
-                path, map_location="cpu", weights_only=True)
-            keys = list(state)
-            set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-            models[i] = _AlreadyLoaded(keys)
-
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)
-    for opt in optimizers:
-        _full_state_optimizer(opt, model, options, get_optimizer_state_dict,
-                              set_optimizer_state_dict)
-
-
-def _full_state_optimizer(opt, model, options, get_sd, set_sd) -> None:
-    plain_state_dict, plain_load = opt.state_dict, opt.load_state_dict
-    busy = False
-
-    def state_dict():
-        nonlocal busy
-        if busy:  # torch's helper reads the plain state dict through this method
-            return plain_state_dict()
-        busy = True
-        try:
-            return get_sd(model, opt, options=options)
-        finally:
-            busy = False
-
-    def load_state_dict(state_dict):
-        nonlocal busy
-        if busy:
-            return plain_load(state_dict)
-        busy = True
-        try:
-            set_sd(model, opt, state_dict, options=options)
-        finally:
-            busy = False
-
-    opt.state_dict = state_dict
-    opt.load_state_dict = load_state_dict
-

@@ -52,6 +52,33 @@ class RegionalCompile(Callback):
 
     Raises:
         ConfigError: A bad config or argument (at construction).
+
+    Example::
+
+        import lightning.pytorch as pl
+        import torch
+        from torch.utils.data import DataLoader
+
+        from aotdist.callbacks import RegionalCompile
+        from aotdist.testing import TinyGPT
+
+        class LitGPT(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.model = TinyGPT(depth=2)
+
+            def training_step(self, idx, batch_idx):
+                return self.model(idx).logsumexp(-1).mean()
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        callback = RegionalCompile(backend="aot_eager")
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=1, callbacks=[callback], logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(LitGPT(), DataLoader(torch.randint(0, 64, (4, 16)), batch_size=2))
+        assert callback.applied.target_fqn == "model" and trainer.global_step == 1
     """
 
     def __init__(self, config: AOTDistConfig | Mapping | str | os.PathLike | None = None, *,

@@ -1,47 +1,18 @@
-"""Dynamo's ``invoke_subgraph`` dedup: a scoped fix for a crash that costs region reuse.
+"""Scoped fixes to how Dynamo and AOTAutograd handle ``invoke_subgraph``.
 
-When Dynamo traces a region at a second call site it compares the new body with the
-subgraphs already installed (``are_same_graph_modules`` in
-``torch._dynamo.variables.higher_order_ops``, checked on torch 2.11 and 2.15) and reuses
-one that matches. The comparison reads ``node.meta["example_value"]`` of every
-placeholder, recursing into nested graph modules. The backward body of an
-``autograd.Function`` traced inside the region has placeholders for the unused backward
-inputs that carry no ``example_value``: the comparison raises ``KeyError``, Dynamo fails
-the frame, and aotdist must inline the region (correct, no reuse). Graph-mode FSDP's
-gather (an ``autograd.Function`` whose backward reduce-scatters) hits it on torch 2.11,
-where the region is re-traced at each call site; 2.15 reuses the first trace and never
-compares.
+Three context managers, each active for the duration of a compiled call only, and each a
+no-op where the torch function it wraps does not exist (checked on torch 2.11 and 2.15):
 
-:func:`tolerant_subgraph_dedup` wraps the comparison, for the duration of a compiled call,
-so that a placeholder without ``example_value`` at the same position on both sides and
-*without users* compares equal (nothing in the body reads it; its value comes from the
-outer call's arguments, which the comparison checks), and any other missing
-``example_value`` compares unequal (a new subgraph, no crash). Where the comparison
-function does not exist the context manager does nothing.
+- :func:`tolerant_subgraph_dedup`: Dynamo's comparison of a new region body with the
+  installed subgraphs (``are_same_graph_modules``) no longer raises on placeholders
+  without ``example_value``, and sees per-trace autograd-function trampolines of one
+  ``fn_cls`` as equal, so such a region is reused rather than inlined.
+- :func:`cached_subgraph_schemas`: memoizes ``invoke_subgraph``'s schema per subgraph and
+  operand metadata, so AOTAutograd does not re-trace the region body at every call site.
+- :func:`recomputable_reductions`: lets AOTAutograd's partitioner recompute reductions
+  while a graph holding regions compiles.
 
-The same comparison requires every ``call_function`` target to be the *same object*. torch
-2.11 traces an allowed-in-graph ``autograd.Function.apply`` (torchao ``Float8Linear``'s
-matmul) as a fresh ``trampoline_autograd_apply`` closure per trace, which only calls
-``fn_cls.apply``: two such trampolines of one ``fn_cls`` at the same position compare
-equal within the wrapper, so a Float8 region is one subgraph, not one per call site.
-
-:func:`cached_subgraph_schemas` removes a per-call-site cost of AOTAutograd. Before
-tracing a higher-order op under autograd, ``HigherOrderOperator``'s autograd kernel asks
-the op for its schema to refuse input mutation in training (``gen_schema``, checked on
-torch 2.11 and 2.15); ``invoke_subgraph``'s ``gen_schema`` re-traces the whole region body
-to build it. AOTAutograd meets every call site twice (metadata collection, joint trace),
-so a depth-32 model re-traced its one block body 64 times. Within the context manager the
-schema is memoized per (subgraph object, identifier, operand metadata): call sites of
-one region with the same argument shapes, strides, dtypes, devices, ``requires_grad`` and
-aliasing get the schema of the first, as torch's own functionalization schema cache
-(pytorch/pytorch#184646) already does keyed on operand types alone.
-
-:func:`recomputable_reductions` lets AOTAutograd's min-cut partitioner recompute
-reductions (``torch._functorch.config.ban_recompute_reductions``, checked on torch 2.11 and
-2.15) while a graph holding regions compiles. A region body is partitioned on its own and
-its input arrives materialized, so under torch's default it saves that input plus each
-norm's mean and rstd, one per-row statistic more per norm than a whole-model partition
-(see :mod:`aotdist.backends.recording`).
+Why each is needed: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -3,17 +3,10 @@
 :func:`aot_backend` rebuilds ``aot_eager`` or ``inductor`` from their AOTAutograd parts
 so that aotdist sees each forward and backward graph *after* functionalization and
 partitioning (the capture pipeline records them there) and can repair them before the
-real compiler runs.
-
-The repair: a module that resizes a tensor's storage inside its forward, the FSDP
-pattern (storage size 0 on entry, ``untyped_storage().resize_(nbytes)``, ``copy_`` into
-it, use it, ``resize_(0)`` before returning). With torch 2.15 the functionalized graph
-applies the final ``resize_storage_bytes_(x, 0)`` to the *functional copy* of the input
-and then copies that zero-size storage back into the input
-(``copy_(input, functional_copy)``): the process dies with a segfault, with
-``aot_eager`` and ``inductor`` alike. :func:`fix_storage_resizes` moves the final resize
-onto the input itself and drops the copy-back (its data would be freed at once), which
-is what eager does. Backends aotdist cannot rebuild run such graphs eagerly.
+real compiler runs. The repair, :func:`fix_storage_resizes`, moves the final
+``resize_storage_bytes_(copy, 0)`` of the FSDP storage-resize pattern onto the input
+itself and drops the copy-back that would crash, as eager does. Backends aotdist cannot
+rebuild run such graphs eagerly. Details: docs/internals.md.
 """
 
 from __future__ import annotations

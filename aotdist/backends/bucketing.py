@@ -1,25 +1,17 @@
 """Bucketing of graph-mode FSDP's collectives (``fsdp.bucket_mb``).
 
-Graph mode (:mod:`aotdist.fsdp.graph`) gathers every parameter with its own functional
-all-gather and reduce-scatters every gradient on its own: a GPT block issues 12
-all-gathers forward (12 again in backward under ``reshard_after_forward``) and 12
-reduce-scatters. :func:`bucket_collectives` merges them, per graph, into few collectives
-with torch's FX bucketing passes (``torch._inductor.fx_passes.bucketing``:
-``bucket_all_gather_by_mb`` + ``merge_all_gather`` and the reduce-scatter pair, in torch
-2.11 and 2.15): independent all-gathers of one process group and dtype become one
-all-gather of their concatenated inputs, cut after; reduce-scatters likewise. The cap
-(``bucket_mb``, MiB of gathered, unsharded data: the larger of a collective's input and
-output, as torch counts it) bounds each bucket.
+Graph-mode FSDP (:mod:`aotdist.fsdp.graph`) gathers every parameter with its own
+functional all-gather and reduce-scatters every gradient on its own.
+:func:`bucket_collectives` merges them, per graph, into few collectives with torch's FX
+bucketing passes (``torch._inductor.fx_passes.bucketing``), each bucket capped at
+``bucket_mb`` MiB of gathered, unsharded data. It runs after AOTAutograd's partitioning:
 
-It runs on the graphs after AOTAutograd's partitioning, so what is saved for backward is
-decided on the unbucketed graph (nothing gathered saved under ``reshard_after_forward``):
+- ``aot_eager``: :func:`bucketing_aot_eager`, a compiler that applies the pass to each
+  graph and to every ``invoke_subgraph`` subgraph it calls;
+- ``inductor``: :func:`bucketing_pass`, a post-grad pass (through
+  :func:`aotdist.backends.named.inductor_options`).
 
-- ``aot_eager``: :func:`bucketing_aot_eager` compiles each forward/backward graph with a
-  compiler that applies the pass to the graph and to every ``invoke_subgraph`` subgraph it
-  calls (a region's forward or backward subgraph: its gathers sit inside it).
-- ``inductor``: :func:`bucketing_pass` is a post-grad pass (through
-  :func:`aotdist.backends.named.inductor_options`); Inductor runs post-grad passes on each
-  subgraph (``_recursive_post_grad_passes``) and then on the graph.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The backend for a ``torch.compile`` backend name or callable, as aotdist uses it.
 
-``inductor`` gets Inductor's own wrapper with aotdist's default options (on the torch
-releases with the buffer-reuse bug, a post-grad pass that makes reuse safe: see
+``inductor`` gets Inductor's own wrapper with aotdist's default options (a post-grad
+pass that makes Inductor's buffer reuse safe around reused regions: see
 :mod:`aotdist.backends.reuse`), scoped to this model's compiles; another name is
 checked against the registered backends; a callable is used as it is.
 """
@@ -19,25 +19,7 @@ from aotdist.backends.reuse import is_reuse_pass, reuse_pass
 from aotdist.errors import ConfigError, ConfigWarning, RegionCompileWarning
 from aotdist.log import rank_zero_warn
 
-__all__ = ["make_backend", "graph_fsdp_backend", "inductor_buffer_reuse_is_unsafe",
-           "inductor_options", "overlap_options"]
-
-
-def inductor_buffer_reuse_is_unsafe() -> bool:
-    """Whether this torch has the Inductor buffer-reuse bug that corrupts reused regions.
-
-    With the bug, the outer graph reuses the storage of a region's output, which a later
-    reused region's partitioned forward returns as an activation saved for backward, and
-    a LayerNorm weight gradient comes out wrong (~70%, TinyGPT, see
-    ``tests/unit/test_external_models.py::test_tinygpt_inductor_buffer_reuse_torch_bug``).
-    No cheap feature probe exists (showing it takes an Inductor C++ compile). Seen on torch
-    2.15.0 (single-process TinyGPT) and on 2.11.0 once graph-mode regions
-    became reused subgraphs there (2 gloo ranks, Inductor: loss off by 7.5e-4 after 4
-    steps with reuse on, equal to eager with reuse off or with this pass). Single-process
-    TinyGPT on 2.11 did not show it. So every supported torch counts as affected: the
-    pass only rewrites graphs that have the pattern.
-    """
-    return True
+__all__ = ["make_backend", "graph_fsdp_backend", "inductor_options", "overlap_options"]
 
 
 _REUSE_PASS_ON = [True]
@@ -158,10 +140,9 @@ def _install(options: dict, ours: list, why: str) -> None:
 
 def inductor_options(options: dict | None = None, *, warn: bool = True,
                      bucket_mb: float | None = None, overlap: bool = False) -> dict:
-    """The Inductor options (config patches) of every aotdist compile: ``options`` plus,
-    on a torch with the buffer-reuse bug, aotdist's post-grad pass
-    (:mod:`aotdist.backends.reuse`), which makes buffer reuse safe, so reuse stays on
-    unless ``options`` turns it off.
+    """The Inductor options (config patches) of every aotdist compile: ``options`` plus
+    aotdist's post-grad pass (:mod:`aotdist.backends.reuse`), which makes buffer reuse
+    safe, so reuse stays on unless ``options`` turns it off.
 
     The one place that decides them: :func:`aotdist.compile_regions` (through
     ``make_backend``), ``aotdist.capture(..., backend="inductor")`` (through
@@ -191,8 +172,6 @@ def inductor_options(options: dict | None = None, *, warn: bool = True,
     bucketing = _add_collective_options(options, bucket_mb, overlap)
     _install(options, bucketing, "its bucketing pass. Fix: set fsdp.bucket_mb: null to keep "
              "your pass")
-    if not inductor_buffer_reuse_is_unsafe():
-        return options
     reuse = options.setdefault("allow_buffer_reuse", _compat.inductor_buffer_reuse_default())
     if not reuse:
         return options
@@ -201,8 +180,8 @@ def inductor_options(options: dict | None = None, *, warn: bool = True,
             rank_zero_warn(
                 f"allow_buffer_reuse=True without aotdist's pass: with torch "
                 f"{torch.__version__}, Inductor's buffer reuse can overwrite an activation a "
-                "reused region saved for backward (wrong gradients, see README 'Known "
-                "limits').",
+                "reused region saved for backward (wrong gradients, see "
+                "docs/guide/limits.md).",
                 RegionCompileWarning, stacklevel=4,
             )
         return options

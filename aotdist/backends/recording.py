@@ -4,25 +4,14 @@
 every FX graph Dynamo hands over it records which region instances call an
 ``invoke_subgraph`` (call sites), which distinct subgraphs each region has, and which
 instances were inlined instead (:class:`GraphRecord`, read by :mod:`aotdist.metrics`).
-It also decides two things about correctness:
+It also decides three things about how a graph compiles:
 
 - a graph that resizes an input's storage (the FSDP pattern) is compiled by aotdist's
   repaired AOTAutograd backend (:mod:`aotdist.backends.aot`), or run eagerly with a
   warning when the backend cannot be rebuilt;
 - a backend failure on a region's ``invoke_subgraph`` becomes a ``RegionCaptureError``
-  naming the regions, so the compiled call (:mod:`aotdist.compile.guard`) can fix or
-  demote exactly those.
-
-A graph that calls a region's subgraph, or is a region's own frame, is compiled with
-reductions recomputable by AOTAutograd's partitioner
-(:func:`aotdist._compat.recomputable_reductions`). A region's body is partitioned on its
-own, and its input arrives materialized (the previous block's output), so the min-cut
-saves that input plus each norm's mean and rstd, where a whole-model partition saves each
-norm's normalized input plus one rescaled rstd: one per-row statistic more per norm
-(+0.4% saved for backward on the bench GPT at depth 32). With reductions recomputable the
-region saves its input alone and recomputes the statistics in the backward, one per-row
-reduction fused into the norm's backward, and saves less than the whole-model compile.
-Graphs without regions keep torch's default.
+  naming the regions, so :mod:`aotdist.compile.guard` can fix or demote exactly those;
+- a graph holding regions is partitioned with reductions recomputable (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -169,7 +158,7 @@ class RecordingBackend:
         _warn_autograd_function_splits(gm, node_regions)
         record.standalone = self._standalone_region()
         start = time.perf_counter()
-        # Graphs holding regions are partitioned with reductions recomputable (docstring).
+        # Regions recompute norm statistics rather than save them (docs/internals.md).
         regions = bool(record.call_sites) or record.standalone is not None
         try:
             with _compat.recomputable_reductions() if regions else contextlib.nullcontext():
@@ -277,15 +266,8 @@ def _first_error_line(exc: BaseException) -> str:
 def _warn_autograd_function_splits(gm: torch.fx.GraphModule, node_regions: dict[str, str]
                                    ) -> None:
     """Warns (once per graph and region) when a region's call sites got distinct subgraphs
-    because its forward calls a ``torch.autograd.Function``.
-
-    torch 2.11's Dynamo reuses an ``invoke_subgraph`` only when every ``call_function``
-    target of the new trace *is* the previous trace's target
-    (``are_same_graph_modules``), and it traces each ``autograd.Function.apply`` (torchao
-    ``Float8Linear``'s matmul, for one) as a fresh ``trampoline_autograd_apply`` function.
-    Such a region compiles once per call site: correct, but not reused. torch 2.15
-    traces autograd.Functions differently and reuses the subgraph.
-    """
+    because its forward calls a ``torch.autograd.Function`` (traced as a fresh trampoline
+    per call site on some torch releases: correct, but not reused; docs/internals.md)."""
     bodies: dict[str, set[str]] = {}
     for node in gm.graph.nodes:
         region = node_regions.get(node.name)

@@ -1,25 +1,13 @@
 """An Inductor post-grad pass that makes buffer reuse safe around reused regions.
 
-The bug it works around (torch 2.15; absent in 2.11): a reused region's partitioned
-forward may return one of its own *inputs* as an activation saved for backward
-(``partitioned_fw_subgraph_0_0`` returns ``(out, primals_0, ...)``, ``primals_0`` being
-the block's input). Inductor's outer graph takes the ``getitem`` of that output for a new
-buffer, not for an alias of the argument it passed in, so it counts the argument dead
-after the call and reuses its storage for a later kernel, which overwrites the saved
-activation: the backward computes a wrong gradient (TinyGPT depth 2: ``blocks.1.ln1``'s
-weight gradient ~70% off).
-
-:func:`forward_aliased_outputs` replaces every use of such a ``getitem`` with the outer
-argument itself, so Inductor sees the argument live for as long as the saved activation.
-An output that is a *view* of an input (a chain of view ops from a placeholder, e.g. the
-``permute(permute(weight))`` a linear layer saves) is replayed: the same view ops with the
-same constant arguments are applied to the outer argument in the outer graph, and the
-uses of the ``getitem`` move to the replayed view, which Inductor knows aliases the
-argument. A chain it cannot replay exactly (an argument that is itself a node, or a
-replayed result whose size, stride or offset differ from the region's output) is left as
-it is, and the pass turns buffer reuse off for that one graph instead (the safe side). The pass runs on every graph Inductor compiles (forward, backward, inference, and
-the region subgraphs themselves), so a backward region that passes a gradient through is
-covered the same way.
+A reused region's partitioned forward may return one of its own *inputs* as an
+activation saved for backward; Inductor's outer graph then counts the argument dead after
+the call and may reuse its storage, overwriting the saved activation (a torch bug: wrong
+gradients). :func:`forward_aliased_outputs` makes the outer graph use the argument itself
+(or a replay of the view chain that produced the output) wherever it used that output, so
+Inductor keeps the argument alive; where it cannot replay a view exactly, it turns buffer
+reuse off for that graph. :func:`reuse_pass` wraps it as a post-grad pass, which runs on
+every graph Inductor compiles, region subgraphs included. Details: docs/internals.md.
 """
 
 from __future__ import annotations

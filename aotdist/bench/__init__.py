@@ -1,21 +1,15 @@
 """``aotdist bench``: compile time, step time and memory of the strategies, side by side.
 
 Every measurement runs in a fresh process with its own empty compiler cache directory
-(:mod:`aotdist.bench.runner`), so compile times are cold. Cells repeat round robin
-(:func:`~aotdist.bench.plan.interleave`: every cell once per repeat), and every ratio is
-computed within one repeat, then reported as a median with its spread; a target whose
-spread straddles its bound is "noisy" (:mod:`aotdist.bench.stats`). The report records
-the load average at start and end (:mod:`aotdist.bench.report`).
+(:mod:`aotdist.bench.runner`), so compile times are cold. Cells repeat round robin and
+every ratio is computed within one repeat, then reported as a median with its spread
+(:mod:`aotdist.bench.stats`); steady-step ratios come from strategies timed side by side
+in one process (*paired* runs, :func:`aotdist.bench.runner.measure_paired`).
 
-Steady steps of separate processes minutes apart disagree by tens of percent on a shared
-machine, so after the round robin every single-process depth with aotdist and a peer
-also runs its strategies side by side in one process (*paired*,
-:func:`aotdist.bench.runner.measure_paired`: ``2 x repeats`` interleaved rounds of the
-timed steps), and the steady-step ratios come from those rounds. Profiled benches skip it.
-
-The main job (``aotdist bench`` with no arguments) is :data:`MAIN_JOB` with
-:data:`~aotdist.bench.plan.MAIN_SETTINGS` (3 repeats); ``--quick`` is
-:data:`QUICK_JOB` with :data:`~aotdist.bench.plan.QUICK_SETTINGS`.
+Entry point: :func:`run_bench`. The main job (``aotdist bench`` with no arguments) is
+:data:`MAIN_JOB` with :data:`~aotdist.bench.plan.MAIN_SETTINGS`; ``--quick`` is
+:data:`QUICK_JOB` with :data:`~aotdist.bench.plan.QUICK_SETTINGS`. The method:
+docs/internals.md and docs/bench/.
 """
 
 from __future__ import annotations
@@ -123,7 +117,7 @@ def _seed_isa_probes(where: str, *, backend: str, device: str,
 
     Every run's empty Inductor cache dir starts from a copy of them (``aotdist+cache``
     cells excepted: their cold and warm runs measure a fresh start), so that no run spends
-    its 7-12 s of gcc again: they are a one-time cost of a cache dir, not of a strategy,
+    the C++ compiles again: they are a one-time cost of a cache dir, not of a strategy,
     and the runner times them apart from the cold step anyway.
     """
     if device != "cpu" or backend != "inductor":

@@ -58,7 +58,7 @@ class JobSettings:
 # 2-core CPU with inductor, the ISA probes built once: about 12 minutes, then the paired
 # runs, about 2.5: about 14 minutes). GPT at depths 2,
 # 8 and 32 carries every
-# goal of issue 16 measured in one process (step time at every depth, cold compile and
+# target measured in one process (step time at every depth, cold compile and
 # its growth to depth 32, saved-for-backward memory). Dropped from the default to make
 # room for 3 repeats (still available with --model / --nproc): torchvision's ViT (its
 # blocks sit in an nn.Sequential, so Accelerate's cell equals full, and its ratios

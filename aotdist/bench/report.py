@@ -163,7 +163,7 @@ def _markdown(report: dict) -> str:
               f"[{v['min']:.2f}-{v['max']:.2f}] | {v['repeats']} | "
               f"{v['numerator']:.4g} / {v['denominator']:.4g} |"
               for k, v in report["ratios"].items()]
-    lines += ["", "Targets (issue 16): met = every repeat meets the bound, missed = none does, "
+    lines += ["", "Targets: met = every repeat meets the bound, missed = none does, "
               "noisy = the spread straddles it (this run cannot tell).", "",
               "| group | target | depth | value [min-max] | verdict |", "|---|---|---|---|---|"]
     lines += [f"| {t['group']} | {t['target']} | {t['depth']} | {t['value']:.2f}x "

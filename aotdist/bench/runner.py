@@ -218,8 +218,8 @@ def _probe_cpu_isa(spec: dict, strategy) -> float:
     """Seconds of Inductor's CPU vector-ISA probes, run before the cold step (0.0 where
     they do not apply: no Inductor, no compile, not CPU).
 
-    They are a one-time cost of an Inductor cache dir (7-12 s of gcc on a 2-core machine),
-    the same for every strategy, which a persistent cache dir pays once per machine; in
+    They are a one-time cost of an Inductor cache dir (seconds of C++ compiles), the same
+    for every strategy, which a persistent cache dir pays once per machine; in
     the cold step they would add that constant to every strategy's compile and pull every
     compile ratio toward 1. The report gives them apart, and the warm/cold first-step
     ratio of a fresh start adds them back on both sides.

@@ -26,7 +26,7 @@ def fresh_start_s(result: dict) -> float:
 FIGURES = ("compile_s", "first_step_s", "isa_probe_s", "steady_step_s", "peak_mem_mib",
            "saved_activation_bytes", "saved_bytes_total", "warm_first_step_s")
 
-# (what issue 16 asks, ratio name with {d} for a depth, comparison, bound, which depths:
+# (what the target asks, ratio name with {d} for a depth, comparison, bound, which depths:
 # "every" depth of the group or only its "largest")
 TARGETS = (
     ("steady step: aotdist <= 1.0x accelerate", "step aotdist/accelerate @depth{d}", "<=", 1.0,
@@ -203,7 +203,7 @@ def verdict(ratio: dict, op: str, bound: float) -> str:
 
 
 def evaluate_targets(results: list[dict], ratios: dict) -> list[dict]:
-    """Issue 16's targets, each checked at its group's largest depth or at every depth,
+    """The targets, each checked at its group's largest depth or at every depth,
     wherever both sides were measured."""
     rows = []
     for group, members in _groups(results).items():

@@ -64,10 +64,10 @@ def isa_probe_files() -> dict[str, bytes]:
     """Inductor's CPU vector-ISA probes, by path in the cache dir.
 
     Before its first CPU kernel, Inductor compiles a few small C++ programs to learn which
-    vector ISA this CPU runs (7-8 s of gcc on a 2-core machine), once per cache dir, and
-    then loads each in a child Python (about 0.2 s each; torch 2.15 remembers a success
-    in a ``<key>.so.load_ok`` marker, 2.11 loads again in every process). The probes'
-    ``.so`` files travel with the bundle. Their markers travel too, with this machine's
+    vector ISA this CPU runs, once per cache dir, and then loads each in a child Python
+    (torch 2.15 remembers a success in a ``<key>.so.load_ok`` marker, 2.11 loads again in
+    every process; costs: docs/internals.md). The probes' ``.so`` files travel with the
+    bundle. Their markers travel too, with this machine's
     :func:`cpu_signature` (entry :data:`CPU_ENTRY`): :func:`install` writes them only on
     a machine with the same signature, so a CPU without that ISA still runs the probe and
     still says no.

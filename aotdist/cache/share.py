@@ -2,20 +2,12 @@
 
 Between ``aotdist.cache.load`` and ``aotdist.cache.save``, :class:`CompileSharing`
 wraps Inductor's FX graph cache (``FxGraphCache.load_with_key`` and ``_save_graph``;
-the originals are put back by :meth:`CompileSharing.stop`):
-
-* rank 0 publishes, through the process group's key-value store, the FX cache key of
-  its n-th graph lookup, and once that graph is compiled (or found in its cache) the
-  artifacts that serve it;
-* every other rank, at its n-th lookup, compares its own key with rank 0's n-th key.
-  Equal: it waits for rank 0's artifacts, installs them and looks up again (a hit, no
-  backend compile). Different (something rank-specific in the graph or its inputs), no
-  word from rank 0 within ``cache.share_timeout_s``, or rank 0 finished its first step:
-  it compiles the graph itself and warns with the reason.
-
-Ranks reach their n-th graph in the same order (the same model and code run on each),
-and a graph's FX key is a hash of everything that decides its kernels, so a shared
-artifact is used only where it is exactly what this rank would have compiled.
+:meth:`CompileSharing.stop` puts the originals back). Rank 0 publishes, through the
+process group's store, the FX cache key of its n-th graph lookup and then the artifacts
+that serve it; every other rank, at its n-th lookup, uses rank 0's artifacts when the
+keys are equal, and otherwise (a different key, a timeout, rank 0 done with its first
+step) compiles the graph itself with a warning that gives the reason. Why this is
+safe: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """``aotdist.capture``: what AOTAutograd saw, region by region, in one report.
 
-One forward (and backward) step of the model runs through ``torch.compile`` with a
-backend built on AOTAutograd (:func:`aotdist.backends.aot.aot_backend`): Dynamo's graph is
-recorded first (input sources, tensor subclasses, storage resizes), then every forward,
-backward and region subgraph AOTAutograd produces, before the chosen backend compiles
-it, so the step runs as it would in training.
+:func:`capture` runs one forward (and backward) step of the model through
+``torch.compile`` with a backend built on AOTAutograd
+(:func:`aotdist.backends.aot.aot_backend`), recording Dynamo's graph and then every
+forward, backward and region subgraph AOTAutograd produces, before the chosen backend
+compiles it. Regions are found as ``invoke_subgraph`` calls in one graph without FSDP2,
+and as per-region frames with it (see :mod:`aotdist.compile`).
 
-- Without FSDP2 the whole model is one graph and each region is an ``invoke_subgraph``
-  call: a region's subgraphs are the ``partitioned_fw/bw_subgraph`` modules those calls
-  name, its call sites the instances whose calls they are.
-- With FSDP2 (``frames`` mode, see :mod:`aotdist.compile`) each region's forward is
-  compiled as a graph of its own inside FSDP's hooks; its call sites are the instances
-  that ran it, its subgraphs the graphs compiled for it.
-
-Compile state is left as it was: the step is compiled from fresh code objects (no
-``torch._dynamo.reset()``, the user's other compiled functions keep their caches),
-aotdist's own compiled forwards are put back, and the gradients and buffers the step
-changed are restored.
-
-The report's dataclasses are in :mod:`aotdist.capture.report`, the recorder that fills
-them in :mod:`aotdist.capture.recorder`.
+Compile state is left as it was: fresh code objects (no ``torch._dynamo.reset()``),
+aotdist's own compiled forwards put back, gradients and buffers restored. The report's
+dataclasses are in :mod:`aotdist.capture.report`, the recorder in
+:mod:`aotdist.capture.recorder`. Details: docs/internals.md.
 """
 
 from __future__ import annotations

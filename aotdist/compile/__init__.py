@@ -2,21 +2,14 @@
 
 Regions are marked by :mod:`aotdist.compile.marking`; the backend is wrapped by
 :mod:`aotdist.backends.recording`, and region failures are fixed or demoted by
-:mod:`aotdist.compile.guard`.
-
-The model is compiled in place (``nn.Module._compiled_call_impl``, as
-``nn.Module.compile`` does), so ``state_dict()`` keys, ``named_parameters()`` and hooks
-are unchanged: no ``_orig_mod.`` prefix, no ``OptimizedModule`` wrapper.
+:mod:`aotdist.compile.guard`. The model is compiled in place (as ``nn.Module.compile``
+does): ``state_dict()`` keys, ``named_parameters()`` and hooks are unchanged.
 
 Two compile modes (:class:`aotdist.compile.state.CompileMode`), chosen from the model:
-
-- ``graph`` (no FSDP2 in the model): the root's ``_call_impl`` is compiled, so the whole
-  model is one graph and each region is an ``invoke_subgraph`` call in it.
-- ``frames`` (the model holds FSDP2 units): FSDP2's hooks are ``torch._dynamo.disable``-d
-  and would break a whole-model graph at every unit, so each region's forward is
-  compiled as a graph of its own, one compiled function per region shared by all its
-  instances (one trace, one compile), running inside FSDP's eager hooks. The code
-  between regions (embeddings, head) stays eager.
+``graph`` (no FSDP2: the whole model is one graph, each region an ``invoke_subgraph``
+call in it) and ``frames`` (FSDP2 units, whose hooks Dynamo does not trace: each region's
+forward is one compiled function shared by its instances, inside FSDP's eager hooks).
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -114,6 +107,38 @@ def compile_regions(
             aotdist was applied to it already.
         ConfigError: a bad backend, mode/options with a callable backend, or a plan that
             does not fit ``model``.
+
+    Example::
+
+        import torch
+        from torch import nn
+
+        import aotdist
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+            def forward(self, x):
+                return x + self.fc(self.norm(x))
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.stem = nn.Linear(8, 16)
+                self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+            def forward(self, x):
+                x = self.stem(x)
+                for block in self.blocks:
+                    x = block(x)
+                return x
+
+        model = aotdist.compile_regions(Net(), backend="aot_eager")
+        with aotdist.metrics.track(model) as m:
+            model(torch.randn(2, 8)).sum().backward()
+        assert (m.regions["Block"].call_sites, m.regions["Block"].subgraphs) == (4, 1)
     """
     state = _prepare(model, plan, backend, mode, dynamic, options)
     if fsdp_modules(model):  # FSDP2's hooks would break the whole graph: see module doc

@@ -1,20 +1,12 @@
 """Marking regions for ``invoke_subgraph``: a per-region subclass of each instance's class.
 
 Marking swaps each region instance's class for a per-region subclass whose ``forward``
-is wrapped by ``torch.compiler.nested_compile_region``. This is the documented
-class-level decorator form, applied to the marked instances only: other instances of
-the user's class (in other models, or unmarked in this one) are untouched. FSDP2's
-``fully_shard`` uses the same class-swap technique.
-
-Why not bind a marked function to the instance (``block.forward = ...``)? With torch
-2.15, Dynamo's subgraph reuse then feeds the *first* traced block's parameters to every
-later block: a silent wrong result. The class swap keeps ``self`` a real argument of the
-region, whose parameters Dynamo lifts per call site. ``tests/unit/test_compile.py``
-guards this with blocks whose weights differ.
-
-The region class also carries the two fixes a region may need: outputs that alias an
-input are cloned inside the region (``invoke_subgraph`` forbids aliasing), and activation
-checkpointing wraps the region's forward.
+is wrapped by ``torch.compiler.nested_compile_region`` (FSDP2's ``fully_shard`` swaps
+classes the same way); other instances of the user's class are untouched. The class swap
+keeps ``self`` a real argument of the region, so Dynamo lifts each instance's own
+parameters: binding a marked function per instance runs the first block's weights for
+every block on torch 2.15 (docs/internals.md). The region class also clones outputs that
+alias an input and applies activation checkpointing when asked.
 """
 
 from __future__ import annotations

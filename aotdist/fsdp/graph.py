@@ -1,39 +1,16 @@
 """Graph-mode FSDP (``fsdp.mode: graph``): the collectives inside the one whole-model graph.
 
-FSDP2's hooks are ``torch._dynamo.disable``-d, so under ``fsdp.mode: hooks`` each region
-compiles as a graph of its own inside eager hooks. Graph mode follows the SimpleFSDP
-design instead (torchtitan ``experiments/simple_fsdp``, arXiv 2411.00284): aotdist shards
-every parameter itself as a DTensor (``Shard(0)`` on the 1-D mesh, FSDP2's placement),
-and the all-gather / reduce-scatter are differentiable functional collectives that the
-compiler sees, so the model stays one Dynamo graph and each region stays one reused
-``invoke_subgraph``.
+Following the SimpleFSDP design, aotdist shards every parameter itself as a DTensor
+(``Shard(0)`` on the 1-D mesh) and gathers it with differentiable functional
+collectives that the compiler sees, so the model stays one Dynamo graph and each region
+stays one reused ``invoke_subgraph``, fed its own local shards. ``named_parameters()``,
+``state_dict()`` and the optimizer see the DTensors, as under FSDP2.
 
-How a region sees its parameters, while ``self`` stays a real argument of the region (the
-class-swap marking that keeps Dynamo's subgraph reuse correct):
-
-- ``named_parameters()`` / ``state_dict()`` / the optimizer see the DTensor parameters
-  (``Shard(0)``), as under FSDP2; ``clip_grad_norm_`` and DCP work on them.
-- Each module that owns parameters gets a per-(class, shapes) subclass with a property per
-  parameter (as ``torch.nn.utils.parametrize`` does). Outside a forward the property
-  returns the DTensor shard (FSDP2's behaviour). During a forward the model's call wrapper
-  (:class:`ShardedCall`, eager, outside the compiled graph) puts each parameter's *local
-  shard* (``to_local()``: its gradient returns to the DTensor as ``Shard(0)``) in the
-  module's ``_parameters``; the property then all-gathers it with
-  ``torch.distributed._functional_collectives`` inside whatever graph reads it. Inside a
-  region that is the region's subgraph, fed its own local shards: no DTensor enters an
-  ``invoke_subgraph`` (a DTensor ``redistribute`` there fails at AOT time).
-- The gather's backward reduce-scatters the gradient (average over the mesh). Uneven first
-  dims are padded to ``ceil(n / world) * world`` for both collectives and cut after.
-- ``reshard_after_forward: true`` wraps each gather (only the gather: pad, cast,
-  collective) in selective activation checkpointing with a ``MUST_RECOMPUTE`` policy (as
-  SimpleFSDP does): backward gathers again, nothing gathered is saved for backward. Plain
-  checkpointing gives the same graphs on torch 2.15 but not on 2.11, where the
-  partitioner then saves the gathered parameters (seen in the saved-tensor test).
-  ``false`` keeps the gathered parameters for backward.
-- ``param_dtype`` casts before the gather, ``reduce_dtype`` before the reduce-scatter.
-- Each read gathers one parameter; compiled graphs then merge their collectives into
-  ``fsdp.bucket_mb`` buckets (:mod:`aotdist.backends.bucketing`; ``fsdp.overlap``:
-  :func:`aotdist.backends.named.graph_fsdp_backend`).
+Entry points: :func:`shard_graph` (shards the model), :func:`sharded_call` (installs
+:class:`ShardedCall`, which puts local shards in place during a forward), :func:`gather`.
+``reshard_after_forward``, ``param_dtype`` / ``reduce_dtype`` and bucketing
+(:mod:`aotdist.backends.bucketing`) apply as configured. How a region sees its
+parameters, and why: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every test is marked ``gpu`` and skipped without CUDA (``tests/conftest.py``). Run the
 tier with ``python -m pytest -m gpu tests/gpu`` on a machine with GPUs, or with
 ``scripts/gpu_tier.sh`` on one that has torch but not aotdist's other dependencies
-(README, "GPU tier").
+(CONTRIBUTING.md, "GPU tier").
 
 The parity tests use every visible GPU (world size = ``torch.cuda.device_count()``): each
 rank trains its slice of every global batch under FSDP2 with NCCL; the reference is one

@@ -433,7 +433,7 @@ def test_tinygpt_inductor_end_to_end():
 
 
 # The single-process TinyGPT reproduction: torch 2.15 (checked) shows the bug there, 2.11
-# does not (2.11 shows it in graph-mode FSDP instead, see inductor_buffer_reuse_is_unsafe).
+# does not (2.11 shows it in graph-mode FSDP instead: docs/internals.md, aotdist/backends/reuse.py).
 _TINYGPT_SHOWS_BUG = torch.torch_version.TorchVersion(torch.__version__) >= (2, 12)
 
 
@@ -447,9 +447,10 @@ def test_tinygpt_inductor_buffer_reuse_torch_bug():
     """Buffer reuse on *without* aotdist's post-grad pass reproduces the torch bug.
 
     Strict xfail on torch 2.15: when it starts passing there (XPASS fails), torch has
-    fixed it and aotdist.backends.named's ``inductor_buffer_reuse_is_unsafe`` (and its
-    pass) can be gated. On torch 2.11 this model does not show the bug: the same run must
-    match eager (its reproduction there is graph-mode FSDP's Inductor parity test).
+    fixed it and aotdist's buffer-reuse pass (installed by
+    ``aotdist.backends.named.inductor_options`` on every torch) can be gated. On torch
+    2.11 this model does not show the bug: the same run must match eager (its
+    reproduction there is graph-mode FSDP's Inductor parity test).
     """
     from aotdist.backends.named import _without_reuse_pass
 
