@@ -49,6 +49,7 @@ class CheckResult:
     loss_eager: float | None = None
     loss_aotdist: float | None = None
     max_grad_diff: float | None = None
+    whole_model_grad_diff: float | None = None  # the same measure for whole-model compile
     error: str = ""
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
@@ -66,6 +67,8 @@ class CheckResult:
         diff = ("" if self.loss_eager is None or self.loss_aotdist is None
                 else f" | loss diff {abs(self.loss_aotdist - self.loss_eager):.1e}, grad diff "
                 f"{self.max_grad_diff:.1e}")
+        if self.whole_model_grad_diff is not None:
+            diff += f" (whole-model compile {self.whole_model_grad_diff:.1e})"
         where = f" (FSDP x{self.fsdp})" if self.fsdp else ""
         text = f"{self.name}{where}: {self.status} | {regions}{diff} | {self.seconds:.0f} s"
         return text + (f" | {self.error.splitlines()[0][:160]}" if self.error else "")
@@ -208,6 +211,7 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
         try:
             _step(family, torch.compile(whole, backend=backend), inputs)
             result.whole_model = "trains"
+            result.whole_model_grad_diff, _ = _grad_diff(whole, reference, rtol=1.0)
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             result.whole_model = f"fails: {_first_line(exc)}"
     if crashed is not None:

@@ -112,7 +112,9 @@ def render(results: Sequence[CheckResult], *, backend: str = "aot_eager") -> str
         "shrunk to a few layers of width 64 with random weights, and trained one step on "
         f"CPU with backend `{backend}` ({versions}), eagerly, with whole-model "
         "`torch.compile` and with aotdist, on the same weights and batch. Check your own "
-        "model the same way with `aotdist check module:factory`.",
+        "model the same way with `aotdist check module:factory`. Grad diff: the largest "
+        "difference of a parameter's gradient from eager, relative to that gradient's largest "
+        "value, for aotdist and (in brackets) whole-model `torch.compile`.",
         "",
         f"{reused} of {len(single)} families keep every region as one reused subgraph; "
         f"{len(failing)} check(s) fail"
@@ -120,20 +122,23 @@ def render(results: Sequence[CheckResult], *, backend: str = "aot_eager") -> str
            "config(s) do not build." if any(r.status == "not built" for r in results) else "."),
         "",
         "| Family | Kind | Regions (instances) | aotdist | Whole-model torch.compile "
-        "| Loss diff | Notes |",
-        "|---|---|---|---|---|---|---|",
+        "| Loss diff | Grad diff: aotdist (whole-model) | Notes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         regions = ", ".join(f"{n} ({s['instances']})" for n, s in r.regions.items()) or "-"
         diff = ("-" if r.loss_aotdist is None or r.loss_eager is None
                 else f"{abs(r.loss_aotdist - r.loss_eager):.0e}")
+        grad = "-" if r.max_grad_diff is None else f"{r.max_grad_diff:.0e}"
+        if r.whole_model_grad_diff is not None:
+            grad += f" ({r.whole_model_grad_diff:.0e})"
         name = f"{r.name} (FSDP2, {r.fsdp} ranks)" if r.fsdp else r.name
         whole = r.whole_model or ("-" if r.fsdp else "")
         notes = "; ".join(f"{n}: {_short(why)}" for n, why in r.notes.items())
         if r.status in FAILING and r.error:
             notes = (notes + "; " if notes else "") + r.error.strip().splitlines()[-1][:200]
         lines.append(f"| {_cell(name)} | {_cell(r.kind)} | {_cell(regions)} | {r.status} "
-                     f"| {_cell(whole[:120])} | {diff} | {_cell(notes)} |")
+                     f"| {_cell(whole[:120])} | {diff} | {grad} | {_cell(notes)} |")
     lines += ["", "Statuses:", ""]
     lines += [f"- **{k}**: {v}" for k, v in STATUS_MEANING.items()]
     return "\n".join(lines) + "\n"

@@ -459,3 +459,85 @@ def test_ddp_spawn_two_processes():
     _assert_same_params(_params(module), _params(ref), rtol=1e-5, atol=1e-6)
     assert not torch.equal(_params(module)["model.blocks.0.mlp.fc.weight"],
                            _params(GPTModule())["model.blocks.0.mlp.fc.weight"])
+
+
+# ---- a transformers decoder under ModelParallelStrategy ----------------------------------
+
+class LlamaModule(pl.LightningModule):
+    """A tiny transformers Llama (random weights, 3 decoder layers); records its losses.
+    ``shard_by_hand``: the eager reference, FSDP2 per decoder layer and root, no aotdist."""
+
+    def __init__(self, shard_by_hand: bool = False):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        cfg = transformers.AutoConfig.for_model(
+            "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=128, use_cache=False)
+        self.model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+        self.shard_by_hand = shard_by_hand
+        self.losses: list[float] = []
+
+    def configure_model(self):
+        if self.shard_by_hand:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.losses.append(loss.detach().item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _llama_model_parallel_runs(rank: int, world_size: int):
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 128, (8 * world_size, 12), generator=g))
+    out = {}
+    for name, module, callbacks in (("eager", LlamaModule(shard_by_hand=True), []),
+                                    ("aotdist", LlamaModule(), [RegionalCompile(AOT)])):
+        logger = MemoryLogger()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=world_size, max_steps=3, logger=logger,
+                strategy=ModelParallelStrategy(data_parallel_size=world_size,
+                                               tensor_parallel_size=1),
+                callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, num_sanity_val_steps=0,
+                default_root_dir=tempfile.mkdtemp(prefix="aotdist-test-pl-"))
+            trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+        out[name] = {"losses": module.losses, "params": _params(module),
+                     "logged": logger.merged(),
+                     "sharded": type(module.model.model.layers[0]).__mro__[1].__name__,
+                     "warnings": [str(w.message) for w in caught
+                                  if issubclass(w.category, aotdist.RegionCompileWarning)]}
+    return out
+
+
+@pytest.mark.slow  # > 30 s on a 2-core CPU machine
+def test_model_parallel_transformers_decoder_runs_every_layer_compiled():
+    """transformers wraps ``forward`` of every decoder-layer subclass, FSDP2's included:
+    the callback must still run each layer's compiled region, never train eagerly unsaid."""
+    rank0 = run_distributed(_llama_model_parallel_runs, 2, timeout=420)[0]
+    eager, compiled = rank0["eager"], rank0["aotdist"]
+    assert compiled["sharded"] == "FSDPModule", compiled["sharded"]
+    logged = compiled["logged"]
+    assert logged["aotdist/LlamaDecoderLayer/instances"] == DEPTH, logged
+    assert logged["aotdist/LlamaDecoderLayer/call_sites"] == DEPTH, logged
+    assert logged["aotdist/LlamaDecoderLayer/subgraphs"] == 1, logged
+    assert logged["aotdist/graphs"] >= 1, logged
+    assert not compiled["warnings"], compiled["warnings"]
+    assert len(compiled["losses"]) == 3
+    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]),
+                               rtol=1e-5, atol=1e-6)
+    _assert_same_params(compiled["params"], eager["params"], rtol=1e-5, atol=1e-6)
