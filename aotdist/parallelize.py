@@ -18,7 +18,7 @@ from aotdist.compile.state import INFO_ATTR, STATE_ATTR
 from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigWarning, OrderingError
 from aotdist.float8 import convert_to_float8, warn_unverified_combination
-from aotdist.fsdp import check_not_sharded, default_mesh, shard
+from aotdist.fsdp import check_not_sharded, fsdp_mesh, shard
 from aotdist.fsdp.graph import check_graph_config, graph_plan, shard_graph, sharded_call
 from aotdist.log import get_logger, rank_zero_warn
 from aotdist.regions import RegionPlan, find_regions
@@ -65,7 +65,9 @@ def parallelize(model: nn.Module, *,
         model: The unwrapped model, on its training device; changed in place.
         config: An :class:`AOTDistConfig`, a mapping for ``AOTDistConfig.from_dict`` or a
             YAML path. ``None``: regional compile only.
-        mesh: FSDP2's 1-D device mesh; default: all ranks of the default process group.
+        mesh: FSDP2's device mesh: 1-D, or 2-D ``(replicate, shard)`` for HSDP (hooks
+            mode); default: all ranks of the default process group, as
+            ``fsdp.replicate_degree`` asks.
 
     Returns:
         ``model`` itself: same class at the root, same ``state_dict()`` keys.
@@ -98,7 +100,7 @@ def parallelize(model: nn.Module, *,
     # Float8 conversion and FSDP2 must both come before the user's own fully_shard.
     check_not_sharded(model, allow_fsdp2=not (config.fsdp.enabled or config.float8.enabled))
     if config.fsdp.enabled:
-        mesh = default_mesh(model) if mesh is None else mesh
+        mesh = fsdp_mesh(model, mesh, config.fsdp)
     elif mesh is not None:
         rank_zero_warn("parallelize(mesh=...) has no effect with fsdp.enabled: false.",
                        ConfigWarning, stacklevel=2)

@@ -124,6 +124,9 @@ class FSDPConfig(Section):
         overlap: ``graph`` mode with ``inductor`` on CUDA: turn on Inductor's
             compute/communication overlap (collective reordering), scoped to this
             model's compiles. On CPU it has no effect (a ``ConfigWarning``).
+        replicate_degree: HSDP (``hooks`` mode): replicate over this many groups and
+            shard within each, a 2-D mesh ``(replicate, shard)``; it must divide the world
+            size. ``1``: shard over every rank.
     """
 
     _key: typing.ClassVar[str] = "fsdp"
@@ -134,6 +137,7 @@ class FSDPConfig(Section):
     reduce_dtype: str | None = None
     bucket_mb: float | None = 2000.0
     overlap: bool = False
+    replicate_degree: int = 1
 
     def _rule_problems(self) -> list[str]:
         out = [
@@ -150,6 +154,12 @@ class FSDPConfig(Section):
         if self.bucket_mb is not None and not self.bucket_mb >= 0:
             out.append(f"fsdp.bucket_mb: must be >= 0 (MiB per bucket), got {self.bucket_mb!r}. "
                        "Fix: a positive cap, or null / 0 for one collective per parameter")
+        if self.replicate_degree < 1:
+            out.append(f"fsdp.replicate_degree: must be >= 1, got {self.replicate_degree}")
+        elif self.replicate_degree > 1 and self.mode == "graph":
+            out.append("fsdp.replicate_degree: graph-mode FSDP takes a 1-D mesh (HSDP is not "
+                       "built there yet). Fix: set fsdp.mode: hooks for HSDP, or drop "
+                       "fsdp.replicate_degree")
         if self.overlap and self.mode != "graph":
             out.append("fsdp.overlap: reorders the collectives inside compiled graphs, which only "
                        f"fsdp.mode: graph has (mode is {self.mode!r}). Fix: set fsdp.mode: graph, "

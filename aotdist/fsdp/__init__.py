@@ -4,7 +4,7 @@
 eager hooks gather and free parameters and aotdist compiles each region's forward inside
 them (per-region frames). :mod:`~aotdist.fsdp.graph`: parameters become DTensor shards
 and the all-gathers and reduce-scatters are functional collectives inside the one
-whole-model graph. Ordering checks and the default mesh live in ``hooks``.
+whole-model graph. Ordering checks and the mesh (1-D, or 2-D HSDP) live in ``hooks``.
 """
 
 from aotdist.fsdp.graph import (
@@ -17,6 +17,7 @@ from aotdist.fsdp.graph import (
 from aotdist.fsdp.hooks import (
     check_not_sharded,
     default_mesh,
+    fsdp_mesh,
     fsdp_modules,
     fsdp_params,
     is_fsdp_module,
@@ -27,6 +28,7 @@ __all__ = [
     "check_graph_config",
     "check_not_sharded",
     "default_mesh",
+    "fsdp_mesh",
     "fsdp_modules",
     "fsdp_params",
     "graph_plan",

@@ -262,7 +262,8 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
 
     if mesh.ndim != 1:
         raise ConfigError(f"fsdp.mode: graph needs a 1-D device mesh; got {mesh.ndim}-D {mesh}. "
-                          "Fix: pass mesh=init_device_mesh(device_type, (world_size,)).")
+                          "Fix: pass mesh=init_device_mesh(device_type, (world_size,)), or use "
+                          "fsdp.mode: hooks, which takes a 2-D (replicate, shard) HSDP mesh.")
     fc = config.fsdp
     group = mesh.get_group()
     world, rank = mesh.size(), mesh.get_local_rank()

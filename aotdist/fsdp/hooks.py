@@ -78,11 +78,13 @@ def _device_type(model: nn.Module) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_mesh(model: nn.Module):
-    """A 1-D device mesh over the default process group, on the model's device type.
+def default_mesh(model: nn.Module, *, replicate_degree: int = 1):
+    """The device mesh over the default process group, on the model's device type: 1-D,
+    or with ``replicate_degree > 1`` the 2-D HSDP mesh ``(replicate, shard)``.
 
     Raises:
-        ConfigError: No process group is initialized.
+        ConfigError: No process group is initialized, or ``replicate_degree`` does not
+            divide the world size.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
@@ -92,7 +94,40 @@ def default_mesh(model: nn.Module):
         )
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(_device_type(model), (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if replicate_degree == 1:
+        return init_device_mesh(_device_type(model), (world,))
+    if world % replicate_degree:
+        raise ConfigError(
+            f"fsdp.replicate_degree: {replicate_degree} does not divide the world size "
+            f"{world} (rank {dist.get_rank()}). Fix: a divisor of {world}, or 1 to shard "
+            "over every rank."
+        )
+    return init_device_mesh(_device_type(model), (replicate_degree, world // replicate_degree),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def fsdp_mesh(model: nn.Module, mesh, config: FSDPConfig):
+    """The mesh FSDP shards over: ``mesh`` checked against ``config``, or the default one.
+
+    Raises:
+        ConfigError: ``mesh`` contradicts ``fsdp.replicate_degree``, or is a 2-D mesh
+            without dim names (FSDP2's HSDP needs them).
+    """
+    degree = config.replicate_degree
+    if mesh is None:
+        return default_mesh(model, replicate_degree=degree)
+    if degree > 1 and (mesh.ndim != 2 or mesh.shape[0] != degree):
+        raise ConfigError(
+            f"fsdp.replicate_degree: {degree} asks for a ({degree}, shard) HSDP mesh, but "
+            f"parallelize(mesh=...) got a mesh of shape {tuple(mesh.shape)}. Fix: drop "
+            "fsdp.replicate_degree (the mesh decides), or drop mesh=...")
+    if config.mode == "hooks" and mesh.ndim == 2 and not mesh.mesh_dim_names:
+        raise ConfigError(
+            f"a 2-D mesh {tuple(mesh.shape)} is HSDP for FSDP2, which needs its dims named. "
+            "Fix: init_device_mesh(device_type, (replicas, shards), mesh_dim_names="
+            "('replicate', 'shard')), or set fsdp.replicate_degree and drop mesh=...")
+    return mesh
 
 
 def shard(model: nn.Module, plan: RegionPlan, config: FSDPConfig, mesh) -> list[str]:

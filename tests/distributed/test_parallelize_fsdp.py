@@ -233,22 +233,72 @@ def test_dcp_round_trip(two_ranks, name):
         assert torch.equal(value, rank0[name]["params"][key]), key
 
 
+HSDP = {**CONFIGS["fsdp+compile"], "fsdp": {"enabled": True, "replicate_degree": 2}}
+
+
 def _four_ranks(rank: int, world_size: int):
-    torch.manual_seed(0)
-    model = build_model("gpt", depth=DEPTH)
-    aotdist.parallelize(model, config=CONFIGS["fsdp+compile"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = [_step(model, opt, xs[rank], ys[rank]) for xs, ys in _batches(world_size, model)]
-    return losses, {k: v.full_tensor() for k, v in model.state_dict().items()}
+    """FSDP over 4 ranks, HSDP 2x2 from the config and HSDP 2x2 from the user's mesh, in
+    one spawn; then the configurations that must be refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    for name, config, mesh in (
+            ("fsdp", CONFIGS["fsdp+compile"], None),
+            ("hsdp", HSDP, None),
+            ("hsdp_mesh", CONFIGS["fsdp+compile"],
+             init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard")))):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build_model("gpt", depth=DEPTH)
+        aotdist.parallelize(model, config=config, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        with metrics.track(model) as m:
+            losses = [_step(model, opt, xs[rank], ys[rank])
+                      for xs, ys in _batches(world_size, model)]
+        weight = model.blocks[0].mlp.fc.weight
+        out[name] = {
+            "losses": losses, "params": {k: v.full_tensor() for k, v in model.state_dict().items()},
+            "placements": [type(p).__name__ for p in weight.placements],
+            "mesh": tuple(weight.device_mesh.shape),
+            "call_sites": m.regions["GPTBlock"].call_sites,
+        }
+    errors = {}
+    for name, config, mesh in (
+            ("indivisible", {**HSDP, "fsdp": {"enabled": True, "replicate_degree": 3}}, None),
+            ("mesh_mismatch", HSDP, init_device_mesh("cpu", (4,))),
+            ("unnamed_2d", CONFIGS["fsdp+compile"], init_device_mesh("cpu", (2, 2))),
+            ("graph_2d", CONFIGS["fsdp+compile"] | {"fsdp": {"enabled": True, "mode": "graph"}},
+             init_device_mesh("cpu", (2, 2)))):
+        try:
+            aotdist.parallelize(build_model("gpt", depth=DEPTH), config=config, mesh=mesh)
+            errors[name] = None
+        except aotdist.ConfigError as exc:
+            errors[name] = str(exc)
+    out["errors"] = errors
+    return out
 
 
-def test_four_ranks_match_eager():
-    out = run_distributed(_four_ranks, 4, timeout=300)
+def test_four_ranks_fsdp_and_hsdp_match_eager():
+    out = run_distributed(_four_ranks, 4, timeout=400)[0]
     ref_losses, ref_params, _ = _reference(CONFIGS["fsdp+compile"], 4)
-    torch.testing.assert_close(torch.tensor(out[0][0]), torch.tensor(ref_losses),
-                               rtol=1e-4, atol=1e-5)
-    for key, ref in ref_params.items():
-        torch.testing.assert_close(out[0][1][key], ref, rtol=1e-4, atol=1e-5)
+    for name in ("fsdp", "hsdp", "hsdp_mesh"):
+        torch.testing.assert_close(torch.tensor(out[name]["losses"]), torch.tensor(ref_losses),
+                                   rtol=1e-4, atol=1e-5)
+        for key, ref in ref_params.items():
+            torch.testing.assert_close(out[name]["params"][key], ref, rtol=1e-4, atol=1e-5)
+        assert out[name]["call_sites"] == DEPTH, out[name]
+    assert out["fsdp"]["placements"] == ["Shard"] and out["fsdp"]["mesh"] == (4,)
+    for name in ("hsdp", "hsdp_mesh"):  # replicated over 2 groups, sharded within each
+        assert out[name]["placements"] == ["Replicate", "Shard"], out[name]["placements"]
+        assert out[name]["mesh"] == (2, 2)
+        for key, value in out["fsdp"]["params"].items():  # HSDP computes what FSDP does
+            torch.testing.assert_close(out[name]["params"][key], value, rtol=1e-6, atol=1e-6)
+    errors = out["errors"]
+    assert "3 does not divide the world size 4" in errors["indivisible"], errors
+    assert "Fix: a divisor of 4" in errors["indivisible"]
+    assert "got a mesh of shape (4,)" in errors["mesh_mismatch"], errors
+    assert "fsdp.mode: hooks" in errors["graph_2d"], errors
+    assert "needs its dims named" in errors["unnamed_2d"], errors
 
 
 def _ordering_errors(rank: int, world_size: int):

@@ -144,3 +144,14 @@ def test_aotdist_section_inside_a_larger_config(tmp_path):
     assert cfg.compile.backend == "aot_eager" and cfg.ac.enabled
     with pytest.raises(ConfigError, match="put them all under aotdist"):
         AOTDistConfig.from_dict({"aotdist": {}, "compile": {"backend": "aot_eager"}})
+
+
+def test_hsdp_replicate_degree_is_validated():
+    from aotdist.config import AOTDistConfig
+
+    assert AOTDistConfig.from_dict({"fsdp": {"enabled": True}}).fsdp.replicate_degree == 1
+    with pytest.raises(ConfigError, match=r"fsdp.replicate_degree: must be >= 1, got 0"):
+        AOTDistConfig.from_dict({"fsdp": {"enabled": True, "replicate_degree": 0}})
+    with pytest.raises(ConfigError, match=r"graph-mode FSDP takes a 1-D mesh.*fsdp.mode: hooks"):
+        AOTDistConfig.from_dict({"fsdp": {"enabled": True, "mode": "graph",
+                                          "replicate_degree": 2}})
