@@ -175,6 +175,31 @@ def _classify(result: CheckResult, m, caught: list[str]) -> None:
         result.status = "reused"
 
 
+def _region_warnings(caught) -> list[str]:
+    import aotdist
+
+    return [str(w.message).splitlines()[0][:300] for w in caught
+            if issubclass(w.category, aotdist.RegionCompileWarning)]
+
+
+def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, reference: nn.Module,
+           backend: str, *, frames: bool = False) -> None:
+    """Status from the metrics, then ``eager!`` (``frames``: a kept region with fewer
+    compiled call sites than instances) or ``parity`` (loss or a gradient off eager)."""
+    result.loss_aotdist = loss.item()
+    result.max_grad_diff, grads_ok = _grad_diff(model, reference, rtol=_tolerance(backend))
+    _classify(result, m, result.warnings)
+    for name, st in m.regions.items() if frames else ():
+        if name not in m.demoted and name not in m.eager and st.call_sites < st.instances:
+            result.notes.setdefault(name, f"{st.call_sites} of {st.instances} instances "
+                                    "ran compiled")
+            result.status = "eager!"
+    loss_ok = abs(result.loss_aotdist - result.loss_eager) <= _tolerance(backend) * max(
+        1.0, abs(result.loss_eager))
+    if not (loss_ok and grads_ok) and result.status != "eager!":
+        result.status = "parity"
+
+
 def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int = 0,
                  whole_model: bool = True) -> CheckResult:
     """One training step of ``family`` eager, with aotdist and (``whole_model``) with
@@ -205,8 +230,7 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
         except Exception as exc:  # noqa: BLE001 - classified below against torch.compile
             crashed = exc
             result.error = _first_line(exc)
-    result.warnings = [str(w.message).splitlines()[0][:300] for w in caught
-                       if issubclass(w.category, (aotdist.RegionCompileWarning,))]
+    result.warnings = _region_warnings(caught)
     if whole_model:
         try:
             _step(family, torch.compile(whole, backend=backend), inputs)
@@ -220,13 +244,7 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
         if result.status == "crash":
             result.error = "".join(traceback.format_exception(crashed))[-3000:]
     else:
-        result.loss_aotdist = loss.item()
-        result.max_grad_diff, grads_ok = _grad_diff(model, reference, rtol=_tolerance(backend))
-        _classify(result, m, result.warnings)
-        loss_ok = abs(result.loss_aotdist - result.loss_eager) <= _tolerance(backend) * max(
-            1.0, abs(result.loss_eager))
-        if not (loss_ok and grads_ok) and result.status != "eager!":
-            result.status = "parity"
+        _judge(result, m, loss, model, reference, backend)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -252,23 +270,10 @@ def _fsdp_rank(rank: int, world_size: int, spec: str, backend: str, seed: int) -
         except Exception as exc:  # noqa: BLE001 - reported
             result.status = "crash"
             result.error = "".join(traceback.format_exception(exc))[-3000:]
-    result.warnings = [str(w.message).splitlines()[0][:300] for w in caught
-                       if issubclass(w.category, aotdist.RegionCompileWarning)]
+    result.warnings = _region_warnings(caught)
     if result.status != "crash":
-        result.loss_aotdist = loss.item()
-        result.max_grad_diff, grads_ok = _grad_diff(model, reference, rtol=_tolerance(backend))
-        _classify(result, m, result.warnings)
         # Per-region frames: every instance of a kept region is a compiled frame call.
-        for name, st in m.regions.items():
-            if name not in m.demoted and name not in m.eager and st.call_sites < st.instances:
-                result.notes.setdefault(name, f"{st.call_sites} of {st.instances} instances "
-                                        "ran compiled")
-                if result.status != "eager!":
-                    result.status = "eager!"
-        loss_ok = abs(result.loss_aotdist - result.loss_eager) <= _tolerance(backend) * max(
-            1.0, abs(result.loss_eager))
-        if not (loss_ok and grads_ok) and result.status != "eager!":
-            result.status = "parity"
+        _judge(result, m, loss, model, reference, backend, frames=True)
     result.seconds = time.perf_counter() - start
     return result.to_dict()
 
