@@ -121,6 +121,8 @@ class RegionalCompile(Callback):
         config, mesh = self.config, None
         if _is_model_parallel(trainer.strategy):
             mesh = _data_parallel_mesh(trainer.strategy)
+            if config.fsdp.replicate_degree > 1:  # HSDP: aotdist builds (replicate, shard)
+                mesh = None  # over the same ranks (tensor_parallel_size is 1)
             if not config.fsdp.enabled:
                 rank_zero_info("aotdist: ModelParallelStrategy, enabling FSDP2 (fsdp.enabled) "
                                "over its data-parallel mesh.")

@@ -354,6 +354,8 @@ def _model_parallel_runs(rank: int, world_size: int):
         "aotdist_graph": (GPTModule(), [RegionalCompile(
             {**AOT, "fsdp": {"enabled": True, "mode": "graph"}})]),
         "aotdist_bf16": (BF16Probe(), [RegionalCompile(AOT)]),
+        "aotdist_hsdp": (GPTModule(), [RegionalCompile(
+            {**AOT, "fsdp": {"enabled": True, "replicate_degree": world_size}})]),
     }
     out = {}
     for name, (module, callbacks) in runs.items():
@@ -367,6 +369,8 @@ def _model_parallel_runs(rank: int, world_size: int):
             "how": cb.applied.how if cb else None,
             "weight": type(module.model.blocks[0].mlp.fc.weight.to_local()).__name__,
             "sharded": type(module.model.blocks[0]).__mro__[1].__name__,
+            "placements": [type(p).__name__ for p in module.model.blocks[0].mlp.fc.weight.placements]
+            if hasattr(module.model.blocks[0].mlp.fc.weight, "placements") else None,
             "seen": sorted(set(getattr(module, "seen", []))),
         }
     return out
@@ -378,7 +382,8 @@ def test_model_parallel_fsdp2_with_and_without_float8():
     for eager, compiled, tol in (("eager", "aotdist", {"rtol": 1e-5, "atol": 1e-6}),
                                  ("eager_float8", "aotdist_float8", {"rtol": 1e-4, "atol": 1e-5}),
                                  ("eager", "user_parallelize", {"rtol": 1e-5, "atol": 1e-6}),
-                                 ("eager", "aotdist_graph", {"rtol": 1e-5, "atol": 1e-6})):
+                                 ("eager", "aotdist_graph", {"rtol": 1e-5, "atol": 1e-6}),
+                                 ("eager", "aotdist_hsdp", {"rtol": 1e-5, "atol": 1e-6})):
         torch.testing.assert_close(torch.tensor(rank0[compiled]["losses"]),
                                    torch.tensor(rank0[eager]["losses"]), **tol)
         _assert_same_params(rank0[compiled]["params"], rank0[eager]["params"], **tol)
@@ -390,6 +395,8 @@ def test_model_parallel_fsdp2_with_and_without_float8():
     assert rank0["aotdist"]["sharded"] == "FSDPModule"  # FSDP2's class around the block
     assert "FSDP" not in rank0["aotdist_graph"]["sharded"]  # graph mode: no FSDP2 unit
     assert rank0["aotdist_graph"]["logged"]["aotdist/graphs"] == 1
+    # fsdp.replicate_degree under ModelParallelStrategy: HSDP over the same ranks
+    assert rank0["aotdist_hsdp"]["placements"] == ["Replicate", "Shard"]
     # Float8 really changed the numbers (the comparison above is not fp32 vs fp32)
     assert rank0["eager_float8"]["losses"][1:] != rank0["eager"]["losses"][1:]
     # precision="bf16-mixed": the regions compute in bf16, and the run trains
