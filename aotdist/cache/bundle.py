@@ -2,7 +2,8 @@
 
 ``MAGIC``, an 8-byte header length, the header, then the payload: Mega-Cache bytes
 followed by kernel files, whose paths and sizes the header lists. :func:`decode` checks
-magic, checksum and paths and raises ``ValueError`` on any problem.
+magic, checksum and paths and raises ``ValueError`` on any problem. A bundle is code
+(pickles, shared libraries): :func:`check_safe` says whether a file may be loaded.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 import tempfile
 
-__all__ = ["FORMAT", "MAGIC", "decode", "encode", "write_atomic"]
+__all__ = ["FORMAT", "MAGIC", "check_safe", "decode", "encode", "write_atomic"]
 
 MAGIC = b"AOTDIST-CACHE\n"
 FORMAT = 1
@@ -62,3 +64,34 @@ def write_atomic(path: str, data: bytes, *, mode: int = 0o644) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def check_safe(path: str) -> str | None:
+    """Why the bundle at ``path`` must not be loaded, or ``None`` if it may (SSH's rule).
+
+    The file and its directory must be owned by this user (or root) and writable by
+    neither group nor others, and the file must not be a symbolic link (a link could be
+    redirected; the directory is checked where a link to it leads). Skipped where there
+    are no user ids (Windows).
+
+    Raises:
+        FileNotFoundError: There is no file at ``path``.
+    """
+    if not hasattr(os, "getuid"):
+        return None
+    uid = os.getuid()
+    folder = os.path.dirname(os.path.abspath(path))
+    problems = []
+    for what, name, st in [("directory", folder, os.stat(folder)), ("file", path, os.lstat(path))]:
+        if stat.S_ISLNK(st.st_mode):
+            problems.append(f"{name} is a symbolic link (to {os.readlink(name)!r}); fix: put "
+                            "the bundle file itself there, or set cache.dir to where it lies")
+            continue
+        if st.st_uid not in (uid, 0):
+            problems.append(f"{what} {name} is owned by uid {st.st_uid}, not by this user "
+                            f"(uid {uid}); fix: chown {uid} {name}, or delete it")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            problems.append(f"{what} {name} is writable by group or others (mode {mode:#o}); "
+                            f"fix: chmod go-w {name}")
+    return "; ".join(problems) or None

@@ -7,6 +7,7 @@
   callbacks call it) writes the bundle atomically.
 * ``shared`` mode: rank 0 reads the bundle and broadcasts it; rank 0 alone saves; in a
   cold run :class:`~aotdist.cache.share.CompileSharing` serves rank 0's compiles.
+* A bundle is code: one that others could have written (``bundle.check_safe``) is not read.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 
 from aotdist._compat.enums import StrEnum
 from aotdist.cache.artifacts import install, pack
-from aotdist.cache.bundle import FORMAT, decode, write_atomic
+from aotdist.cache.bundle import FORMAT, check_safe, decode, write_atomic
 from aotdist.cache.share import CompileSharing
 from aotdist.compile.state import INFO_ATTR
 from aotdist.config import AOTDistConfig, CacheConfig
@@ -50,6 +51,8 @@ class CacheStatus(StrEnum):
         LOADED: The bundle was loaded.
         STALE: Made for another setup (key mismatch); ignored.
         CORRUPT: Unreadable or failed to install; ignored.
+        UNSAFE: The file or its directory is not this user's or is writable by others
+            (a bundle is code); not read, and the reason names the fix.
     """
 
     OFF = "off"
@@ -57,6 +60,7 @@ class CacheStatus(StrEnum):
     LOADED = "loaded"
     STALE = "stale"
     CORRUPT = "corrupt"
+    UNSAFE = "unsafe"
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,8 @@ class CacheLoad:
 
     Attributes:
         status: A :class:`~aotdist.cache.store.CacheStatus`: ``off``, ``missing`` (no bundle
-            yet), ``loaded``, ``stale`` (key mismatch) or ``corrupt``.
+            yet), ``loaded``, ``stale`` (key mismatch), ``corrupt`` or ``unsafe`` (others
+            could have written it).
         reason: Why it was not loaded, empty when it was.
         path: The bundle file.
         artifacts: Mega-Cache entries loaded, by kind (``inductor``, ``aot_autograd``).
@@ -159,31 +164,39 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
     rank, world = _rank_world()
     key = cache_key(model, config, plan=plan, device=device)
     path = _bundle_path(cfg, rank, world)
-    data = None
+    data, unsafe = None, None
     if cfg.mode == "local" or rank == 0:
         try:
-            with open(path, "rb") as fh:
-                data = fh.read()
+            unsafe = check_safe(path)  # before reading: an unsafe bundle is never decoded
+            if unsafe is None:
+                with open(path, "rb") as fh:
+                    data = fh.read()
         except FileNotFoundError:
             pass
         except OSError as exc:
             warnings.warn(f"aotdist cache: cannot read {path} on rank {rank} ({exc}); "
                           "compiling normally.", CacheWarning, stacklevel=2)
     if cfg.mode == "shared" and world > 1:
-        box = [data]
+        # every rank joins, whatever rank 0 found: rank 0's verdict travels with the bytes
+        box = [data, unsafe]
         dist.broadcast_object_list(box, src=0)
-        data = box[0]
-    try:
-        result = _use(data, key, path)
-    except Exception as exc:  # a failure installing must never stop the job
-        result = CacheLoad(CacheStatus.CORRUPT, f"could not install it: {type(exc).__name__}: {exc}", path)
-    if result.status in (CacheStatus.STALE, CacheStatus.CORRUPT):
+        data, unsafe = box
+    if unsafe is not None:
+        result = CacheLoad(CacheStatus.UNSAFE, f"others could have written it: {unsafe}", path)
+    else:
+        try:
+            result = _use(data, key, path)
+        except Exception as exc:  # a failure installing must never stop the job
+            result = CacheLoad(CacheStatus.CORRUPT,
+                               f"could not install it: {type(exc).__name__}: {exc}", path)
+    if result.status in (CacheStatus.STALE, CacheStatus.CORRUPT, CacheStatus.UNSAFE):
         # shared mode: every rank judged rank 0's bundle alike, so rank 0 alone warns;
         # local mode: each rank read its own file, so each rank says what it found
         warn = rank_zero_warn if cfg.mode == "shared" else warnings.warn
+        then = ("this run saves its own after the first step" if result.status == CacheStatus.UNSAFE
+                else "the bundle is replaced after the first step")
         warn(f"aotdist cache: ignoring {path} on rank {rank}: {result.reason}; "
-             "compiling normally (the bundle is replaced after the first step).",
-             CacheWarning, stacklevel=2)
+             f"compiling normally ({then}).", CacheWarning, stacklevel=2)
     _log.info("cache %s on rank %d: %s %s", cfg.mode, rank, result.status, path)
     sharing = None
     if cfg.mode == "shared" and world > 1 and result.status != CacheStatus.LOADED:
@@ -230,7 +243,7 @@ def _save_one(model: nn.Module, *, force: bool) -> str | None:
         data = pack(state["key"])
         if data is None:
             return None
-        os.makedirs(cfg.dir, exist_ok=True)
+        os.makedirs(cfg.dir, mode=0o755, exist_ok=True)  # not group-writable under umask 002
         write_atomic(path, data)
     except Exception as exc:  # a full disk must not stop training
         warnings.warn(f"aotdist cache: could not save {path} on rank {rank}: "

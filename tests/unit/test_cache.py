@@ -1,8 +1,10 @@
-"""``aotdist.cache`` in one process: config, invalidation, corrupt bundles, round trip."""
+"""``aotdist.cache`` in one process: config, invalidation, corrupt and unsafe bundles, round
+trip."""
 
 from __future__ import annotations
 
 import os
+import stat
 import warnings
 
 import pytest
@@ -10,11 +12,13 @@ import torch
 import torch.nn.functional as F
 
 import aotdist
-from aotdist.cache import CacheWarning, cache_key
+from aotdist.cache import CacheWarning, cache_key, store
 from aotdist.cache.artifacts import kernel_files as _kernel_files
 from aotdist.cache.artifacts import mega_bytes as _mega_bytes
+from aotdist.cache.bundle import check_safe, write_atomic
+from aotdist.cache.bundle import decode as _decode
 from aotdist.cache.bundle import encode as _encode
-from aotdist.cache.store import _use
+from aotdist.cache.store import CacheStatus, _use
 from aotdist.config import AOTDistConfig, CacheConfig
 from aotdist.errors import ConfigError
 from aotdist.testing import build_model, example_inputs
@@ -107,6 +111,119 @@ def test_corrupt_bundle_is_reported_and_ignored(tmp_path, damage):
     assert len(caught) == 1 and "corrupt bundle" in str(caught[0].message)
     assert losses == uncached  # compiled normally, same results
 
+
+
+@pytest.fixture
+def bundle(tmp_path, monkeypatch):
+    """A valid bundle for ``_run``'s model: 0o644 in a 0o755 directory. Returns the
+    config, its path and the Mega-Cache bytes installed (a recording loader)."""
+    installed = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", installed.append)
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    os.chmod(folder, 0o755)  # mkdir's mode is subject to the umask
+    config = _config(folder)
+    model, *_ = _run(config)
+    path = folder / "artifacts.aotc"
+    write_atomic(str(path), _encode(cache_key(model, config), b"mega", {}))
+    return config, path, installed
+
+
+def test_own_bundle_in_own_directory_loads(bundle):
+    config, path, installed = bundle
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o755
+    _, load, _, caught = _run(config)
+    assert load.status == CacheStatus.LOADED and caught == [] and installed == [b"mega"]
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="no user ids: no check")
+@pytest.mark.parametrize(("where", "mode", "safe"), [("file", 0o666, 0o644),
+                                                     ("directory", 0o775, 0o755),
+                                                     ("directory", 0o777, 0o755)],
+                         ids=["file-0o666", "directory-0o775", "directory-0o777"])
+def test_bundle_others_could_write_is_not_read(bundle, monkeypatch, where, mode, safe):
+    """A bundle is code: one that group or others could have written is neither decoded
+    nor installed; the run compiles normally. The same bundle, mode restored, loads."""
+    config, path, installed = bundle
+    decoded = []
+    monkeypatch.setattr(store, "decode", lambda data: decoded.append(data) or _decode(data))
+    target = path if where == "file" else path.parent
+    os.chmod(target, mode)
+    _, load, losses, caught = _run(config)
+    assert load.status == CacheStatus.UNSAFE == "unsafe", load
+    assert decoded == [] and installed == []
+    assert len(caught) == 1, caught
+    message = str(caught[0].message)
+    assert f"{where} {target} is writable by group or others (mode {mode:#o})" in message
+    assert f"chmod go-w {target}" in message and load.reason in message
+    _, _, uncached, _ = _run(AOTDistConfig.from_dict({"compile": {"backend": "aot_eager"}}))
+    assert losses == uncached  # compiled normally, same results
+    os.chmod(target, safe)
+    _, load, _, caught = _run(config)
+    assert load.status == CacheStatus.LOADED and caught == [] and installed == [b"mega"]
+    assert len(decoded) == 1  # the check alone refused it
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="no user ids: no check")
+def test_check_safe_refuses_links_and_files_of_others(tmp_path, monkeypatch):
+    os.chmod(tmp_path, 0o755)
+    real = tmp_path / "real.aotc"
+    write_atomic(str(real), b"bundle")
+    assert check_safe(str(real)) is None
+    link = tmp_path / "link.aotc"
+    link.symlink_to(real)
+    assert f"{link} is a symbolic link" in check_safe(str(link))
+    with pytest.raises(FileNotFoundError):
+        check_safe(str(tmp_path / "none.aotc"))
+    uid = os.getuid()
+    if uid == 0:  # root can give the file away; root's own files are accepted, as SSH does
+        os.chown(real, 4242, -1)
+        owner, me = 4242, 0
+    else:  # another user's view of this user's files
+        monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+        owner, me = uid, uid + 1
+    problem = check_safe(str(real))
+    assert f"file {real} is owned by uid {owner}, not by this user (uid {me})" in problem
+    assert f"chown {me} {real}" in problem
+    monkeypatch.delattr(os, "getuid")  # Windows: no user ids, no check
+    assert check_safe(str(link)) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="no user ids: no check")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_shared_mode_rank0_judges_and_every_rank_joins_the_broadcast(bundle, monkeypatch, rank):
+    """Rank 0 checks the file and broadcasts its verdict; no rank's own file decides
+    whether it joins the broadcast (that would hang the job)."""
+    _, path, installed = bundle
+    config = _config(path.parent, mode="shared")
+    good = path.read_bytes()
+    sent = []
+
+    def broadcast(box, src):
+        assert src == 0
+        sent.append(list(box))
+        if rank == 1:  # rank 0 found the bundle safe
+            box[:] = [good, None]
+
+    class NoSharing:
+        def __init__(self, rank, *, timeout_s):
+            pass
+
+        start = stop = lambda self: None
+
+    monkeypatch.setattr(store, "_rank_world", lambda: (rank, 2))
+    monkeypatch.setattr(store.dist, "broadcast_object_list", broadcast)
+    monkeypatch.setattr(store, "CompileSharing", NoSharing)
+    os.chmod(path, 0o666)  # seen by rank 0 only: rank 1 reads no file
+    _, load, _, caught = _run(config)
+    assert len(sent) == 1
+    if rank == 0:
+        assert sent[0][0] is None and "mode 0o666" in sent[0][1]  # the verdict, not the bytes
+        assert load.status == CacheStatus.UNSAFE and installed == [] and len(caught) == 1
+    else:
+        assert sent[0] == [None, None]
+        assert load.status == CacheStatus.LOADED and installed == [b"mega"]
 
 @pytest.mark.inductor
 def test_bundle_round_trip_loads_inductor_artifacts(tmp_path, monkeypatch):
