@@ -65,9 +65,10 @@ def parallelize(model: nn.Module, *,
         model: The unwrapped model, on its training device; changed in place.
         config: An :class:`AOTDistConfig`, a mapping for ``AOTDistConfig.from_dict`` or a
             YAML path. ``None``: regional compile only.
-        mesh: FSDP2's device mesh: 1-D, or 2-D ``(replicate, shard)`` for HSDP (hooks
-            mode); default: all ranks of the default process group, as
-            ``fsdp.replicate_degree`` asks.
+        mesh: FSDP's device mesh: 1-D, or 2-D ``(replicate, shard)`` for HSDP (both
+            modes); default: all ranks of the default process group, as
+            ``fsdp.replicate_degree`` asks. With tensor parallelism, the data-parallel
+            dim(s) of your mesh (hooks mode).
 
     Returns:
         ``model`` itself: same class at the root, same ``state_dict()`` keys.
@@ -94,11 +95,11 @@ def parallelize(model: nn.Module, *,
     """
     config = as_config(config)
     graph_fsdp = config.fsdp.enabled and config.fsdp.mode == "graph"
-    if graph_fsdp:
-        check_graph_config(config)
     _check_fresh(model)
     # Float8 conversion and FSDP2 must both come before the user's own fully_shard.
     check_not_sharded(model, allow_fsdp2=not (config.fsdp.enabled or config.float8.enabled))
+    if graph_fsdp:
+        check_graph_config(config, model)
     if config.fsdp.enabled:
         mesh = fsdp_mesh(model, mesh, config.fsdp)
     elif mesh is not None:

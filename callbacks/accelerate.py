@@ -30,8 +30,11 @@ from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
 from aotdist.fsdp import fsdp_modules, is_fsdp_module
+from aotdist.log import get_logger
 
 __all__ = ["RegionalCompileHook", "prepare"]
+
+_log = get_logger(__name__)
 
 
 def _check_accelerate_dynamo(config: AOTDistConfig, state: Any = None) -> None:
@@ -207,13 +210,19 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
             Optimizers may be built before this call: they are rebound to the parameters
             that Float8 conversion and FSDP2 create.
         config: An ``AOTDistConfig``, a mapping or a YAML path (``configs/aotdist/*.yaml``).
-        mesh: FSDP2's mesh; default: every process of the Accelerate run.
+        mesh: FSDP's mesh. Default: the data-parallel dims of Accelerate's
+            ``ParallelismConfig`` (``dp_shard_size``, with ``dp_replicate_size`` as HSDP;
+            FSDP is turned on when it shards), composed with the tensor parallelism you
+            applied on ``accelerator.torch_device_mesh["tp"]`` before this call; without
+            one, every process (as ``fsdp.replicate_degree`` asks).
 
     Returns:
         ``(model, *prepared_objects)``, in the order given.
 
     Raises:
-        ConfigError: A bad config; Accelerate's own dynamo, FSDP or DeepSpeed also enabled.
+        ConfigError: A bad config; Accelerate's own dynamo, FSDP or DeepSpeed also enabled;
+            a ``ParallelismConfig`` aotdist cannot shard over (context parallelism, or
+            FSDP with no ``dp_shard`` dim).
         OrderingError: ``model`` was prepared or compiled already.
 
     Example::
@@ -253,6 +262,9 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
             "accelerator.prepare."
         )
     cfg = _mixed_precision(cfg, accelerator)
+    if mesh is None:  # (FSDP turned on by a ParallelismConfig computes in its dtype too)
+        cfg, mesh = _accelerate_mesh(accelerator, cfg)
+        cfg = _mixed_precision(cfg, accelerator)
     if _compat.is_accelerate_prepared(model):
         raise OrderingError(
             "this model was already passed to accelerator.prepare; aotdist must convert, "
@@ -264,10 +276,6 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     for opt in optimizers:
         _check_optimizer(opt, old_names)
-    if cfg.fsdp.enabled and mesh is None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
     apply_aotdist(model, cfg, mesh=mesh, what="aotdist.callbacks.prepare", child_target=False)
     new_params = dict(model.named_parameters())
     float8_all_gather = uses_fsdp_float8_all_gather(model)
@@ -284,6 +292,37 @@ def prepare(accelerator: Any, model: nn.Module, *objects: Any,
     if cfg.fsdp.enabled:  # after prepare: its optimizer wrapper reloads the state once
         full_state_checkpoints(accelerator, model, optimizers)
     return prepared if isinstance(prepared, tuple) else (prepared,)
+
+
+def _accelerate_mesh(accelerator: Any, cfg: AOTDistConfig) -> tuple[AOTDistConfig, Any]:
+    """FSDP's config and mesh from Accelerate's ``ParallelismConfig`` (its device mesh's
+    ``dp_replicate`` / ``dp_shard`` dims), or over every process without one."""
+    mesh = getattr(accelerator, "torch_device_mesh", None)  # None: no ParallelismConfig
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if not names:
+        if not cfg.fsdp.enabled or cfg.fsdp.replicate_degree > 1:
+            return cfg, None  # aotdist builds HSDP's (replicate, shard) mesh itself
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return cfg, init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    if {"cp", "sp"} & set(names):
+        raise ConfigError(
+            f"Accelerate's ParallelismConfig has dims {names}; aotdist composes FSDP with "
+            "tensor parallelism only, not context or sequence parallelism. Fix: cp_size=1 "
+            "and sp_size=1, or use Accelerate's own FSDP2 with RegionalCompileHook.")
+    if "dp_shard" not in names:
+        if cfg.fsdp.enabled:
+            raise ConfigError(
+                f"fsdp.enabled, but Accelerate's ParallelismConfig (dims {names}) has no "
+                "dp_shard dim to shard over. Fix: ParallelismConfig(dp_shard_size=N, ...) "
+                "(with dp_replicate_size=R for HSDP), or fsdp.enabled: false.")
+        return cfg, None
+    if not cfg.fsdp.enabled:
+        _log.info("aotdist: Accelerate's ParallelismConfig shards (dp_shard), enabling FSDP2 "
+                  "(fsdp.enabled) over its data-parallel dims.")
+        cfg = cfg.replace(fsdp={"enabled": True})
+    dp = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
+    return cfg, mesh[dp] if len(dp) == 2 else mesh["dp_shard"]
 
 
 _ACCELERATE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}

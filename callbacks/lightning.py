@@ -34,7 +34,9 @@ class RegionalCompile(Callback):
     """Compiles each distinct repeated region of the LightningModule once.
 
     Works with ``strategy="auto"``, ``"ddp"``, ``"ddp_spawn"`` and
-    ``ModelParallelStrategy`` (FSDP2), on CPU and GPU. Logs compile metrics to every
+    ``ModelParallelStrategy`` (FSDP2 over its ``data_parallel`` dim, composed with the
+    tensor parallelism your ``configure_model`` applies on ``tensor_parallel``; slice
+    that mesh once for all layers), on CPU and GPU. Logs compile metrics to every
     logger in ``trainer.loggers`` (rank zero), warns on recompiles after the first epoch, and runs the
     Float8 scale precompute after each optimizer step when FSDP float8 all-gather is used.
 
@@ -120,9 +122,7 @@ class RegionalCompile(Callback):
             return  # configure_model runs again for test/predict after fit
         config, mesh = self.config, None
         if _is_model_parallel(trainer.strategy):
-            mesh = _data_parallel_mesh(trainer.strategy)
-            if config.fsdp.replicate_degree > 1:  # HSDP: aotdist builds (replicate, shard)
-                mesh = None  # over the same ranks (tensor_parallel_size is 1)
+            mesh = _data_parallel_mesh(trainer.strategy, config)
             if not config.fsdp.enabled:
                 rank_zero_info("aotdist: ModelParallelStrategy, enabling FSDP2 (fsdp.enabled) "
                                "over its data-parallel mesh.")
@@ -248,17 +248,22 @@ def _is_model_parallel(strategy: Any) -> bool:
     return isinstance(strategy, ModelParallelStrategy)
 
 
-def _data_parallel_mesh(strategy: Any):
+def _data_parallel_mesh(strategy: Any, config: AOTDistConfig):
+    """FSDP's mesh under ``ModelParallelStrategy``: its ``data_parallel`` dim (the user's
+    ``configure_model`` applied tensor parallelism on ``tensor_parallel``), or ``None``
+    for HSDP, which aotdist builds over the same ranks (``fsdp.replicate_degree``)."""
     mesh = strategy.device_mesh
     tp = mesh["tensor_parallel"].size()
+    if config.fsdp.replicate_degree == 1:
+        return mesh["data_parallel"]
     if tp > 1:
         raise ConfigError(
-            f"RegionalCompile: ModelParallelStrategy has tensor_parallel_size={tp}, but aotdist "
-            "applies FSDP2 only (no tensor parallelism). Fix: ModelParallelStrategy("
-            f"data_parallel_size={mesh.size()}, tensor_parallel_size=1), or apply tensor "
-            "parallelism and aotdist.parallelize yourself in configure_model."
-        )
-    return mesh["data_parallel"]
+            f"RegionalCompile: fsdp.replicate_degree: {config.fsdp.replicate_degree} (HSDP) "
+            f"with tensor_parallel_size={tp}: ModelParallelStrategy's mesh has one "
+            "data-parallel dim, which aotdist cannot split into (replicate, shard). Fix: "
+            "drop fsdp.replicate_degree (FSDP over the data-parallel dim, tensor parallelism "
+            "within), or tensor_parallel_size=1 for HSDP.")
+    return None
 
 
 def _validate(trainer: pl.Trainer, pl_module: pl.LightningModule,

@@ -346,8 +346,9 @@ def inductor_config_keys() -> frozenset[str]:
 
 def fx_bucketing() -> Any:
     """``torch._inductor.fx_passes.bucketing``: ``bucket_all_gather_by_mb``,
-    ``merge_all_gather``, ``bucket_reduce_scatter_by_mb``, ``merge_reduce_scatter`` (the
-    signatures aotdist calls are the same in torch 2.11 and 2.15).
+    ``merge_all_gather``, ``bucket_reduce_scatter_by_mb``, ``merge_reduce_scatter``,
+    ``bucket_all_reduce_by_mb``, ``merge_all_reduce_bucket`` (the signatures aotdist calls
+    are the same in torch 2.11 and 2.15).
 
     Raises:
         TorchFeatureUnavailable: The module or one of those is missing.
@@ -357,7 +358,7 @@ def fx_bucketing() -> Any:
     except ImportError:
         mod = None
     names = ("bucket_all_gather_by_mb", "merge_all_gather", "bucket_reduce_scatter_by_mb",
-             "merge_reduce_scatter")
+             "merge_reduce_scatter", "bucket_all_reduce_by_mb", "merge_all_reduce_bucket")
     if mod is None or not all(hasattr(mod, n) for n in names):
         raise unavailable("torch._inductor.fx_passes.bucketing." + " / ".join(names))
     return mod

@@ -68,7 +68,8 @@ def _subgraphs(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
 
 def bucket_collectives(gm: torch.fx.GraphModule | torch.fx.Graph, bucket_mb: float, *,
                        recurse: bool = True) -> dict[str, int]:
-    """Merges ``gm``'s independent all-gathers (and reduce-scatters) into buckets.
+    """Merges ``gm``'s independent all-gathers, reduce-scatters and all-reduces (HSDP's
+    replicas) into buckets.
 
     Args:
         gm: A functionalized post-partition graph module (node ``meta["val"]`` set), or
@@ -96,6 +97,10 @@ def bucket_collectives(gm: torch.fx.GraphModule | torch.fx.Graph, bucket_mb: flo
         ag = b.bucket_all_gather_by_mb(gm, cap, filter_wait_node=_sole_wait)
         if any(len(bucket) > 1 for bucket in ag):
             b.merge_all_gather(gm, [bucket for bucket in ag if len(bucket) > 1])
+        # HSDP: the replicas' all-reduces of the reduce-scattered shards
+        for bucket in b.bucket_all_reduce_by_mb(gm, cap, filter_wait_node=_sole_wait):
+            if len(bucket) > 1:
+                b.merge_all_reduce_bucket(gm.graph, bucket)
         _compat.stable_topological_sort(gm.graph)
         gm.graph.lint()
         gm.recompile()

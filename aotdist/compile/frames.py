@@ -6,7 +6,8 @@ hooks. It is installed as the region class's ``_aotdist_impl``, which the region
 ``forward`` reads at call time, so it reaches instances whose class another library made
 later (``FSDP<cls>``, a wrapper snapshotting ``forward``). After the first forward every
 region instance that ran is checked to have run compiled; one that did not is named in a
-``RegionCompileWarning`` and in ``metrics`` (``eager``), never silently eager.
+``RegionCompileWarning`` and in ``metrics`` (``eager``), never silently eager; a region
+frame compiled more than once (its instances differ) is named too (``reuse``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from aotdist.compile.guard import mark_dynamic_inputs
+from aotdist.compile.reuse import report_reuse
 from aotdist.compile.state import RegionState
 from aotdist.errors import RegionCompileWarning
 from aotdist.log import rank_zero_warn
@@ -77,6 +79,9 @@ def _watch_first_forward(model: nn.Module, state: RegionState) -> None:
                 "then shards), or exclude the region and use torch.compile on it.",
                 RegionCompileWarning, stacklevel=2,
             )
+        if not state.reuse_checked:  # every region frame compiled by now
+            state.reuse_checked = True
+            report_reuse(model, state)
         root_handle.remove()
         return output
 

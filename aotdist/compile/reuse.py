@@ -15,7 +15,7 @@ from aotdist.compile.state import RegionState
 from aotdist.errors import RegionCompileWarning
 from aotdist.log import rank_zero_warn
 
-__all__ = ["differing_attributes", "report_reuse"]
+__all__ = ["differing_attributes", "distinct_meshes", "report_reuse"]
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -26,20 +26,31 @@ def report_reuse(model: nn.Module, state: RegionState) -> None:
     records = getattr(backend, "records", None) or []
     most: dict[str, int] = {}  # per graph: a graph break or a recompile makes graphs anew
     inlined: dict[str, set[str]] = {}
+    standalone: dict[str, int] = {}
     for rec in records:
+        if rec.standalone is not None:  # FSDP hooks mode: a region's frame compiled again
+            standalone[rec.standalone] = standalone.get(rec.standalone, 0) + 1
         for name, ids in rec.subgraphs.items():
             most[name] = max(most.get(name, 0), len(ids))
         for name, fqns in rec.inlined.items():
             inlined.setdefault(name, set()).update(fqns)
     for region in state.plan:
-        n = most.get(region.name, 0)
+        n = max(most.get(region.name, 0), standalone.get(region.name, 0))
         lost = len(inlined.get(region.name, ()))  # torch inlines a subgraph used once
         if (n <= 1 and not lost) or region.name in state.demoted or region.name in state.reuse:
             continue
         n += lost
         instances = [model.get_submodule(f) for f in region.fqns]
         differ = differing_attributes(instances)
-        if differ:
+        meshes = distinct_meshes(instances)
+        if meshes:
+            cause = (f"its instances hold {meshes[1]} distinct DeviceMesh objects where "
+                     f"one is expected (at {meshes[0]}), and torch.compile guards on the "
+                     "object: tensor parallelism applied with the mesh sliced anew for each "
+                     "layer (mesh['tp'] makes a new object per call)")
+            fix = ("slice the mesh once, tp_mesh = mesh['tp'], and pass that one object to "
+                   "every parallelize_module call")
+        elif differ:
             shown = "; ".join(f"{path} ({kind}: {values})" for path, kind, values in differ[:4])
             cause = f"its instances differ in Python constants the forward may read: {shown}"
             fix = ("make such a value a tensor buffer, or pass it as an input, so that one "
@@ -79,3 +90,33 @@ def differing_attributes(instances: list[nn.Module]) -> list[tuple[str, str, str
                                                                  else "")
             out.append((path, kind, shown))
     return out
+
+
+def distinct_meshes(instances: list[nn.Module]) -> tuple[str, int] | None:
+    """``(where, count)`` when a ``DeviceMesh`` that a DTensor parameter or a module hook
+    (tensor parallelism's input/output hooks) of ``instances`` holds is more than one
+    object across them (equal meshes sliced separately); ``None`` otherwise."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    objects: dict[str, set[int]] = {}
+    for inst in instances:
+        for path, mod in inst.named_modules():
+            held = [(f"{path}.{n}".lstrip("."), getattr(p, "device_mesh", None))
+                    for n, p in mod.named_parameters(recurse=False)]
+            hooks = [*mod._forward_pre_hooks.values(), *mod._forward_hooks.values()]
+            held += [(f"{path or 'the block'}'s hook", cell.cell_contents)
+                     for hook in hooks for cell in (getattr(hook, "__closure__", None) or ())
+                     if _filled(cell)]
+            for where, mesh in held:
+                if isinstance(mesh, DeviceMesh):
+                    objects.setdefault(where, set()).add(id(mesh))
+    split = [(where, len(ids)) for where, ids in objects.items() if len(ids) > 1]
+    return split[0] if split else None
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell
+        return False
+    return True

@@ -124,9 +124,10 @@ class FSDPConfig(Section):
         overlap: ``graph`` mode with ``inductor`` on CUDA: turn on Inductor's
             compute/communication overlap (collective reordering), scoped to this
             model's compiles. On CPU it has no effect (a ``ConfigWarning``).
-        replicate_degree: HSDP (``hooks`` mode): replicate over this many groups and
-            shard within each, a 2-D mesh ``(replicate, shard)``; it must divide the world
-            size. ``1``: shard over every rank.
+        replicate_degree: HSDP (both modes): replicate over this many groups and shard
+            within each, a 2-D mesh ``(replicate, shard)``; it must divide the world size.
+            Gradients are reduce-scattered within a shard group, then all-reduced across
+            the replicas. ``1``: shard over every rank.
     """
 
     _key: typing.ClassVar[str] = "fsdp"
@@ -156,10 +157,6 @@ class FSDPConfig(Section):
                        "Fix: a positive cap, or null / 0 for one collective per parameter")
         if self.replicate_degree < 1:
             out.append(f"fsdp.replicate_degree: must be >= 1, got {self.replicate_degree}")
-        elif self.replicate_degree > 1 and self.mode == "graph":
-            out.append("fsdp.replicate_degree: graph-mode FSDP takes a 1-D mesh (HSDP is not "
-                       "built there yet). Fix: set fsdp.mode: hooks for HSDP, or drop "
-                       "fsdp.replicate_degree")
         if self.overlap and self.mode != "graph":
             out.append("fsdp.overlap: reorders the collectives inside compiled graphs, which only "
                        f"fsdp.mode: graph has (mode is {self.mode!r}). Fix: set fsdp.mode: graph, "

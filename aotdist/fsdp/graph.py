@@ -1,8 +1,9 @@
 """Graph-mode FSDP (``fsdp.mode: graph``): the collectives inside the one whole-model graph.
 
 Following the SimpleFSDP design, aotdist shards every parameter itself as a DTensor
-(``Shard(0)`` on the 1-D mesh) and gathers it with differentiable functional
-collectives that the compiler sees, so the model stays one Dynamo graph and each region
+(``Shard(0)`` on a 1-D mesh; ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh) and gathers
+it with differentiable functional collectives that the compiler sees (all-gather over the
+shard group; the gradient reduce-scattered there, then all-reduced over the replicas), so the model stays one Dynamo graph and each region
 stays one reused ``invoke_subgraph``, fed its own local shards. ``named_parameters()``,
 ``state_dict()`` and the optimizer see the DTensors, as under FSDP2.
 
@@ -43,11 +44,12 @@ class GatherSpec:
     """How one parameter is gathered: a constant of its module's class (one per shape)."""
 
     shape: tuple[int, ...]  # the full (unsharded) shape
-    group: str  # the process group's name (functional collectives take it in graphs)
-    world: int
+    group: str  # the shard group's name (functional collectives take it in graphs)
+    world: int  # the shard group's size
     reshard: bool
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
+    replicate_group: str | None = None  # HSDP: gradients are averaged over it too
 
     @property
     def padded(self) -> int:
@@ -99,6 +101,8 @@ class _GatherShard(torch.autograd.Function):
         g = grad if spec.reduce_dtype is None else grad.to(spec.reduce_dtype)
         g = _pad0(g, spec.padded).contiguous()
         out = _reduce_scatter_avg(g, spec.group)
+        if spec.replicate_group is not None:  # HSDP: the shard, averaged over the replicas
+            out = _all_reduce_avg(out, spec.replicate_group)
         return out[: ctx.local_rows].to(ctx.local_dtype), None
 
 
@@ -115,6 +119,8 @@ class _AverageGrad(torch.autograd.Function):
         spec = ctx.spec
         g = grad if spec.reduce_dtype is None else grad.to(spec.reduce_dtype)
         out = _all_reduce_avg(g.contiguous(), spec.group)
+        if spec.replicate_group is not None:
+            out = _all_reduce_avg(out, spec.replicate_group)
         return out.to(ctx.local_dtype), None
 
 
@@ -199,12 +205,24 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
-def check_graph_config(config: AOTDistConfig) -> None:
+def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) -> None:
     """Refuses what graph mode cannot do, before anything changes.
 
     Raises:
-        ConfigError: Float8 all-gather with ``fsdp.mode: graph``.
+        ConfigError: Float8 all-gather with ``fsdp.mode: graph``, or ``model`` holds
+            DTensor parameters (tensor parallelism).
     """
+    from torch.distributed.tensor import DTensor
+
+    dtensors = [n for n, p in (model.named_parameters() if model is not None else ())
+                if isinstance(p, DTensor)]
+    if dtensors:
+        raise ConfigError(
+            f"fsdp.mode: graph shards plain parameters, but {len(dtensors)} are DTensors "
+            f"already, e.g. {dtensors[:3]} (tensor parallelism, or a model sharded before). "
+            "Graph mode does not compose with tensor parallelism. Fix: use fsdp.mode: hooks "
+            "(FSDP2 on the data-parallel mesh dim composes with your parallelize_module "
+            "plan), or pass the unsharded model.")
     if config.float8.enabled and config.float8.fsdp_all_gather:
         raise ConfigError(
             "float8.fsdp_all_gather is not supported with fsdp.mode: graph: torchao's float8 "
@@ -242,7 +260,8 @@ def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> Reg
 
 
 def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
-    """Shards every parameter of ``model`` as a ``Shard(0)`` DTensor for graph mode.
+    """Shards every parameter of ``model`` as a ``Shard(0)`` DTensor for graph mode
+    (``(Replicate(), Shard(0))`` on a 2-D HSDP mesh: sharded along dim 1, replicated along 0).
 
     No communication: every rank keeps its chunk of the (identically initialized) full
     parameter, as ``fully_shard`` does. Shared parameters stay shared.
@@ -250,23 +269,27 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
     Args:
         model: The marked (not yet compiled) model; its parameter-owning modules change class.
         config: The config (``fsdp`` section used).
-        mesh: A 1-D device mesh.
+        mesh: A 1-D device mesh, or a 2-D ``(replicate, shard)`` one.
 
     Returns:
         FQNs of the modules whose parameters were sharded.
 
     Raises:
-        ConfigError: ``mesh`` is not 1-D, or parameters sit on another device type.
+        ConfigError: ``mesh`` has more than 2 dims, or parameters sit on another device
+            type, or are DTensors already (tensor parallelism).
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    if mesh.ndim != 1:
-        raise ConfigError(f"fsdp.mode: graph needs a 1-D device mesh; got {mesh.ndim}-D {mesh}. "
-                          "Fix: pass mesh=init_device_mesh(device_type, (world_size,)), or use "
-                          "fsdp.mode: hooks, which takes a 2-D (replicate, shard) HSDP mesh.")
+    if mesh.ndim not in (1, 2):
+        raise ConfigError(f"fsdp.mode: graph takes a 1-D or a 2-D (replicate, shard) device "
+                          f"mesh; got {mesh.ndim}-D {mesh}. Fix: pass mesh=init_device_mesh("
+                          "device_type, (replicas, shards)).")
     fc = config.fsdp
-    group = mesh.get_group()
-    world, rank = mesh.size(), mesh.get_local_rank()
+    shard_dim = mesh.ndim - 1
+    group = mesh.get_group(shard_dim)
+    replicate = mesh.get_group(0).group_name if mesh.ndim == 2 else None
+    world, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+    replicas = [Replicate()] * (mesh.ndim - 1)
     done, new_params = [], {}
     for fqn, mod in list(model.named_modules()):
         specs = []
@@ -276,13 +299,10 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
             spec = GatherSpec(
                 shape=tuple(p.shape), group=group.group_name, world=world,
                 reshard=fc.reshard_after_forward, param_dtype=_dtype(fc.param_dtype),
-                reduce_dtype=_dtype(fc.reduce_dtype),
+                reduce_dtype=_dtype(fc.reduce_dtype), replicate_group=replicate,
             )
             specs.append((name, spec))
             if id(p) not in new_params:
-                if isinstance(p, DTensor):
-                    raise ConfigError(f"parameter {fqn}.{name} is already a DTensor; graph mode "
-                                      "shards plain parameters. Fix: pass the unsharded model.")
                 if p.device.type != mesh.device_type:
                     raise ConfigError(
                         f"parameter {fqn}.{name} is on {p.device}, the mesh on "
@@ -293,7 +313,7 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
                     chunk = spec.padded // world
                     lo, hi = min(rank * chunk, p.shape[0]), min((rank + 1) * chunk, p.shape[0])
                     local, placement = p.detach()[lo:hi].clone(), Shard(0)
-                dt = DTensor.from_local(local, mesh, [placement], run_check=False,
+                dt = DTensor.from_local(local, mesh, [*replicas, placement], run_check=False,
                                         shape=p.shape, stride=p.stride())
                 new_params[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             _compat.param_slots(mod)[name] = new_params[id(p)]

@@ -111,8 +111,8 @@ def fsdp_mesh(model: nn.Module, mesh, config: FSDPConfig):
     """The mesh FSDP shards over: ``mesh`` checked against ``config``, or the default one.
 
     Raises:
-        ConfigError: ``mesh`` contradicts ``fsdp.replicate_degree``, or is a 2-D mesh
-            without dim names (FSDP2's HSDP needs them).
+        ConfigError: ``mesh`` contradicts ``fsdp.replicate_degree``, has more than 2 dims,
+            or (hooks mode) is a 2-D mesh without dim names (FSDP2's HSDP needs them).
     """
     degree = config.replicate_degree
     if mesh is None:
@@ -122,6 +122,12 @@ def fsdp_mesh(model: nn.Module, mesh, config: FSDPConfig):
             f"fsdp.replicate_degree: {degree} asks for a ({degree}, shard) HSDP mesh, but "
             f"parallelize(mesh=...) got a mesh of shape {tuple(mesh.shape)}. Fix: drop "
             "fsdp.replicate_degree (the mesh decides), or drop mesh=...")
+    if mesh.ndim > 2:
+        raise ConfigError(
+            f"FSDP takes a 1-D mesh or a 2-D (replicate, shard) HSDP mesh; got the "
+            f"{mesh.ndim}-D mesh {mesh.mesh_dim_names or tuple(mesh.shape)}. Fix: pass the "
+            "data-parallel part, e.g. mesh[('dp_replicate', 'dp_shard')] (tensor-parallel "
+            "dims stay with your parallelize_module plan).")
     if config.mode == "hooks" and mesh.ndim == 2 and not mesh.mesh_dim_names:
         raise ConfigError(
             f"a 2-D mesh {tuple(mesh.shape)} is HSDP for FSDP2, which needs its dims named. "

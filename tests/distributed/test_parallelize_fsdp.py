@@ -234,41 +234,111 @@ def test_dcp_round_trip(two_ranks, name):
 
 
 HSDP = {**CONFIGS["fsdp+compile"], "fsdp": {"enabled": True, "replicate_degree": 2}}
+GRAPH = {"fsdp": {"enabled": True, "mode": "graph"}, "compile": {"backend": "aot_eager"}}
+GRAPH_HSDP = {**GRAPH, "fsdp": {**GRAPH["fsdp"], "replicate_degree": 2}}
+ADAMW_STEPS = 3
+# name: (config, the user's mesh: None, or its dim names (None: unnamed)), on 4 ranks
+FOUR_RANK_RUNS = {
+    "fsdp": (CONFIGS["fsdp+compile"], None),
+    "hsdp": (HSDP, None),
+    "hsdp_mesh": (CONFIGS["fsdp+compile"], ("dp_replicate", "dp_shard")),
+    "graph_fsdp": (GRAPH, None),
+    "graph_hsdp": (GRAPH_HSDP, None),
+    "graph_hsdp_mesh": (GRAPH, (None, None)),
+}
 
 
-def _four_ranks(rank: int, world_size: int):
-    """FSDP over 4 ranks, HSDP 2x2 from the config and HSDP 2x2 from the user's mesh, in
-    one spawn; then the configurations that must be refused."""
+class _Collectives:
+    """Records, per graph graph-mode FSDP compiles (and per region subgraph), its functional
+    collectives as ``(kind, group name)`` and its ``invoke_subgraph`` calls, before bucketing."""
+
+    def __enter__(self):
+        from aotdist.backends import bucketing
+
+        self.mod, self.orig, self.graphs = bucketing, bucketing.bucket_collectives, {}
+
+        def wrapped(gm, bucket_mb, *, recurse=True):
+            for m in [gm, *(bucketing._subgraphs(gm) if recurse else [])]:
+                self.graphs.setdefault(id(m), self._describe(m))
+            return self.orig(gm, bucket_mb, recurse=recurse)
+
+        bucketing.bucket_collectives = wrapped
+        return self
+
+    @staticmethod
+    def _describe(gm) -> dict:
+        out = {"collectives": [], "invokes": 0}
+        for node in gm.graph.nodes:
+            name = str(node.target) if node.op == "call_function" else ""
+            if name == str(torch.ops.higher_order.invoke_subgraph):
+                out["invokes"] += 1
+            elif "_c10d_functional." in name and "wait_tensor" not in name:
+                kind = name.split("_c10d_functional.", 1)[1].split(".")[0]
+                out["collectives"].append((kind, str(node.args[-1])))
+        return out
+
+    def __exit__(self, *exc):
+        self.mod.bucket_collectives = self.orig
+
+
+def _four_ranks(rank: int, world_size: int, ckpt_dir: str):
+    """FSDP 1x4 and HSDP 2x2 (from the config, and from the user's mesh), in hooks and in
+    graph mode, 3 AdamW steps each, in one spawn; an HSDP checkpoint loaded under FSDP 1x4;
+    then the configurations that must be refused."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
     out = {}
-    for name, config, mesh in (
-            ("fsdp", CONFIGS["fsdp+compile"], None),
-            ("hsdp", HSDP, None),
-            ("hsdp_mesh", CONFIGS["fsdp+compile"],
-             init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard")))):
+    for name, (config, dims) in FOUR_RANK_RUNS.items():
         torch._dynamo.reset()
         torch.manual_seed(0)
+        mesh = None if dims is None else init_device_mesh(
+            "cpu", (2, 2), mesh_dim_names=None if dims[0] is None else dims)
         model = build_model("gpt", depth=DEPTH)
         aotdist.parallelize(model, config=config, mesh=mesh)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        with metrics.track(model) as m:
-            losses = [_step(model, opt, xs[rank], ys[rank])
-                      for xs, ys in _batches(world_size, model)]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, grads = [], []
+        with metrics.track(model) as m, _Collectives() as coll:
+            for xs, ys in rank_batches(model, world_size=world_size, steps=ADAMW_STEPS):
+                loss = lm_loss(model, xs[rank], ys[rank])
+                loss.backward()
+                grads.append({k: p.grad.full_tensor() for k, p in model.named_parameters()})
+                opt.step()
+                opt.zero_grad()
+                dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
+                losses.append(loss.item())
         weight = model.blocks[0].mlp.fc.weight
+        used = aotdist.parallelize_info(model).mesh
         out[name] = {
-            "losses": losses, "params": {k: v.full_tensor() for k, v in model.state_dict().items()},
+            "losses": losses, "grads": grads,
+            "params": {k: v.full_tensor() for k, v in model.state_dict().items()},
             "placements": [type(p).__name__ for p in weight.placements],
             "mesh": tuple(weight.device_mesh.shape),
             "call_sites": m.regions["GPTBlock"].call_sites,
+            "subgraphs": m.regions["GPTBlock"].subgraphs,
+            "recompiles": m.recompiles,
+            "graphs": list(coll.graphs.values()),
+            "groups": ({"shard": used.get_group(1).group_name,
+                        "replicate": used.get_group(0).group_name} if used.ndim == 2
+                       else {"shard": used.get_group().group_name}),
         }
+        if name in ("hsdp", "graph_hsdp"):
+            dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(ckpt_dir, name))
+    for name in ("hsdp", "graph_hsdp"):  # HSDP 2x2 checkpoints, loaded under FSDP 1x4
+        torch.manual_seed(123)
+        other = build_model("gpt", depth=DEPTH)
+        aotdist.parallelize(other, config=CONFIGS["fsdp+compile"])
+        sd = get_model_state_dict(other)
+        dcp.load(sd, checkpoint_id=os.path.join(ckpt_dir, name))
+        out[f"{name}_into_fsdp"] = {k: v.full_tensor() for k, v in sd.items()}
     errors = {}
     for name, config, mesh in (
             ("indivisible", {**HSDP, "fsdp": {"enabled": True, "replicate_degree": 3}}, None),
             ("mesh_mismatch", HSDP, init_device_mesh("cpu", (4,))),
             ("unnamed_2d", CONFIGS["fsdp+compile"], init_device_mesh("cpu", (2, 2))),
-            ("graph_2d", CONFIGS["fsdp+compile"] | {"fsdp": {"enabled": True, "mode": "graph"}},
-             init_device_mesh("cpu", (2, 2)))):
+            ("3d", CONFIGS["fsdp+compile"], init_device_mesh("cpu", (1, 2, 2)))):
         try:
             aotdist.parallelize(build_model("gpt", depth=DEPTH), config=config, mesh=mesh)
             errors[name] = None
@@ -278,27 +348,87 @@ def _four_ranks(rank: int, world_size: int):
     return out
 
 
-def test_four_ranks_fsdp_and_hsdp_match_eager():
-    out = run_distributed(_four_ranks, 4, timeout=400)[0]
-    ref_losses, ref_params, _ = _reference(CONFIGS["fsdp+compile"], 4)
-    for name in ("fsdp", "hsdp", "hsdp_mesh"):
-        torch.testing.assert_close(torch.tensor(out[name]["losses"]), torch.tensor(ref_losses),
-                                   rtol=1e-4, atol=1e-5)
+def _adamw_reference(world_size: int):
+    """Single-process eager: the same model, AdamW, gradients accumulated over the slices."""
+    torch.manual_seed(0)
+    model = build_model("gpt", depth=DEPTH)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], []
+    for xs, ys in rank_batches(model, world_size=world_size, steps=ADAMW_STEPS):
+        total = 0.0
+        for x, y in zip(xs, ys, strict=True):
+            loss = lm_loss(model, x, y) / world_size
+            loss.backward()
+            total += loss.item()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, grads, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _assert_same_run(got: dict, want_losses, want_grads, *, atol: float, what: str) -> None:
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses),
+                               rtol=0, atol=atol, msg=lambda m: f"{what} losses: {m}")
+    for step, (g, w) in enumerate(zip(got["grads"], want_grads, strict=True)):
+        for key, ref in w.items():
+            torch.testing.assert_close(g[key], ref, rtol=0, atol=atol,
+                                       msg=lambda m, k=key, s=step: f"{what} {k} step {s}: {m}")
+
+
+def test_four_ranks_fsdp_and_hsdp_in_both_modes_match_eager(tmp_path):
+    out = run_distributed(_four_ranks, 4, str(tmp_path), timeout=560)[0]
+    ref_losses, ref_grads, ref_params = _adamw_reference(4)
+    for name in FOUR_RANK_RUNS:
+        run = out[name]
+        assert run["losses"][0] == pytest.approx(ref_losses[0], abs=1e-6), name  # step 1
+        _assert_same_run(run, ref_losses, ref_grads, atol=1e-6, what=f"{name} vs eager")
+        # AdamW divides each update by the gradient's running size: where a gradient is
+        # ~1e-7 (its rounding), equal-within-1e-6 gradients move a parameter by up to lr
         for key, ref in ref_params.items():
-            torch.testing.assert_close(out[name]["params"][key], ref, rtol=1e-4, atol=1e-5)
-        assert out[name]["call_sites"] == DEPTH, out[name]
-    assert out["fsdp"]["placements"] == ["Shard"] and out["fsdp"]["mesh"] == (4,)
-    for name in ("hsdp", "hsdp_mesh"):  # replicated over 2 groups, sharded within each
-        assert out[name]["placements"] == ["Replicate", "Shard"], out[name]["placements"]
-        assert out[name]["mesh"] == (2, 2)
-        for key, value in out["fsdp"]["params"].items():  # HSDP computes what FSDP does
-            torch.testing.assert_close(out[name]["params"][key], value, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(run["params"][key], ref, rtol=0, atol=1e-3)
+        assert (run["call_sites"], run["subgraphs"], run["recompiles"]) == (DEPTH, 1, []), run
+    for flat, hsdp in (("fsdp", "hsdp"), ("fsdp", "hsdp_mesh"), ("graph_fsdp", "graph_hsdp"),
+                       ("graph_fsdp", "graph_hsdp_mesh")):  # HSDP computes what FSDP does
+        _assert_same_run(out[hsdp], out[flat]["losses"], out[flat]["grads"], atol=1e-6,
+                         what=f"{hsdp} vs {flat}")
+        assert out[hsdp]["placements"] == ["Replicate", "Shard"], out[hsdp]["placements"]
+        assert out[hsdp]["mesh"] == (2, 2)
+    assert out["fsdp"]["placements"] == out["graph_fsdp"]["placements"] == ["Shard"]
+    assert out["fsdp"]["mesh"] == out["graph_fsdp"]["mesh"] == (4,)
+
+    # graph mode: the collectives are in the graphs, over the right groups; one
+    # invoke_subgraph per block call in the forward graph
+    for name in ("graph_fsdp", "graph_hsdp", "graph_hsdp_mesh"):
+        groups, graphs = out[name]["groups"], out[name]["graphs"]
+        seen = {c for g in graphs for c in g["collectives"]}
+        want = {("all_gather_into_tensor", groups["shard"]),
+                ("reduce_scatter_tensor", groups["shard"])}
+        if "replicate" in groups:
+            want.add(("all_reduce", groups["replicate"]))
+        assert seen == want, (name, seen, groups)
+        assert max(g["invokes"] for g in graphs) == DEPTH, (name, graphs)
+
+    for name in ("hsdp", "graph_hsdp"):  # HSDP 2x2 checkpoint -> FSDP 1x4 -> one process
+        import torch.distributed.checkpoint as dcp
+
+        for key, value in out[name]["params"].items():
+            assert torch.equal(out[f"{name}_into_fsdp"][key], value), (name, key)
+        torch.manual_seed(7)
+        plain = build_model("gpt", depth=DEPTH)
+        sd = plain.state_dict()
+        with warnings.catch_warnings():  # "no process group: loading in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(sd, checkpoint_id=str(tmp_path / name))
+        for key, value in sd.items():
+            assert torch.equal(value, out[name]["params"][key]), (name, key)
+
     errors = out["errors"]
     assert "3 does not divide the world size 4" in errors["indivisible"], errors
     assert "Fix: a divisor of 4" in errors["indivisible"]
     assert "got a mesh of shape (4,)" in errors["mesh_mismatch"], errors
-    assert "fsdp.mode: hooks" in errors["graph_2d"], errors
     assert "needs its dims named" in errors["unnamed_2d"], errors
+    assert "got the 3-D mesh" in errors["3d"] and "Fix:" in errors["3d"], errors
 
 
 def _ordering_errors(rank: int, world_size: int):

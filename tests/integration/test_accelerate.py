@@ -353,3 +353,35 @@ def test_prepare_refuses_fsdp_param_dtype_that_conflicts_with_accelerate_mixed_p
     with pytest.raises(ConfigError, match="mixed_precision is bf16.*fsdp.param_dtype: float16"):
         prepare(accelerator, model, config=config)
     assert STATE_ATTR not in vars(model)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # two 2-process torchrun launches, ~1 min on a 2-core CPU machine
+def test_recipe_as_two_nodes_with_hsdp_matches_eager(tmp_path, eager_losses):
+    """The recipe as 2 nodes x 2 processes on this machine (torchrun's static rendezvous),
+    HSDP replicating across the nodes and sharding within each: the same losses as one
+    eager process on the global batch (4 processes x 2)."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+         "--rdzv-endpoint", f"localhost:{port}", "--nproc-per-node", "2",
+         str(ROOT / "recipes/train_accelerate.py"), "--aotdist-config",
+         "configs/aotdist/hsdp.yaml", "--backend", "aot_eager", "--batch-size", "2",
+         "--steps", "4"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for n in (0, 1)]
+    outs = [node.communicate(timeout=480) for node in nodes]
+    for node, (out, err) in zip(nodes, outs, strict=True):
+        assert node.returncode == 0, out[-3000:] + err[-3000:]
+    rows = [json.loads(line) for line in outs[0][0].splitlines() if line.startswith('{"step"')]
+    assert not any(line.startswith('{"step"') for line in outs[1][0].splitlines())
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]),
+                               torch.tensor(eager_losses), rtol=1e-4, atol=1e-5)

@@ -152,6 +152,7 @@ def test_hsdp_replicate_degree_is_validated():
     assert AOTDistConfig.from_dict({"fsdp": {"enabled": True}}).fsdp.replicate_degree == 1
     with pytest.raises(ConfigError, match=r"fsdp.replicate_degree: must be >= 1, got 0"):
         AOTDistConfig.from_dict({"fsdp": {"enabled": True, "replicate_degree": 0}})
-    with pytest.raises(ConfigError, match=r"graph-mode FSDP takes a 1-D mesh.*fsdp.mode: hooks"):
-        AOTDistConfig.from_dict({"fsdp": {"enabled": True, "mode": "graph",
-                                          "replicate_degree": 2}})
+    # HSDP in both modes
+    graph = AOTDistConfig.from_dict({"fsdp": {"enabled": True, "mode": "graph",
+                                              "replicate_degree": 2}})
+    assert (graph.fsdp.mode, graph.fsdp.replicate_degree) == ("graph", 2)
