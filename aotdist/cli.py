@@ -24,6 +24,13 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _mesh(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected REPLICASxSHARDS such as 2x2, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def _build(model: str, depth: int):
     from aotdist.testing.models import build_model
 
@@ -50,7 +57,7 @@ def _cmd_bench(args) -> int:
                   warmup=job.warmup if args.warmup is None else args.warmup,
                   repeats=job.repeats if args.repeats is None else args.repeats,
                   device=args.device, float8=args.float8, out=args.out,
-                  timeout=args.timeout, profile=args.profile)
+                  timeout=args.timeout, profile=args.profile, mesh=args.mesh)
     except (BenchError, ConfigError) as exc:
         print(f"aotdist bench: {exc}", file=sys.stderr)
         return 1
@@ -174,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         "strategies side by side in one process per depth), about 14 minutes on a quiet "
         "2-core CPU; with --quick, GPT at depth 2, 1 repeat, 5 timed "
         "steps (under 2 minutes). With any of --model/--depths/--nproc: their grid.")
-    b.add_argument("--model", type=_csv, default=None, help="gpt, vit, resnet (comma-separated)")
+    b.add_argument("--model", type=_csv, default=None, help="gpt, vit, resnet, llama (transformers), dictgpt "
+                   "(blocks in a ModuleDict); comma-separated")
     b.add_argument("--depths", type=_ints, default=None, help="e.g. 2,8,32")
     b.add_argument("--nproc", type=_ints, default=None,
                    help="ranks, e.g. 1,2; > 1 shards with FSDP2 (gloo on CPU, NCCL on CUDA)")
@@ -192,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                    "the report gives medians, spreads and per-repeat ratios (default 3, 1 "
                    "with --quick)")
     b.add_argument("--float8", action="store_true", help="torchao Float8 in every strategy")
+    b.add_argument("--mesh", type=_mesh, default=None, metavar="RxS",
+                   help="with --nproc R*S: shard as HSDP on a (replicate, shard) mesh, e.g. 2x2")
     b.add_argument("--device", default="cpu", help="cpu or cuda")
     b.add_argument("--timeout", type=float, default=1200.0, help="seconds per measurement")
     b.add_argument("--profile", action="store_true", help="write cProfile, torch.profiler and "

@@ -63,7 +63,7 @@ def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
 
 
 def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
-                  device: str, float8: bool, timeout: float,
+                  device: str, float8: bool, timeout: float, replicate: int = 1,
                   profile_dir: str | None, progress: Callable[[str], None],
                   env: dict | None = None, isa_seed: str | None = None,
                   paired_rounds: int = 0) -> dict:
@@ -79,6 +79,7 @@ def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
                "--steps", str(steps), "--warmup", str(warmup), "--device", device,
                "--nproc", str(case.nproc), "--timeout", str(timeout)]
         cmd += ["--float8"] if float8 else []
+        cmd += ["--replicate", str(replicate)] if replicate > 1 and case.nproc > 1 else []
         cmd += ["--profile-dir", profile_dir] if profile_dir else []
         cmd += ["--paired", str(paired_rounds)] if paired_rounds else []
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
@@ -147,6 +148,22 @@ def _paired_cells(cases: Sequence[Case]) -> list[Case]:
             if "aotdist" in names and ({"full", "accelerate"} & set(names))]
 
 
+def _check_mesh(mesh: tuple[int, int] | None, cases: Sequence[Case]) -> int:
+    """The HSDP replicate degree ``mesh`` asks for (1 without one).
+
+    Raises:
+        ConfigError: A multi-rank cell's ``nproc`` is not ``replicas * shards``.
+    """
+    if mesh is None:
+        return 1
+    size = mesh[0] * mesh[1]
+    wrong = sorted({c.nproc for c in cases if c.nproc > 1 and c.nproc != size})
+    if wrong or not any(c.nproc > 1 for c in cases):
+        raise ConfigError(f"--mesh {mesh[0]}x{mesh[1]} needs --nproc {size}; got "
+                          f"{sorted({c.nproc for c in cases})}. Fix: --nproc {size}.")
+    return mesh[0]
+
+
 def _label(case: Case) -> str:
     ranks = f" x{case.nproc} ranks FSDP2" if case.nproc > 1 else ""
     return f"{case.strategy} {case.model} depth={case.depth}{ranks}"
@@ -156,6 +173,7 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
               steps: int = MAIN_SETTINGS.steps, warmup: int = MAIN_SETTINGS.warmup,
               device: str = "cpu", float8: bool = False, repeats: int = MAIN_SETTINGS.repeats,
               out: str | Path = "bench-out", timeout: float = 1200.0, profile: bool = False,
+              mesh: tuple[int, int] | None = None,
               progress: Callable[[str], None] = print) -> dict:
     """Runs every cell ``repeats`` times, round robin, and writes bench.json/.md/.png.
 
@@ -172,6 +190,8 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
         timeout: Seconds one run may take before its processes are killed.
         profile: Write cProfile / torch.profiler / compile-phase files per run under
             ``out/profile`` (their timings are inflated by profiling).
+        mesh: ``(replicas, shards)``: the multi-rank cells shard as HSDP on that 2-D mesh
+            (their ``nproc`` must be ``replicas * shards``); ``None``: FSDP over all ranks.
         progress: Receives one line per run and phase.
 
     After the round robin, the paired runs (module docstring) time the steady steps of
@@ -189,6 +209,7 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
         raise ConfigError(f"need steps >= 1, warmup >= 0, repeats >= 1; got steps={steps}, "
                           f"warmup={warmup}, repeats={repeats}")
     cases = plan_cases() if cases is None else list(cases)
+    replicate = _check_mesh(mesh, cases)
     order = interleave(cases, repeats)
     out = Path(out)
     load_start, runs, started = load_snapshot(), [], time.perf_counter()
@@ -207,7 +228,7 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
             r = _measure_in_fresh_process(case, backend=backend, steps=steps, warmup=warmup,
                                           device=device, float8=float8, timeout=timeout,
                                           profile_dir=profile_dir, progress=progress,
-                                          isa_seed=isa_seed)
+                                          isa_seed=isa_seed, replicate=replicate)
             progress(f"        compile {r['compile_s']:.2f}s  step {r['steady_step_s']*1e3:.2f}ms"
                      f"  saved {r['saved_activation_bytes'] / 1024:.0f}KiB"
                      f"  peak +{r['peak_mem_mib']:.0f}MiB  frames {r['frames_compiled']}"
@@ -232,6 +253,7 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
                          f"{case.depth} stay across processes. {exc}")
     settings = {"backend": backend, "steps": steps, "warmup": warmup, "device": device,
                 "float8": float8, "repeats": repeats, "profiled": profile,
+                "mesh": list(mesh) if mesh else None,
                 "cases": [asdict(c) for c in cases],
                 "order": [[rep, asdict(c)] for rep, c in order],
                 "duration_s": time.perf_counter() - started,

@@ -1,4 +1,5 @@
-"""The models ``aotdist bench`` trains: built-in tiny GPT / ResNet and torchvision's ViT.
+"""The models ``aotdist bench`` trains: tiny GPT / ResNet, torchvision's ViT, a transformers
+Llama, and a GPT whose blocks sit in an ``nn.ModuleDict``.
 
 All are built from configs with random weights (no downloads). Each comes with a
 synthetic batch and a loss, so a training step is the same code for every model.
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from aotdist._compat.extras import require
-from aotdist.errors import ConfigError
+from aotdist.errors import ConfigError, MissingDependencyError
+from aotdist.testing.models import TinyGPT
 
 __all__ = ["MODELS", "build_bench_model", "describe_model", "synthetic_batch", "training_loss"]
 
@@ -20,7 +22,15 @@ MODELS = {
     "vit": "torchvision VisionTransformer: image 32, patch 8, hidden 32, MLP 64, 2 heads, "
            "10 classes; encoder blocks in an nn.Sequential",
     "resnet": "TinyResNet (aotdist.testing): 3 stages of BasicBlocks (BatchNorm)",
+    "llama": "transformers LlamaForCausalLM from a config: hidden 64, MLP 128, 4 heads (2 KV), "
+             "seq 16, vocab 128, random weights; decoder layers in a ModuleList",
+    "dictgpt": "TinyGPT with its blocks in an nn.ModuleDict (Accelerate's compile_regions "
+               "finds no ModuleList there and compiles the whole model)",
 }
+_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64,
+          "use_cache": False}
+_SEQ = 16
 
 _VIT = {"image_size": 32, "patch_size": 8, "num_heads": 2, "hidden_dim": 32, "mlp_dim": 64,
         "num_classes": 10}
@@ -44,6 +54,17 @@ def build_bench_model(name: str, *, depth: int) -> nn.Module:
         from aotdist.testing.models import build_model
 
         return build_model(name, depth=depth)
+    if name == "llama":
+        try:
+            import transformers as tf
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"the bench model 'llama' needs transformers ({exc}). Fix: pip install "
+                "transformers (aotdist's dev extra has it).", extra="dev") from exc
+        config = tf.AutoConfig.for_model("llama", num_hidden_layers=depth, **_LLAMA)
+        return _LogitsOnly(tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+    if name == "dictgpt":
+        return _DictGPT(depth=depth)
     raise ConfigError(f"unknown bench model {name!r}; choose one of {', '.join(MODELS)} "
                       "(--model)")
 
@@ -51,6 +72,9 @@ def build_bench_model(name: str, *, depth: int) -> nn.Module:
 def synthetic_batch(name: str, model: nn.Module, *, batch: int,
                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and integer targets for one step of model ``name`` (on the CPU)."""
+    if name == "llama":
+        x = torch.randint(0, _LLAMA["vocab_size"], (batch, _SEQ), generator=generator)
+        return x, torch.randint(0, _LLAMA["vocab_size"], (batch, _SEQ), generator=generator)
     if name == "vit":
         size, classes = _VIT["image_size"], _VIT["num_classes"]
         x = torch.randn(batch, 3, size, size, generator=generator)
@@ -64,3 +88,29 @@ def synthetic_batch(name: str, model: nn.Module, *, batch: int,
 def training_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the last dimension (token logits or class logits)."""
     return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), target.reshape(-1))
+
+
+class _LogitsOnly(nn.Module):
+    """A transformers causal LM returning its logits tensor (the bench's loss takes one).
+    The model stays a child as it is: its decoder layers are what the strategies find."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids).logits
+
+
+class _DictGPT(TinyGPT):
+    """TinyGPT whose blocks are held by name in an ``nn.ModuleDict``."""
+
+    def __init__(self, *, depth: int):
+        super().__init__(depth=depth)
+        self.blocks = nn.ModuleDict({f"layer{i}": b for i, b in enumerate(self.blocks)})
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[:, : idx.shape[1]]
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln_f(x))

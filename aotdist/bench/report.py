@@ -114,7 +114,9 @@ def _markdown(report: dict) -> str:
     memory_metric = next((r["memory_metric"] for r in results if r.get("memory_metric")), "")
     lines = [f"Machine: {report['machine']}", "", _load_line(settings), "",
              f"Settings: backend {settings['backend']}, device {settings['device']}, "
-             f"float8 {settings['float8']}, cold step + {settings['warmup']} warm-up + "
+             f"float8 {settings['float8']}"
+             + (f", HSDP mesh {settings['mesh'][0]}x{settings['mesh'][1]} (replicate x shard)"
+                if settings.get("mesh") else "") + ", cold step + {settings['warmup']} warm-up + "
              f"{settings['steps']} timed steps (median), {settings['repeats']} repeat(s) per "
              f"cell, run round robin (every cell once per repeat), each run a fresh process "
              f"with an empty compiler cache; run took {settings['duration_s'] / 60:.1f} min."

@@ -86,8 +86,15 @@ def _build(spec: dict, name: str, *, fsdp: bool = False) -> tuple:
     torch.manual_seed(0)
     model = build_bench_model(spec["model"], depth=spec["depth"]).to(spec["device"])
     notes = strategy.notes(model) if strategy.notes else ""
-    setup = Setup(backend=spec["backend"], fsdp=fsdp, float8=spec["float8"])
+    setup = Setup(backend=spec["backend"], fsdp=fsdp, float8=spec["float8"],
+                  replicate=spec.get("replicate", 1) if fsdp else 1)
     return strategy, model, strategy.apply(model, setup), notes
+
+
+def _fsdp_mesh_shape(model) -> list[int] | None:
+    """The shape of the mesh the model's parameters are sharded on (``None``: not sharded)."""
+    mesh = next((getattr(p, "device_mesh", None) for p in model.parameters()), None)
+    return list(mesh.shape) if mesh is not None else None
 
 
 def _training(spec: dict, model, run_model, rank: int = 0) -> tuple:
@@ -159,6 +166,7 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
         "strategy": spec["strategy"], "model": spec["model"], "depth": spec["depth"],
         "nproc": world_size, "backend": spec["backend"], "device": device,
         "float8": spec["float8"], "batch": spec["batch"], "rank": rank,
+        "fsdp_mesh": _fsdp_mesh_shape(model),
         "first_step_s": first, "isa_probe_s": isa_probe_s, "steady_step_s": steady, "step_times_s": times,
         "steady_step_iqr_s": [q[0], q[2]], "compile_s": compile_s,
         "compile_split_s": phases.split(m, compile_s=compile_s),
@@ -279,8 +287,9 @@ def merge_ranks(results: list[dict]) -> dict:
         if values:
             merged[key] = max(values)
     merged["compile_split_s"] = max(results, key=lambda r: r["compile_s"])["compile_split_s"]
-    merged["ranks"] = [{k: r[k] for k in ("rank", "first_step_s", "steady_step_s",
-                                          "compile_s", "peak_mem_mib")} for r in results]
+    merged["ranks"] = [{k: r.get(k) for k in ("rank", "first_step_s", "steady_step_s",
+                                              "compile_s", "peak_mem_mib", "fsdp_mesh")}
+                       for r in results]
     merged.pop("rank", None)
     return merged
 
@@ -311,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--float8", action="store_true")
+    p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree (--nproc > 1)")
     p.add_argument("--profile-dir", default=None)
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
@@ -319,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     spec = {"strategy": a.strategy, "model": a.model, "depth": a.depth, "backend": a.backend,
             "steps": a.steps, "warmup": a.warmup, "batch": a.batch, "device": a.device,
-            "float8": a.float8, "profile_dir": a.profile_dir}
+            "float8": a.float8, "replicate": a.replicate, "profile_dir": a.profile_dir}
     if a.paired:
         result = measure_paired(spec, a.strategy.split(","), a.paired)
     else:

@@ -32,11 +32,13 @@ class Setup:
         backend: The ``torch.compile`` backend (``inductor``, ``aot_eager``...).
         fsdp: Shard with FSDP2 over the default process group.
         float8: Convert eligible ``nn.Linear`` layers to torchao ``Float8Linear``.
+        replicate: With ``fsdp``: HSDP over ``(replicate, world / replicate)`` (``--mesh``).
     """
 
     backend: str = "inductor"
     fsdp: bool = False
     float8: bool = False
+    replicate: int = 1
 
 
 @dataclass(frozen=True)
@@ -101,13 +103,14 @@ def _float8(model: nn.Module, setup: Setup) -> None:
         convert_to_float8(model, Float8Config(enabled=True))
 
 
-def _shard(model: nn.Module) -> None:
+def _shard(model: nn.Module, setup: Setup) -> None:
     """The sharding every FSDP2 strategy shares: each block instance, then the root."""
     import aotdist
     from aotdist.config import FSDPConfig
     from aotdist.fsdp import default_mesh, shard
 
-    shard(model, aotdist.find_regions(model), FSDPConfig(enabled=True), default_mesh(model))
+    shard(model, aotdist.find_regions(model), FSDPConfig(enabled=True),
+          default_mesh(model, replicate_degree=setup.replicate))
 
 
 @register_strategy("eager", description="no compile (FSDP2 units per block under --nproc)",
@@ -115,7 +118,7 @@ def _shard(model: nn.Module) -> None:
 def _eager(model: nn.Module, setup: Setup) -> nn.Module:
     _float8(model, setup)
     if setup.fsdp:
-        _shard(model)
+        _shard(model, setup)
     return model
 
 
@@ -124,7 +127,7 @@ def _eager(model: nn.Module, setup: Setup) -> nn.Module:
 def _full(model: nn.Module, setup: Setup) -> nn.Module:
     _float8(model, setup)
     if setup.fsdp:
-        _shard(model)
+        _shard(model, setup)
     model.compile(backend=setup.backend)
     return model
 
@@ -147,7 +150,7 @@ def _accelerate(model: nn.Module, setup: Setup) -> nn.Module:
         # first, then fully_shard (fsdp2_prepare_model), so FSDP's hooks still fire.
         other = require("accelerate.utils.other", feature="the bench strategy 'accelerate'")
         other.compile_regions_fsdp2(model, backend=setup.backend)
-        _shard(model)
+        _shard(model, setup)
         return model
     utils = require("accelerate.utils", feature="the bench strategy 'accelerate'")
     return utils.compile_regions(model, backend=setup.backend)
@@ -160,7 +163,7 @@ def _aotdist(model: nn.Module, setup: Setup) -> nn.Module:
 
     return aotdist.parallelize(model, config={
         "compile": {"backend": setup.backend},
-        "fsdp": {"enabled": setup.fsdp},
+        "fsdp": {"enabled": setup.fsdp, "replicate_degree": setup.replicate},
         "float8": {"enabled": setup.float8},
     })
 
@@ -175,7 +178,8 @@ def _aotdist_graph(model: nn.Module, setup: Setup) -> nn.Module:
 
     return aotdist.parallelize(model, config={
         "compile": {"backend": setup.backend},
-        "fsdp": {"enabled": setup.fsdp, "mode": "graph" if setup.fsdp else "hooks"},
+        "fsdp": {"enabled": setup.fsdp, "mode": "graph" if setup.fsdp else "hooks",
+                 "replicate_degree": setup.replicate},
         "float8": {"enabled": setup.float8},
     })
 
@@ -203,7 +207,7 @@ def _aotdist_cache(model: nn.Module, setup: Setup) -> nn.Module:
                           "directory); `aotdist bench` sets it. Fix: set it to a directory.")
     return aotdist.parallelize(model, config={
         "compile": {"backend": setup.backend},
-        "fsdp": {"enabled": setup.fsdp},
+        "fsdp": {"enabled": setup.fsdp, "replicate_degree": setup.replicate},
         "float8": {"enabled": setup.float8},
         "cache": {"mode": "shared", "dir": where},
     })

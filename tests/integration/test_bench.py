@@ -133,3 +133,18 @@ def test_inspect_prints_plan_and_metrics(capsys):
     assert main(["inspect", "--model", "vit", "--depth", "3"]) == 0
     out = capsys.readouterr().out
     assert "EncoderBlock" in out and "3 instances, 3 call sites, 1 distinct subgraph(s)" in out
+
+
+def test_bench_hsdp_mesh_cells_in_both_fsdp_modes(tmp_path):
+    from aotdist.bench import Case, run_bench
+
+    cases = [Case("gpt", 2, s, nproc=4) for s in ("aotdist", "aotdist-graph")]
+    out = tmp_path / "bench"
+    report = run_bench(cases, backend="aot_eager", steps=2, warmup=0, repeats=1, out=out,
+                       timeout=400, mesh=(2, 2), progress=lambda _: None)
+    assert report["settings"]["mesh"] == [2, 2]
+    assert "HSDP mesh 2x2 (replicate x shard)" in (out / "bench.md").read_text()
+    results = {r["strategy"]: r for r in report["results"]}
+    for name in ("aotdist", "aotdist-graph"):  # every rank sharded on the 2-D mesh
+        assert [r["fsdp_mesh"] for r in results[name]["ranks"]] == [[2, 2]] * 4, name
+        assert results[name]["steady_step_s"] > 0

@@ -249,6 +249,37 @@ def test_graph_mode_fsdp_runs_beside_fsdp2_on_several_ranks():
     assert "aotdist-graph" not in {c.strategy for c in one}
 
 
+def test_bench_models_a_transformers_llama_and_blocks_in_a_module_dict():
+    import aotdist
+    from aotdist.bench.models import build_bench_model, synthetic_batch, training_loss
+
+    pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(0)
+    for name, block, container in (("llama", "LlamaDecoderLayer", "ModuleList"),
+                                   ("dictgpt", "GPTBlock", "ModuleDict")):
+        model = build_bench_model(name, depth=3)
+        plan = aotdist.find_regions(model)
+        assert [(r.name, r.count) for r in plan] == [(block, 3)], (name, plan)
+        parent = model.get_submodule(plan[0].fqns[0].rsplit(".", 1)[0])
+        assert type(parent).__name__ == container
+        x, y = synthetic_batch(name, model, batch=2, generator=g)
+        training_loss(model(x), y).backward()  # logits in, one loss out
+    with pytest.raises(ConfigError, match="unknown bench model"):
+        plan_cases(models=["nope"])
+
+
+def test_mesh_option_asks_for_matching_ranks(tmp_path):
+    from aotdist.bench import run_bench
+    from aotdist.cli import _mesh
+
+    assert _mesh("2x2") == (2, 2) and _mesh("1X4") == (1, 4)
+    with pytest.raises(Exception, match="REPLICASxSHARDS"):
+        _mesh("2x")
+    for cases in ([Case("gpt", 2, "aotdist", nproc=2)], [Case("gpt", 2, "aotdist")]):
+        with pytest.raises(ConfigError, match="--mesh 2x2 needs --nproc 4"):
+            run_bench(cases, mesh=(2, 2), out=tmp_path)
+
+
 def test_paired_runs_give_the_steady_step_ratios_per_round(tmp_path):
     """The step ratios of aotdist over its peers come from the paired runs (strategies
     side by side in one process), one per interleaved round; the cross-process ones stay
