@@ -10,17 +10,15 @@ from typing import Any
 from torch import nn
 
 from aotdist._compat.deprecation import positional_after_first_deprecated
-from aotdist.backends.named import graph_fsdp_backend
 from aotdist.cache import load as load_cache
 from aotdist.compile import check_not_compiled, compile_regions
 from aotdist.compile.marking import mark_regions
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR
 from aotdist.config import AOTDistConfig, as_config
-from aotdist.errors import ConfigWarning, OrderingError
+from aotdist.errors import OrderingError
 from aotdist.float8 import convert_to_float8, warn_unverified_combination
-from aotdist.fsdp import check_not_sharded, fsdp_mesh, shard
-from aotdist.fsdp.graph import check_graph_config, graph_plan, shard_graph, sharded_call
-from aotdist.log import get_logger, rank_zero_warn
+from aotdist.fsdp.modes import sharding_for
+from aotdist.log import get_logger
 from aotdist.regions import RegionPlan, find_regions
 
 __all__ = ["INFO_ATTR", "ParallelizeInfo", "parallelize", "parallelize_info"]
@@ -94,18 +92,11 @@ def parallelize(model: nn.Module, *,
         assert list(plan.fqns) == ["blocks.0", "blocks.1", "blocks.2"]
     """
     config = as_config(config)
-    graph_fsdp = config.fsdp.enabled and config.fsdp.mode == "graph"
+    sharding = sharding_for(config)  # FSDP off, hooks mode or graph mode: aotdist.fsdp.modes
     _check_fresh(model)
     # Float8 conversion and FSDP2 must both come before the user's own fully_shard.
-    check_not_sharded(model, allow_fsdp2=not (config.fsdp.enabled or config.float8.enabled))
-    if graph_fsdp:
-        check_graph_config(config, model)
-    if config.fsdp.enabled:
-        mesh = fsdp_mesh(model, mesh, config.fsdp)
-    elif mesh is not None:
-        rank_zero_warn("parallelize(mesh=...) has no effect with fsdp.enabled: false.",
-                       ConfigWarning, stacklevel=2)
-        mesh = None
+    sharding.check(model, config)
+    mesh = sharding.mesh(model, mesh, config)
 
     # 1. Float8 first: it replaces nn.Linear modules, and everything after must see the
     #    final modules: region signatures include their classes, and FSDP2 must shard the
@@ -113,41 +104,32 @@ def parallelize(model: nn.Module, *,
     float8_fqns = convert_to_float8(model, config.float8) if config.float8.enabled else []
     warn_unverified_combination(config)
 
-    # 2. Regions are found on the converted model.
+    # 2. Regions are found on the converted model (graph mode drops, with a warning,
+    #    regions it cannot feed their shards).
     rc = config.regions
-    plan = find_regions(model, include=rc.include, exclude=rc.exclude,
-                        min_repeats=rc.min_repeats)
-    if graph_fsdp:  # drops (with a warning) regions graph mode cannot feed their shards
-        plan = graph_plan(model, plan, config)
+    plan = sharding.plan(model, find_regions(model, include=rc.include, exclude=rc.exclude,
+                                             min_repeats=rc.min_repeats), config)
 
     # 3. Mark regions (with activation checkpointing around each instance) *before*
-    #    fully_shard: marking swaps each instance's class, and fully_shard swaps it again
+    #    sharding: marking swaps each instance's class, and fully_shard swaps it again
     #    to an FSDP subclass of the class it finds. Marking afterwards would drop FSDP's.
     mark_regions(model, plan, checkpoint=config.ac.enabled)
 
-    # 4. fully_shard each region instance, then the root: one all-gather per instance,
-    #    issued as it runs; the root unit holds what is outside the regions.
-    #    Graph mode (fsdp.mode: graph) instead shards every parameter as a DTensor itself;
-    #    the collectives then live in the compiled graph (aotdist.fsdp.graph).
-    if graph_fsdp:
-        sharded = shard_graph(model, config, mesh)
-    else:
-        sharded = shard(model, plan, config.fsdp, mesh) if config.fsdp.enabled else []
+    # 4. Shard. Hooks mode: fully_shard each region instance, then the root (one
+    #    all-gather per instance, issued as it runs). Graph mode: every parameter a DTensor
+    #    shard, the collectives then live in the compiled graph (aotdist.fsdp.graph).
+    sharded = sharding.shard(model, plan, config, mesh)
 
     # 5. Compile last, so FSDP2's hooks (installed in 4) stay outside compiled code and
-    #    fire per instance: with FSDP each region is compiled once as its own graph,
-    #    without FSDP the whole model is one graph calling each region's subgraph.
+    #    fire per instance: with FSDP2 each region is compiled once as its own graph,
+    #    otherwise the whole model is one graph calling each region's subgraph (graph
+    #    mode's backend buckets its collectives: fsdp.bucket_mb, fsdp.overlap).
     if config.compile.enabled:
         cc = config.compile
-        backend, options = cc.backend, cc.options
-        if graph_fsdp:  # bucketing (fsdp.bucket_mb) and overlap (fsdp.overlap) passes
-            backend, options = graph_fsdp_backend(
-                backend, options, bucket_mb=config.fsdp.bucket_mb,
-                overlap=config.fsdp.overlap, device_type=mesh.device_type)
+        backend, options = sharding.backend(config, mesh)
         compile_regions(model, plan=plan, backend=backend, mode=cc.mode, dynamic=cc.dynamic,
                         options=options)
-    if graph_fsdp:  # outermost, eager: local shards in the modules for each forward
-        sharded_call(model, config)
+    sharding.finish(model, config)
 
     model.__dict__[INFO_ATTR] = ParallelizeInfo(
         config=config, plan=plan, float8_fqns=tuple(float8_fqns),

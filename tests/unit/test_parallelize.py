@@ -133,6 +133,23 @@ def test_fsdp_without_process_group_is_a_config_error():
         aotdist.parallelize(build_model("gpt", depth=2), config={"fsdp": {"enabled": True}})
 
 
+def test_one_sharding_step_per_fsdp_setting():
+    from aotdist.fsdp import GraphSharding, HooksSharding, Sharding, sharding_for
+
+    def kind(fsdp):
+        return type(sharding_for(aotdist.AOTDistConfig.from_dict({"fsdp": fsdp})))
+
+    assert kind({}) is Sharding
+    assert kind({"enabled": True}) is HooksSharding
+    assert kind({"enabled": True, "mode": "graph"}) is GraphSharding
+    # FSDP off: a mesh is ignored with a warning, the model is not sharded
+    with pytest.warns(ConfigWarning, match=r"mesh=\.\.\.\) has no effect"):
+        model = aotdist.parallelize(build_model("gpt", depth=2), mesh=object(),
+                                    config={"compile": {"enabled": False}})
+    info = aotdist.parallelize_info(model)
+    assert (info.mesh, info.sharded_fqns) == (None, ())
+
+
 def test_config_forms(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("compile: {backend: aot_eager}\nac: {enabled: true}\n")

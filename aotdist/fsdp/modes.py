@@ -1,0 +1,103 @@
+"""How :func:`aotdist.parallelize` shards: one :class:`Sharding` per FSDP setting.
+
+``fsdp.enabled: false`` (:class:`Sharding`), hooks mode (:class:`HooksSharding`: FSDP2
+units per region instance) and graph mode (:class:`GraphSharding`: DTensor shards and the
+collectives inside the compiled graph) answer the same steps, so ``parallelize`` is the
+recipe with no branch on the mode; the mesh (1-D, or HSDP's 2-D) is one of those steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from aotdist.config import AOTDistConfig
+from aotdist.errors import ConfigWarning
+from aotdist.fsdp.graph import check_graph_config, graph_plan, shard_graph, sharded_call
+from aotdist.fsdp.hooks import check_not_sharded, fsdp_mesh, shard
+from aotdist.log import rank_zero_warn
+from aotdist.regions import RegionPlan
+
+__all__ = ["GraphSharding", "HooksSharding", "Sharding", "sharding_for"]
+
+
+class Sharding:
+    """FSDP off: nothing sharded; the user's own ``fully_shard`` units are kept (aotdist
+    compiles inside them) unless Float8 must convert first."""
+
+    def check(self, model: nn.Module, config: AOTDistConfig) -> None:
+        """Refuses, before anything changes, a model this setting cannot take."""
+        check_not_sharded(model, allow_fsdp2=not config.float8.enabled)
+
+    def mesh(self, model: nn.Module, mesh: Any, config: AOTDistConfig) -> Any:
+        """The mesh to shard over (``None``: no sharding)."""
+        if mesh is not None:
+            rank_zero_warn("parallelize(mesh=...) has no effect with fsdp.enabled: false.",
+                           ConfigWarning, stacklevel=4)
+        return None
+
+    def plan(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> RegionPlan:
+        """The region plan this setting can compile."""
+        return plan
+
+    def shard(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig,
+              mesh: Any) -> list[str]:
+        """Shards the marked model; the FQNs of the modules sharded."""
+        return []
+
+    def backend(self, config: AOTDistConfig, mesh: Any) -> tuple[Any, dict | None]:
+        """The ``(backend, options)`` to compile with."""
+        return config.compile.backend, config.compile.options
+
+    def finish(self, model: nn.Module, config: AOTDistConfig) -> None:
+        """The last step, after compile."""
+
+
+class HooksSharding(Sharding):
+    """FSDP2 (``fully_shard``) per region instance, then the root; compiled inside its
+    hooks (:mod:`aotdist.fsdp.hooks`)."""
+
+    def check(self, model: nn.Module, config: AOTDistConfig) -> None:
+        check_not_sharded(model, allow_fsdp2=False)
+
+    def mesh(self, model: nn.Module, mesh: Any, config: AOTDistConfig) -> Any:
+        return fsdp_mesh(model, mesh, config.fsdp)
+
+    def shard(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig,
+              mesh: Any) -> list[str]:
+        return shard(model, plan, config.fsdp, mesh)
+
+
+class GraphSharding(HooksSharding):
+    """Graph-mode FSDP (:mod:`aotdist.fsdp.graph`): DTensor shards, the gathers and
+    reduce-scatters in the one graph, bucketed by the backend, local shards put in place
+    around each call."""
+
+    def check(self, model: nn.Module, config: AOTDistConfig) -> None:
+        super().check(model, config)
+        check_graph_config(config, model)
+
+    def plan(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> RegionPlan:
+        return graph_plan(model, plan, config)  # drops (with a warning) what it cannot feed
+
+    def shard(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig,
+              mesh: Any) -> list[str]:
+        return shard_graph(model, config, mesh)
+
+    def backend(self, config: AOTDistConfig, mesh: Any) -> tuple[Any, dict | None]:
+        from aotdist.backends.named import graph_fsdp_backend
+
+        return graph_fsdp_backend(config.compile.backend, config.compile.options,
+                                  bucket_mb=config.fsdp.bucket_mb, overlap=config.fsdp.overlap,
+                                  device_type=mesh.device_type)
+
+    def finish(self, model: nn.Module, config: AOTDistConfig) -> None:
+        sharded_call(model, config)  # outermost, eager: local shards for each forward
+
+
+def sharding_for(config: AOTDistConfig) -> Sharding:
+    """The :class:`Sharding` for ``config.fsdp``."""
+    if not config.fsdp.enabled:
+        return Sharding()
+    return GraphSharding() if config.fsdp.mode == "graph" else HooksSharding()
