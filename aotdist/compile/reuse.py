@@ -57,7 +57,8 @@ def report_reuse(model: nn.Module, state: RegionState) -> None:
                    "subgraph serves every instance; exclude the region if it must differ")
         else:
             cause = ("the region's inputs differ between call sites (an input's strides, "
-                     "dtype or shape: e.g. a transposed layout from the block before)")
+                     "dtype, shape or requires_grad: e.g. a transposed layout from the block "
+                     "before, or a first block fed data that needs no gradient)")
             fix = ("hand every instance inputs of one layout (.contiguous()); "
                    "TORCH_LOGS=+hierarchical_compile shows the guard that failed")
         why = f"{n} distinct subgraphs for {region.count} instances: {cause}"
