@@ -109,15 +109,18 @@ def _load_line(settings: dict) -> str:
     return line
 
 
+def _mesh_text(settings: dict) -> str:
+    mesh = settings.get("mesh")
+    return f", HSDP mesh {mesh[0]}x{mesh[1]} (replicate x shard)" if mesh else ""
+
+
 def _markdown(report: dict) -> str:
     results, settings = report["results"], report["settings"]
     memory_metric = next((r["memory_metric"] for r in results if r.get("memory_metric")), "")
     lines = [f"Machine: {report['machine']}", "", _load_line(settings), "",
              f"Settings: backend {settings['backend']}, device {settings['device']}, "
-             f"float8 {settings['float8']}"
-             + (f", HSDP mesh {settings['mesh'][0]}x{settings['mesh'][1]} (replicate x shard)"
-                if settings.get("mesh") else "") + ", cold step + {settings['warmup']} warm-up + "
-             f"{settings['steps']} timed steps (median), {settings['repeats']} repeat(s) per "
+             f"float8 {settings['float8']}{_mesh_text(settings)}, cold step + "
+             f"{settings['warmup']} warm-up + {settings['steps']} timed steps (median), {settings['repeats']} repeat(s) per "
              f"cell, run round robin (every cell once per repeat), each run a fresh process "
              f"with an empty compiler cache; run took {settings['duration_s'] / 60:.1f} min."
              + (" PROFILED: timings inflated." if settings.get("profiled") else ""), "",

@@ -257,9 +257,9 @@ def test_matches_single_process_eager(runs, reference, name):
 
 @pytest.mark.parametrize("name", ["script", "accelerate_tp"])
 def test_tensor_parallel_layers_compile_once_under_fsdp(runs, name):
-    run = runs[name]
-    assert run["placements"] == ["Shard", "Shard"] or run["placements"][-1] == "Shard", run
-    assert set(run["mesh"]) >= {"tp"}, run["mesh"]
+    run = runs[name]  # 2-D: sharded by FSDP2 on the data-parallel dim, by TP on tp
+    assert len(run["placements"]) == 2 and run["placements"][-1] == "Shard", run["placements"]
+    assert run["mesh"] == ({"script": "dp", "accelerate_tp": "dp_shard"}[name], "tp"), run["mesh"]
     assert run["regions"]["call_sites"] == DEPTH, run["regions"]
     assert run["regions"]["subgraphs"] == 1, run["regions"]
     assert run["warnings"] == [], run["warnings"]
@@ -285,6 +285,8 @@ def test_accelerate_parallelism_config_hsdp(runs):
 
 def test_lightning_tensor_parallel(runs):
     run = runs["lightning_tp"]
+    assert run["mesh"] == ("data_parallel", "tensor_parallel"), run["mesh"]
+    assert len(run["placements"]) == 2 and run["placements"][-1] == "Shard", run["placements"]
     assert [f.split("model.")[-1] for f in run["plan"]] == [
         f"layers.{i}" for i in range(DEPTH)], run["plan"]
     assert run["warnings"] == [], run["warnings"]

@@ -196,6 +196,7 @@ def test_report_contents(tmp_path):
            "2 CPUs." in md
     assert "The machine was busy" in md  # 3.0 > half of 2 CPUs
     assert "3 repeat(s) per cell, run round robin" in md
+    assert "float8 False, cold step + 3 warm-up + 20 timed steps" in md  # no mesh: no HSDP
     assert "| aotdist | 32 | 15.00 [9.00-24.00] | 30.00 [30.00-60.00] | 6 [6-6] |" in md
     assert "| gpt: compile aotdist/full @depth32 | 0.40x [0.30-0.50] | 3 | 15 / 30 |" in md
     assert "| gpt | cold compile: aotdist <= 0.4x full | 32 | 0.40x [0.30-0.50] | noisy |" in md
