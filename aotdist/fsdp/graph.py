@@ -3,8 +3,9 @@
 Following the SimpleFSDP design, aotdist shards every parameter itself as a DTensor
 (``Shard(0)`` on a 1-D mesh; ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh) and gathers
 it with differentiable functional collectives that the compiler sees (all-gather over the
-shard group; the gradient reduce-scattered there, then all-reduced over the replicas), so the model stays one Dynamo graph and each region
-stays one reused ``invoke_subgraph``, fed its own local shards. ``named_parameters()``,
+shard group; the gradient reduce-scattered there, then all-reduced over the replicas), so
+the model stays one Dynamo graph and each region stays one reused ``invoke_subgraph``,
+fed its own local shards. ``named_parameters()``,
 ``state_dict()`` and the optimizer see the DTensors, as under FSDP2.
 
 Entry points: :func:`shard_graph` (shards the model), :func:`sharded_call` (installs
@@ -276,7 +277,7 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
 
     Raises:
         ConfigError: ``mesh`` has more than 2 dims, or parameters sit on another device
-            type, or are DTensors already (tensor parallelism).
+            type (DTensor parameters are refused earlier, by :func:`check_graph_config`).
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
