@@ -14,6 +14,7 @@ docs/internals.md and docs/bench/.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -40,7 +41,7 @@ from aotdist.bench.plan import (
 from aotdist.bench.report import load_snapshot, write_report
 from aotdist.bench.runner import PHASE_PREFIX, RESULT_PREFIX
 from aotdist.bench.stats import fresh_start_s
-from aotdist.errors import BenchError, ConfigError
+from aotdist.errors import BenchError, ConfigError, MissingDependencyError
 
 __all__ = ["ALL_STRATEGIES", "MAIN_JOB", "MAIN_SETTINGS", "QUICK_JOB", "QUICK_SETTINGS", "Case",
            "SubBench", "interleave", "plan_cases", "run_bench"]
@@ -148,6 +149,19 @@ def _paired_cells(cases: Sequence[Case]) -> list[Case]:
             if "aotdist" in names and ({"full", "accelerate"} & set(names))]
 
 
+def _check_model_dependencies(cases: Sequence[Case]) -> None:
+    """Refuses, before any run, a model whose package is missing (not 20 minutes in).
+
+    Raises:
+        MissingDependencyError: transformers is missing and a cell builds ``llama``.
+    """
+    if any(c.model == "llama" for c in cases) and importlib.util.find_spec("transformers") is None:
+        raise MissingDependencyError(
+            "the bench model 'llama' (in the main job) needs transformers, which is not "
+            "installed. Fix: pip install 'aotdist[bench]' (or pip install transformers), or "
+            "leave the model out: aotdist bench --model gpt,dictgpt.", extra="bench")
+
+
 def _check_mesh(mesh: tuple[int, int] | None, cases: Sequence[Case]) -> int:
     """The HSDP replicate degree ``mesh`` asks for (1 without one).
 
@@ -210,6 +224,7 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
                           f"warmup={warmup}, repeats={repeats}")
     cases = plan_cases() if cases is None else list(cases)
     replicate = _check_mesh(mesh, cases)
+    _check_model_dependencies(cases)
     order = interleave(cases, repeats)
     out = Path(out)
     load_start, runs, started = load_snapshot(), [], time.perf_counter()
