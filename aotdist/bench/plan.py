@@ -55,18 +55,21 @@ class JobSettings:
 
 
 # The main job: 19 cells x 2 repeats, each run a fresh process, then the paired runs
-# (each depth's strategies side by side in one process, 4 interleaved rounds): about 20
-# minutes on a quiet 2-core CPU with inductor. GPT at depths 2, 8 and 32 carries every
-# target (step time at every depth, cold compile and its growth, saved-for-backward and
-# peak memory); its depth-64 cell (Accelerate and aotdist: a whole-model compile there
-# takes minutes) shows whether compile stays flat in depth. Two models nobody here wrote
-# the blocks of: transformers' Llama (decoder layers in a ModuleList) and GPT with its
-# blocks in an nn.ModuleDict, where Accelerate's compile_regions finds no blocks and
-# compiles the whole model (so that model has no separate full cell). Two repeats (not
-# three) make room for them: the step ratios come from the paired rounds, four per depth.
-# Left out (still available with --model / --nproc): torchvision's ViT (blocks in an
-# nn.Sequential: Accelerate's cell equals full) and the FSDP2 groups (gloo step times on
-# CPU say little about NCCL on GPUs).
+# (each depth's strategies side by side in one process, 4 interleaved rounds). It took
+# 35 minutes on a quiet 2-core AMD EPYC with inductor (about 37 s per run), over the 20
+# it is meant to take.
+# - GPT at depths 2, 8 and 32 carries every target: step time at every depth, cold
+#   compile and its growth, saved-for-backward and peak memory.
+# - GPT at depth 64 (Accelerate and aotdist; a whole-model compile there takes minutes)
+#   shows whether compile stays flat in depth.
+# - Two models whose blocks nobody here wrote: transformers' Llama (decoder layers in a
+#   ModuleList), and GPT with its blocks in an nn.ModuleDict, where Accelerate's
+#   compile_regions finds no blocks and compiles the whole model (so that model has no
+#   separate full cell).
+# Two repeats (not three) make room for them; the step ratios come from the paired
+# rounds, four per depth. Left out (still available with --model / --nproc):
+# torchvision's ViT (blocks in an nn.Sequential: Accelerate's cell equals full) and the
+# FSDP2 groups (gloo step times on CPU say little about NCCL on GPUs).
 MAIN_JOB = (SubBench("gpt", (2, 8, 32)),
             SubBench("gpt", (64,), strategies=("accelerate", "aotdist")),
             SubBench("llama", (8,), strategies=("full", "accelerate", "aotdist")),
