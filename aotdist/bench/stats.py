@@ -52,6 +52,10 @@ TARGETS = (
     ("2-rank cold start, rank 0 shares its compiles <= 0.7x independent compiles",
      "first step aotdist+cache/aotdist @depth{d}", "<=", 0.7, "largest"),
 )
+# What the accelerate strategy's notes say where it found no blocks (strategies.py writes
+# it, evaluate_targets reads it): its cell is then a whole-model compile.
+WHOLE_MODEL_NOTE = "compiles the whole model"
+
 _OPS = {"<=": operator.le, "<": operator.lt}
 
 
@@ -224,14 +228,13 @@ def evaluate_targets(results: list[dict], ratios: dict) -> list[dict]:
     for group, members in _groups(results).items():
         depths = sorted({r["depth"] for r in members})
         # Where Accelerate found no blocks it compiled the whole model: its step is full's.
-        whole = any(r["strategy"] == "accelerate" and "whole model" in (r.get("notes") or "")
+        whole = any(r["strategy"] == "accelerate" and WHOLE_MODEL_NOTE in (r.get("notes") or "")
                     for r in members)
+        lo = min((r["depth"] for r in members if r["strategy"] == "aotdist"), default=depths[0])
         for text, pattern, op, bound, where in TARGETS:
             if whole and pattern.startswith("step aotdist/accelerate"):
                 text, bound = ("steady step: aotdist <= 1.0x accelerate (a whole-model "
                                "compile here)"), 1.0
-            lo = min((r["depth"] for r in members if r["strategy"] == "aotdist"),
-                     default=depths[0])
             least = int(where.split()[-1][:-1]) if where.endswith("+") else 0
             keys = [(d, f"{group}: {pattern.format(d=d, lo=lo)}") for d in depths if d >= least]
             keys = [(d, k) for d, k in keys if k in ratios]

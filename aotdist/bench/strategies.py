@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from aotdist._compat.extras import require
+from aotdist.bench.stats import WHOLE_MODEL_NOTE
 from aotdist.errors import ConfigError
 
 __all__ = ["STRATEGIES", "Setup", "Strategy", "get_strategy", "register_strategy"]
@@ -136,8 +137,8 @@ def _accelerate_notes(model: nn.Module) -> str:
     other = require("accelerate.utils.other", feature="the bench strategy 'accelerate'")
     if other.has_repeated_blocks(model):
         return ""
-    return ("no nn.ModuleList of repeated blocks: Accelerate's compile_regions compiles the "
-            "whole model (same as full)")
+    return (f"no nn.ModuleList of repeated blocks: Accelerate's compile_regions "
+            f"{WHOLE_MODEL_NOTE} (same as full)")
 
 
 @register_strategy("accelerate", description="accelerate.utils.compile_regions (per-block "
