@@ -54,7 +54,8 @@ def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
         return _measure_once(case, **kwargs)
     from aotdist.bench.strategies import ARTIFACTS_ENV
 
-    kwargs.pop("isa_seed", None)  # a fresh start: the probes in both runs, as in a new cache dir
+    kwargs.pop("seed", None)  # a fresh start: the probes in both runs, as in a new cache dir
+    kwargs.pop("keep_cache", None)
     with tempfile.TemporaryDirectory(prefix="aotdist-bench-artifacts-") as artifacts:
         cold = _measure_once(case, env={ARTIFACTS_ENV: artifacts}, **kwargs)
         kwargs["progress"]("        warm start from the saved artifacts (fresh process)")
@@ -66,12 +67,15 @@ def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
 def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
                   device: str, float8: bool, timeout: float, replicate: int = 1,
                   profile_dir: str | None, progress: Callable[[str], None],
-                  env: dict | None = None, isa_seed: str | None = None,
-                  paired_rounds: int = 0) -> dict:
+                  env: dict | None = None, seed: str | None = None,
+                  keep_cache: str | None = None, paired_rounds: int = 0) -> dict:
+    """One run in a fresh process whose Inductor cache dir starts as a copy of ``seed``
+    (empty without one); ``keep_cache``: merge that dir into this folder after a run
+    that succeeded (compiled artifacts are content-addressed, so runs can share one)."""
     with tempfile.TemporaryDirectory(prefix="aotdist-bench-cache-") as cache, \
             tempfile.TemporaryFile(mode="w+") as stderr:
-        if isa_seed:
-            shutil.copytree(isa_seed, cache, dirs_exist_ok=True)
+        if seed:
+            shutil.copytree(seed, cache, dirs_exist_ok=True)
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache,
                    TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONWARNINGS="ignore",
                    **(env or {}))
@@ -101,6 +105,8 @@ def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
         finally:
             killer.cancel()
         if result is not None and proc.returncode == 0:
+            if keep_cache:
+                shutil.copytree(cache, keep_cache, dirs_exist_ok=True)
             return result
         stderr.seek(0)
         tail = "\n".join((stderr.read() + "".join(lines)).splitlines()[-25:])
@@ -147,6 +153,14 @@ def _paired_cells(cases: Sequence[Case]) -> list[Case]:
             names += [] if c.strategy in names else [c.strategy]
     return [Case(model, depth, ",".join(names)) for (model, depth), names in found.items()
             if "aotdist" in names and ({"full", "accelerate"} & set(names))]
+
+
+def _warm_dir(root: str, case: Case, rep: int, pairs: set[tuple[str, int]]) -> str | None:
+    """Where the first repeat of a cell that a paired run times keeps its compiled
+    artifacts (one folder per model and depth), else ``None``."""
+    if rep or case.nproc != 1 or case.strategy not in PAIRED or (case.model, case.depth) not in pairs:
+        return None
+    return os.path.join(root, f"{case.model}-{case.depth}")
 
 
 def _check_model_dependencies(cases: Sequence[Case]) -> None:
@@ -232,8 +246,11 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
              f"backend={backend}, device={device}, each run a fresh process with an empty "
              f"compiler cache; load average {load_start['loadavg']} on {load_start['cpus']} "
              "CPUs")
-    with tempfile.TemporaryDirectory(prefix="aotdist-bench-isa-") as seed:
-        isa_seed = _seed_isa_probes(seed, backend=backend, device=device,
+    paired_cells = _paired_cells(cases) if not profile else []
+    pairs = {(c.model, c.depth) for c in paired_cells}
+    with tempfile.TemporaryDirectory(prefix="aotdist-bench-isa-") as isa_dir, \
+            tempfile.TemporaryDirectory(prefix="aotdist-bench-warm-") as warm_root:
+        isa_seed = _seed_isa_probes(isa_dir, backend=backend, device=device,
                                     progress=progress)
         for n, (rep, case) in enumerate(order, start=1):
             progress(f"[{n}/{len(order)}] repeat {rep + 1}/{repeats} {_label(case)}: cold step + "
@@ -243,7 +260,8 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
             r = _measure_in_fresh_process(case, backend=backend, steps=steps, warmup=warmup,
                                           device=device, float8=float8, timeout=timeout,
                                           profile_dir=profile_dir, progress=progress,
-                                          isa_seed=isa_seed, replicate=replicate)
+                                          seed=isa_seed, replicate=replicate,
+                                          keep_cache=_warm_dir(warm_root, case, rep, pairs))
             progress(f"        compile {r['compile_s']:.2f}s  step {r['steady_step_s']*1e3:.2f}ms"
                      f"  saved {r['saved_activation_bytes'] / 1024:.0f}KiB"
                      f"  peak +{r['peak_mem_mib']:.0f}MiB  frames {r['frames_compiled']}"
@@ -251,17 +269,19 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
             runs.append({**r, "repeat": rep})
         # Steady-step ratios: separate processes minutes apart disagree by tens of percent
         # on a shared machine, so each depth's strategies also run side by side in one.
+        # Their compiles are not measured, so they load what the first repeat compiled.
         paired, failed, rounds = [], [], 2 * repeats
-        for case in _paired_cells(cases) if not profile else []:
+        for case in paired_cells:
             progress(f"[paired] {case.model} depth={case.depth}: {case.strategy.replace(',', ', ')}"
                      f" in one process, {rounds} interleaved rounds of {steps} steps "
                      f"({time.perf_counter() - started:.0f}s elapsed)")
+            warm = os.path.join(warm_root, f"{case.model}-{case.depth}")
             try:
                 paired.append(_measure_once(case, backend=backend, steps=steps,
                                             warmup=warmup, device=device, float8=float8,
                                             timeout=timeout, profile_dir=None,
-                                            progress=progress, isa_seed=isa_seed,
-                                            paired_rounds=rounds))
+                                            progress=progress, paired_rounds=rounds,
+                                            seed=warm if os.path.isdir(warm) else isa_seed))
             except BenchError as exc:  # the round robin's results stand without it
                 failed.append(f"depth {case.depth}: {str(exc).splitlines()[0]}")
                 progress(f"        paired run failed; the steady-step ratios at depth "

@@ -189,18 +189,21 @@ def _paired_lines(paired: list[dict], failures: list[str]) -> list[str]:
     if not paired:
         return []
     lines = ["", "### Steady step side by side (paired runs)", "",
-             "One process per depth builds and compiles every strategy (same weights and "
-             "batch), then times them in interleaved rounds (each round: the timed steps of "
-             "every strategy, the order rotating). The steady-step targets use the per-round "
-             "ratios of these runs; the cells' own steady steps above come from processes "
-             "minutes apart.", "",
+             "One process per depth builds every strategy (same weights and batch), loading "
+             "the artifacts the first repeat compiled where it can (its compiles are not "
+             "measured), then times them in interleaved rounds (each round: the timed steps "
+             "of every strategy, the order rotating). The steady-step targets use the "
+             "per-round ratios of these runs; the cells' own steady steps above come from "
+             "processes minutes apart.", "",
              "| group | depth | rounds x steps | steady step (ms), median [min-max] of round "
-             "medians |", "|---|---|---|---|"]
+             "medians | cache hits: FX graph / AOTAutograd |", "|---|---|---|---|---|"]
     for p in paired:
         figs = ", ".join(f"{name} {statistics.median(v) * 1e3:.2f} [{min(v) * 1e3:.2f}-"
                          f"{max(v) * 1e3:.2f}]" for name, v in p["slice_step_s"].items() if v)
+        hits = p.get("cache_hits") or {}
         lines.append(f"| {group_of(p)} | {p['depth']} | {p['slices']} x "
-                     f"{p['steps_per_slice']} | {figs} |")
+                     f"{p['steps_per_slice']} | {figs} | {hits.get('fx_graph', '-')} / "
+                     f"{hits.get('aot_autograd', '-')} |")
     return lines
 
 

@@ -188,26 +188,30 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
 def measure_paired(spec: dict, strategies: list[str], slices: int) -> dict:
     """Steady steps of several strategies side by side in one process.
 
-    Each strategy gets its own model (the same seeded weights and batch), a cold step
-    and ``spec["warmup"]`` warm-up steps; then ``slices`` rounds each time
+    Each strategy gets its own model (the same seeded weights and batch), a first step
+    (a compile, or a load where the Inductor cache dir holds its artifacts) and
+    ``spec["warmup"]`` warm-up steps; then ``slices`` rounds each time
     ``spec["steps"]`` steps of every strategy, the order rotating by one per round. A
     ratio of two strategies' medians within one round compares steps taken seconds
     apart in the same process, which separate processes minutes apart cannot do on a
     shared machine.
 
     Returns:
-        ``slice_step_s``: strategy -> the median step time of each round.
+        ``slice_step_s``: strategy -> the median step time of each round; also each
+        strategy's ``first_step_s`` and the process's ``cache_hits``.
     """
     import torch
 
-    device, steps = spec["device"], {}
+    device, steps, first = spec["device"], {}, {}
+    hits = _cache_hits()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in strategies:
             _phase(0, f"build {spec['model']} depth {spec['depth']}, apply {name}, compile")
             _, model, run_model, _ = _build(spec, name)
             steps[name] = _training(spec, model, run_model)[-1]
-            for _ in range(1 + spec["warmup"]):
+            first[name] = steps[name]()
+            for _ in range(spec["warmup"]):
                 steps[name]()
         _phase(0, f"{slices} rounds of {spec['steps']} steps per strategy, interleaved")
         medians: dict[str, list[float]] = {name: [] for name in strategies}
@@ -219,7 +223,17 @@ def measure_paired(spec: dict, strategies: list[str], slices: int) -> dict:
     return {"model": spec["model"], "depth": spec["depth"], "nproc": 1,
             "backend": spec["backend"], "device": device, "strategies": list(strategies),
             "slices": slices, "steps_per_slice": spec["steps"], "slice_step_s": medians,
+            "first_step_s": first, "cache_hits": {k: v - hits[k] for k, v in _cache_hits().items()},
             "torch": torch.__version__}
+
+
+def _cache_hits() -> dict[str, int]:
+    """Inductor FX-graph and AOTAutograd cache hits so far in this process (a paired run
+    that starts from compiled artifacts shows hits)."""
+    from aotdist import _compat
+
+    return {"fx_graph": _compat.dynamo_counters("inductor").get("fxgraph_cache_hit", 0),
+            "aot_autograd": _compat.dynamo_counters("aot_autograd").get("autograd_cache_hit", 0)}
 
 
 def _probe_cpu_isa(spec: dict, strategy) -> float:
@@ -339,4 +353,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The result is out: skip tearing down the compiler's state (about 2 s a run here);
+    # Inductor's compile workers exit when they see their parent gone.
+    os._exit(status)

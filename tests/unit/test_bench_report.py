@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -361,6 +362,46 @@ def test_a_failed_paired_run_loses_nothing(tmp_path, monkeypatch):
     step = report["ratios"]["gpt: step aotdist/full @depth2"]
     assert "source" not in step and step["value"] == pytest.approx(1.5)
     assert "Paired runs that failed" in (tmp_path / "bench.md").read_text()
+
+
+def test_paired_runs_start_from_what_the_first_repeat_compiled(tmp_path, monkeypatch):
+    """The first repeat of each cell a paired run times keeps its Inductor cache dir, one
+    folder per model and depth; the paired run starts from that folder (its compiles are
+    not measured), and the cells' own runs still start from the ISA probes alone."""
+    import aotdist.bench as bench
+
+    calls = []
+
+    def fake_measure_once(case, *, seed=None, keep_cache=None, paired_rounds=0, **kwargs):
+        calls.append((case, seed, keep_cache, paired_rounds))
+        if keep_cache:  # what the run compiled, merged into the shared folder
+            Path(keep_cache).mkdir(parents=True, exist_ok=True)
+            (Path(keep_cache) / f"{case.strategy}.bin").write_text(case.strategy)
+        if paired_rounds:
+            assert {p.name for p in Path(seed).iterdir()} == {"eager.bin", "full.bin",
+                                                              "aotdist.bin"}
+            return {"model": case.model, "depth": case.depth, "nproc": 1, "slices": 2,
+                    "steps_per_slice": 1, "cache_hits": {"fx_graph": 4, "aot_autograd": 2},
+                    "slice_step_s": {s: [0.01, 0.01] for s in case.strategy.split(",")}}
+        return _cell_fields({"strategy": case.strategy, "model": case.model,
+                             "depth": case.depth, "nproc": case.nproc, "compile_s": 1.0,
+                             "steady_step_s": 0.01, "saved_activation_bytes": 1024,
+                             "peak_mem_mib": 5.0})
+
+    monkeypatch.setattr(bench, "_measure_once", fake_measure_once)
+    cases = [Case("gpt", 2, s) for s in ("eager", "full", "aotdist")]
+    cases.append(Case("gpt", 2, "aotdist", nproc=2))
+    report = bench.run_bench(cases, backend="aot_eager", repeats=2, out=tmp_path,
+                             progress=lambda line: None)
+    runs = [c for c in calls if not c[3]]
+    kept = [(c[0], c[2]) for c in runs if c[2]]
+    assert [case for case, _ in kept] == cases[:3]  # repeat 0, single process, paired ones
+    assert len({folder for _, folder in kept}) == 1
+    assert all(c[1] != kept[0][1] for c in runs)  # cells never start from the warm folder
+    (paired,) = [c for c in calls if c[3]]
+    assert paired[1] == kept[0][1] and paired[3] == 4
+    assert "| gpt | 2 | 2 x 1 |" in (tmp_path / "bench.md").read_text()
+    assert report["paired"][0]["cache_hits"] == {"fx_graph": 4, "aot_autograd": 2}
 
 
 def test_targets_of_the_main_job_shape():
