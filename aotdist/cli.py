@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Without --model, --depths and --nproc: the main job (GPT at depths 2, 8, "
         "32 with every strategy and at depth 64 with Accelerate and aotdist, transformers' "
         "Llama and a ModuleDict GPT at depth 8; 2 repeats run round robin, 20 timed steps, "
-        "then the strategies side by side in one process per depth), about 35 minutes on a "
-        "quiet 2-core CPU; with --quick, GPT at depth 2, 1 repeat, 5 timed "
+        "then the strategies side by side in one process per depth), about 12 minutes on a "
+        "quiet 2-core Intel Xeon (twice that on slower cores); with --quick, GPT at depth 2, 1 repeat, 5 timed "
         "steps (under 2 minutes). With any of --model/--depths/--nproc: their grid.")
     b.add_argument("--model", type=_csv, default=None, help="gpt, vit, resnet, llama (transformers), dictgpt "
                    "(blocks in a ModuleDict); comma-separated")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from aotdist import _compat
-from aotdist.backends.named import inductor_options
+from aotdist.backends.named import add_joint_pass, inductor_options
 
 __all__ = ["aot_backend", "fix_storage_resizes", "storage_resized_inputs"]
 
@@ -152,10 +152,7 @@ def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None
         # Options of a wrapper built by aotdist or by torch.compile, completed with
         # aotdist's defaults: the same decision as compile_regions (a bare name: defaults).
         patches = inductor_options(getattr(backend, "config", None), warn=False)
-        user_pass = patches.get("joint_custom_pre_pass", _compat.inductor_joint_pre_pass())
-        user_passes = list(user_pass) if isinstance(user_pass, (list, tuple)) else (
-            [] if user_pass is None else [user_pass])
-        patches["joint_custom_pre_pass"] = [*user_passes, _joint_pass()]
+        add_joint_pass(patches, _joint_pass())
         inner = _hooked(compile_fx_inner, None, on_graph)
 
         def inductor(gm, example_inputs):

@@ -19,7 +19,8 @@ from aotdist.backends.reuse import is_reuse_pass, reuse_pass
 from aotdist.errors import ConfigError, ConfigWarning, RegionCompileWarning
 from aotdist.log import rank_zero_warn
 
-__all__ = ["make_backend", "graph_fsdp_backend", "inductor_options", "overlap_options"]
+__all__ = ["add_joint_pass", "make_backend", "graph_fsdp_backend", "inductor_options",
+           "overlap_options"]
 
 
 _REUSE_PASS_ON = [True]
@@ -138,6 +139,35 @@ def _install(options: dict, ours: list, why: str) -> None:
     options["post_grad_custom_post_pass"] = ours[0] if len(ours) == 1 else _chain_class()(ours)
 
 
+def add_joint_pass(options: dict, new) -> None:
+    """Appends ``new`` (a ``CustomGraphPass``) to the ``joint_custom_pre_pass`` slot of
+    ``options``, after what is there (Inductor's config value where ``options`` has none):
+    a list where this torch takes one, else one chained pass. A pass with ``new``'s uuid
+    already there is not added again. On a torch whose slot takes one pass, a user's pass
+    that is not a ``CustomGraphPass`` cannot be chained (no uuid for the compile cache): it
+    keeps the slot and ``new`` is left out, with a warning.
+    """
+    user = options.get("joint_custom_pre_pass", _compat.inductor_joint_pre_pass())
+    users = _passes(user)
+    flat = [p for u in users for p in (u.passes if _is_chain(u) else [u])]
+    uuids = [p.uuid() for p in flat if callable(getattr(p, "uuid", None))]
+    if new.uuid() in uuids:
+        return
+    if _compat.inductor_takes_pass_lists():
+        options["joint_custom_pre_pass"] = [*users, new]
+    elif len(uuids) < len(flat):
+        rank_zero_warn(
+            f"joint_custom_pre_pass={user!r} is not a CustomGraphPass, and torch "
+            f"{torch.__version__}'s Inductor takes one joint pass: aotdist's pass "
+            f"{new.uuid()!r} is left out. Fix: make your pass a "
+            "torch._inductor.custom_graph_pass.CustomGraphPass (with a uuid).",
+            ConfigWarning, stacklevel=4,
+        )
+    else:
+        passes = [*flat, new]
+        options["joint_custom_pre_pass"] = passes[0] if len(passes) == 1 else _chain_class()(passes)
+
+
 def inductor_options(options: dict | None = None, *, warn: bool = True,
                      bucket_mb: float | None = None, overlap: bool = False) -> dict:
     """The Inductor options (config patches) of every aotdist compile: ``options`` plus
@@ -168,7 +198,10 @@ def inductor_options(options: dict | None = None, *, warn: bool = True,
         ConfigError: A user post-grad pass is set and this torch takes one pass only; or
             ``overlap`` on a torch without the overlap keys.
     """
+    from aotdist.backends.recompute import recompute_pass
+
     options = dict(options or {})
+    add_joint_pass(options, recompute_pass())  # masks recomputed, not saved per call site
     bucketing = _add_collective_options(options, bucket_mb, overlap)
     _install(options, bucketing, "its bucketing pass. Fix: set fsdp.bucket_mb: null to keep "
              "your pass")

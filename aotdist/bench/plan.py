@@ -55,9 +55,9 @@ class JobSettings:
 
 
 # The main job: 19 cells x 2 repeats, each run a fresh process, then the paired runs
-# (each depth's strategies side by side in one process, 4 interleaved rounds). It took
-# 35 minutes on a quiet 2-core AMD EPYC with inductor (about 37 s per run), over the 20
-# it is meant to take.
+# (each depth's strategies side by side in one process, 4 interleaved rounds, loading what
+# the first repeat compiled). It took 11.8 minutes on a quiet 2-core Intel Xeon with
+# inductor (about 17 s per run); 2-core AMD EPYCs take about twice as long per run.
 # - GPT at depths 2, 8 and 32 carries every target: step time at every depth, cold
 #   compile and its growth, saved-for-backward and peak memory.
 # - GPT at depth 64 (Accelerate and aotdist; a whole-model compile there takes minutes)
