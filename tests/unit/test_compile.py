@@ -328,7 +328,7 @@ def test_inductor_options_install_the_reuse_pass_and_keep_buffer_reuse_on():
     assert config["post_grad_custom_post_pass"].uuid() == "aotdist.forward_aliased_outputs.v2"
     # the user can still turn reuse off (then no pass), and chain a pass of their own
     off = make_backend("inductor", None, {"allow_buffer_reuse": False}, None).config
-    assert off == {"allow_buffer_reuse": False}
+    assert off["allow_buffer_reuse"] is False and "post_grad_custom_post_pass" not in off
     mine = lambda graph: None  # noqa: E731
     if not aotdist._compat.inductor_takes_pass_lists():  # torch 2.11: one post-grad pass
         with pytest.raises(aotdist.ConfigError, match="allow_buffer_reuse': False"):

@@ -131,3 +131,33 @@ def test_a_boolean_mask_is_saved_once_not_as_a_float_bias_per_layer():
     torch.testing.assert_close(out, eager(x, keep))
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_a_users_joint_pass_runs_first_and_keeps_its_slot_where_it_cannot_be_chained():
+    import aotdist
+    from aotdist import _compat
+    from aotdist.backends.named import add_joint_pass
+
+    class Mine(_compat.custom_graph_pass_base()):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return "mine.v1"
+
+    def uuids(slot):
+        flat = slot if isinstance(slot, list) else [slot]
+        return [p.uuid() for q in flat for p in getattr(q, "passes", [q])]
+
+    options = {"joint_custom_pre_pass": Mine()}
+    add_joint_pass(options, recompute_pass())
+    assert uuids(options["joint_custom_pre_pass"]) == ["mine.v1",
+                                                       "aotdist.recompute_index_derived.v1"]
+    plain = {"joint_custom_pre_pass": lambda graph: None}
+    if _compat.inductor_takes_pass_lists():  # torch 2.14+: a list
+        add_joint_pass(plain, recompute_pass())
+        assert len(plain["joint_custom_pre_pass"]) == 2
+    else:  # torch 2.11: one slot, and a plain function has no uuid to chain under
+        with pytest.warns(aotdist.ConfigWarning, match="is left out"):
+            add_joint_pass(plain, recompute_pass())
+        assert callable(plain["joint_custom_pre_pass"])
