@@ -83,7 +83,8 @@ def _add_collective_options(options: dict, bucket_mb: float | None, overlap: boo
 @functools.cache
 def _chain_class() -> type:
     class ChainedPasses(_compat.custom_graph_pass_base()):
-        """aotdist's post-grad passes in the one slot torch 2.11's Inductor has."""
+        """Several passes in one of the single-pass slots (post-grad, joint) of torch 2.11's
+        Inductor."""
 
         def __init__(self, passes: list) -> None:
             self.passes = list(passes)

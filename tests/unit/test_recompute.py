@@ -66,7 +66,6 @@ def test_every_aotdist_inductor_compile_carries_the_pass_once():
     once = inductor_options({})
     assert len(ours(once)) == 1
     assert len(ours(inductor_options(once))) == 1  # completing again adds nothing
-    assert recompute_pass().uuid() == recompute_pass().uuid()
 
 
 class MaskedAttention(nn.Module):
