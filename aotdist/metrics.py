@@ -222,6 +222,10 @@ def track(model: nn.Module | None = None) -> Iterator[CompileMetrics]:
 
 def _fill_times(metrics: CompileMetrics, entries: list) -> None:
     for cm in entries:
+        if getattr(cm, "is_runtime", False):
+            # run-time work torch logs in the same table (recording a CUDA graph under
+            # mode="reduce-overhead", after the compile): no frame compiled, nothing to add
+            continue
         inductor = _us(cm, "inductor_cumulative_compile_time_us")
         if getattr(cm, "is_forward", None):
             total = _us(cm, "dynamo_cumulative_compile_time_us")

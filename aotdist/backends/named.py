@@ -37,21 +37,27 @@ def _without_reuse_pass() -> Iterator[None]:
         _REUSE_PASS_ON.pop()
 
 
+_SCHEDULER = "aten_distributed_optimizations.enable_overlap_scheduling"
+_PRE_BUCKETING = "aten_distributed_optimizations.pre_bucketing_fsdp_collectives"
+
+
 def overlap_options() -> dict:
     """Inductor's compute/communication overlap keys, probed on this torch's config.
 
     The overlap scheduler (``aten_distributed_optimizations.enable_overlap_scheduling``,
-    an FX pass that reorders collectives against compute and buckets them; torch 2.11 and
-    2.15 have it) where the key exists; otherwise the older scheduler-level reordering
-    torchtitan's SimpleFSDP used (``reorder_for_compute_comm_overlap`` with its
-    ``sink_waits_iterative`` / ``reorder_communication_preserving_peak_memory`` passes).
+    an FX pass that reorders collectives against compute; torch 2.11 and 2.15 have it)
+    where the key exists, with its FSDP pre-bucketing off where this torch has that key
+    (with it, two CPU ranks issued all-gathers of different sizes); otherwise the older
+    scheduler-level reordering torchtitan's SimpleFSDP used
+    (``reorder_for_compute_comm_overlap`` with its ``sink_waits_iterative`` /
+    ``reorder_communication_preserving_peak_memory`` passes).
 
     Raises:
         ConfigError: This torch's Inductor has neither.
     """
     keys = _compat.inductor_config_keys()
-    if "aten_distributed_optimizations.enable_overlap_scheduling" in keys:
-        return {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+    if _SCHEDULER in keys:
+        return {_SCHEDULER: True, **{k: False for k in (_PRE_BUCKETING,) if k in keys}}
     if "reorder_for_compute_comm_overlap" in keys:
         return {"reorder_for_compute_comm_overlap": True,
                 "reorder_for_compute_comm_overlap_passes": [
@@ -73,8 +79,23 @@ def _add_collective_options(options: dict, bucket_mb: float | None, overlap: boo
     from aotdist.backends.bucketing import bucketing_pass, is_bucketing_pass
 
     if overlap:
-        for key, value in overlap_options().items():
+        keys = overlap_options()
+        for key, value in keys.items():
             options.setdefault(key, value)
+        if _SCHEDULER in keys and bucket_mb:
+            # torch's overlap scheduler reorders each post-grad graph after the custom
+            # post-grad pass, and aotdist's bucketing pass leaves mutating collectives
+            # there (all-gathers into one flat buffer) that the scheduler moves past their
+            # readers: wrong losses (NaN on 2 gloo ranks, 30x off on one H100 rank).
+            rank_zero_warn(
+                f"fsdp.overlap: torch's overlap scheduler reorders the merged collectives "
+                f"of fsdp.bucket_mb ({bucket_mb:g} MiB) wrongly (wrong losses), so this run "
+                "gathers and reduce-scatters each parameter on its own, unbucketed. Fix: "
+                "set fsdp.bucket_mb: null to keep overlap and silence this, or "
+                "fsdp.overlap: false to keep the buckets.",
+                ConfigWarning, stacklevel=5,
+            )
+            return []
     if not bucket_mb or _installed(options, is_bucketing_pass):
         return []
     return [bucketing_pass(bucket_mb)]

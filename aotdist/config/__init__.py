@@ -123,7 +123,9 @@ class FSDPConfig(Section):
             ``null`` or ``0``: one collective per parameter.
         overlap: ``graph`` mode with ``inductor`` on CUDA: turn on Inductor's
             compute/communication overlap (collective reordering), scoped to this
-            model's compiles. On CPU it has no effect (a ``ConfigWarning``).
+            model's compiles. The collectives are then not bucketed (torch's scheduler
+            reorders merged ones wrongly): with ``bucket_mb`` set it warns
+            (``ConfigWarning``). On CPU it has no effect (a ``ConfigWarning``).
         replicate_degree: HSDP (both modes): replicate over this many groups and shard
             within each, a 2-D mesh ``(replicate, shard)``; it must divide the world size.
             Gradients are reduce-scattered within a shard group, then all-reduced across

@@ -52,6 +52,28 @@ def test_metrics_figure_is_none_not_zero_when_the_torch_field_is_missing(monkeyp
     assert json.loads(json.dumps(m.to_dict()))["backend_seconds"] is None
 
 
+def test_runtime_records_are_not_counted_as_compiled_frames():
+    """torch logs run-time work in the compile-metrics table too (``is_runtime``: recording
+    a CUDA graph under ``mode="reduce-overhead"`` on a later step). Seen on an H100: a
+    steady step reported ``frames 1`` with nothing compiled. Emulated here the way torch's
+    cudagraph trees log it: a timed event outside any compile, then the flush that
+    Inductor's compiled code runs."""
+    from torch._dynamo import utils as dynamo_utils
+
+    model = TinyGPT(depth=2)
+    aotdist.compile_regions(model, backend="aot_eager")
+    (x,), _ = example_inputs(model)
+    model(x).sum().backward()
+    with metrics.track(model) as m:
+        with dynamo_utils.dynamo_timed("cudagraphify", is_backward=False,
+                                       dynamo_compile_column_us="runtime_cudagraphify_time_us"):
+            model(x).sum().backward()
+        dynamo_utils.get_runtime_metrics_context().finish()
+    new = [r for r in dynamo_utils.get_compilation_metrics() if getattr(r, "is_runtime", False)]
+    assert new, "torch no longer logs run-time records this way: rewrite this emulation"
+    assert m.frames_compiled == 0 and m.recompiles == [], m.summary()
+
+
 def test_modes_are_strings():
     assert CompileMode.FRAMES == "frames" and f"{CompileMode.GRAPH}" == "graph"
     assert json.dumps({"s": CacheStatus.LOADED}) == '{"s": "loaded"}'

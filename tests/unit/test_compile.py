@@ -357,28 +357,42 @@ def test_graph_fsdp_options_reach_inductor():
         return [q for x in p for q in getattr(x, "passes", [x])]
 
     overlap = overlap_options()
-    assert overlap and all(k in _compat.inductor_config_keys() and v
-                           for k, v in overlap.items())
-    opts = inductor_options({"max_autotune": False}, bucket_mb=25.0, overlap=True)
+    assert overlap and all(k in _compat.inductor_config_keys() for k in overlap)
+    scheduler = "aten_distributed_optimizations.enable_overlap_scheduling"
+    assert overlap.get(scheduler) is True  # torch 2.11 and 2.15 have the scheduler
+    # bucketing alone: aotdist's pass, with its cap in the cache key
+    opts = inductor_options({"max_autotune": False}, bucket_mb=25.0, overlap=False)
     assert opts["max_autotune"] is False
-    assert {k: opts[k] for k in overlap} == overlap
     bucketing = [p for p in passes(opts) if is_bucketing_pass(p)]
     assert len(bucketing) == 1 and bucketing[0].bucket_mb == 25.0
     assert bucketing[0].uuid() != bucketing_pass(30.0).uuid()  # the cap is in the cache key
+    assert not any(k in opts for k in overlap)
     # completing again (compile_regions does) adds nothing
     again = inductor_options(opts)
     assert len([p for p in passes(again) if is_bucketing_pass(p)]) == 1
     assert passes(again) == passes(opts)
+    # overlap with a bucket cap: the scheduler reorders after the post-grad pass, which
+    # breaks aotdist's merged collectives, so the pass is left out, saying so
+    with pytest.warns(aotdist.ConfigWarning, match="fsdp.overlap.*unbucketed"):
+        both = inductor_options(None, bucket_mb=25.0, overlap=True)
+    assert {k: both[k] for k in overlap} == overlap
+    assert not any(is_bucketing_pass(p) for p in passes(both))
+    # overlap without a cap: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", aotdist.ConfigWarning)
+        alone = inductor_options(None, bucket_mb=None, overlap=True)
+    assert {k: alone[k] for k in overlap} == overlap
     # off: no pass, no overlap keys
     plain = inductor_options(None, bucket_mb=None, overlap=False)
     assert not any(is_bucketing_pass(p) for p in passes(plain))
     assert not any(k in plain for k in overlap)
     # the wrapper torch.compile uses takes them (it checks every key against the config)
-    wrapper = _compat_wrapper(opts)
+    wrapper = _compat_wrapper(both)
     assert {k: wrapper.config[k] for k in overlap} == overlap
-    # graph mode on CUDA: both; on CPU overlap is left off with a warning, bucketing stays
-    backend, cuda_opts = graph_fsdp_backend("inductor", None, bucket_mb=25.0, overlap=True,
-                                            device_type="cuda")
+    # graph mode on CUDA: overlap; on CPU overlap is left off with a warning, bucketing stays
+    with pytest.warns(aotdist.ConfigWarning, match="unbucketed"):
+        backend, cuda_opts = graph_fsdp_backend("inductor", None, bucket_mb=25.0,
+                                                overlap=True, device_type="cuda")
     assert backend == "inductor" and {k: cuda_opts[k] for k in overlap} == overlap
     with pytest.warns(aotdist.ConfigWarning, match="fsdp.overlap.*no effect"):
         _, cpu_opts = graph_fsdp_backend("inductor", None, bucket_mb=25.0, overlap=True,
