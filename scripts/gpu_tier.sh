@@ -6,6 +6,13 @@
 #     scripts/gpu_wheels.sh      # first, on a machine with a registry (fills .gpu-wheels/)
 #     scripts/gpu_tier.sh        # then, on the GPU machine, from the checkout
 #     scripts/gpu_tier.sh --dry-run   # print the commands, check wheels and imports only
+#     scripts/gpu_tier.sh --short     # fits a 10-minute lease (below)
+#
+# --short: each GPU test in its own pytest run (a killed run still leaves the tracebacks of
+# the tests before it), at most $SHORT_TEST_S seconds each (default 90); then
+# scripts/gpu_probe.py (step times side by side, with and without CUDA graphs) and the
+# bench's GPT at depths 8 and 32 with full, accelerate and aotdist, one repeat; each part
+# time-boxed. Logs and JSON go to $BENCH_OUT.
 #
 # The wheels are installed with --no-index --no-deps into $GPU_SITE (default /tmp/site),
 # outside any environment, and reach Python through PYTHONPATH together with the checkout
@@ -20,7 +27,9 @@ SITE="${GPU_SITE:-/tmp/site}"
 WHEELS="${GPU_WHEELS_DIR:-$ROOT/.gpu-wheels}"
 BENCH_OUT="${BENCH_OUT:-bench-out-cuda}"
 DRY=0
+SHORT=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
+[[ "${1:-}" == "--short" ]] && SHORT=1
 
 run() {
     echo "+ $*"
@@ -60,6 +69,25 @@ echo "torch $("$PY" -c 'import torch; print(torch.__version__)'), CUDA devices: 
 if [[ "$ngpu" -lt 1 && $DRY == 0 ]]; then
     echo "no CUDA device visible: the GPU tier would only skip. Run it on a GPU machine." >&2
     exit 2
+fi
+
+if [[ $SHORT == 1 ]]; then
+    mkdir -p "$BENCH_OUT"
+    status=0
+    tests=$("$PY" -m pytest -p no:cacheprovider -m gpu --collect-only -q tests/gpu | grep '::')
+    for t in $tests; do
+        echo "+ timeout ${SHORT_TEST_S:-90} $PY -m pytest -m gpu --tb=short $t"
+        timeout "${SHORT_TEST_S:-90}" "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs \
+            --tb=short "$t" >>"$BENCH_OUT/pytest.log" 2>&1
+        rc=$?
+        echo "  exit $rc"
+        [[ $rc -ne 0 ]] && status=$rc
+    done
+    grep -E "^(FAILED|ERROR|E  )" "$BENCH_OUT/pytest.log" | head -40
+    run timeout 200 "$PY" scripts/gpu_probe.py --out "$BENCH_OUT/probe.json"
+    run timeout 200 "$PY" -m aotdist.cli bench --device cuda --model gpt --depths 8,32 \
+        --strategies full,accelerate,aotdist --repeats 1 --out "$BENCH_OUT"
+    exit $status
 fi
 
 run "$PY" -m pytest -p no:cacheprovider -m gpu -v -rs tests/gpu
