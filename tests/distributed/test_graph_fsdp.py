@@ -391,6 +391,8 @@ def _overlap_on_cpu(rank: int, world_size: int):
     if hasattr(scheduling, "estimate_runtime_analytical"):
         scheduling.estimate_runtime_analytical = _estimate
     inductor_config.aten_distributed_optimizations.custom_runtime_estimation = _estimate
+    # a cached compile of an earlier run skips the post-grad passes, the scheduler too
+    inductor_config.force_disable_caches = True
     ran, schedule = [], scheduling.schedule_overlap_bucketing_from_inductor_configs
 
     def recording(gm, *args, **kwargs):
