@@ -26,7 +26,6 @@ import traceback
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 STRATEGIES = ("eager", "full", "accelerate", "aotdist")
 
@@ -59,6 +58,8 @@ def _apply(name: str, model, mode: str):
 
 
 def _step_fn(run, model, x, y, *, cuda_graphs: bool, sync):
+    from aotdist.bench.models import training_loss
+
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> tuple[float, float]:
@@ -66,8 +67,7 @@ def _step_fn(run, model, x, y, *, cuda_graphs: bool, sync):
             torch.compiler.cudagraph_mark_step_begin()
         sync()
         start = time.perf_counter()
-        out = run(x)
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+        loss = training_loss(run(x), y)  # the bench's loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
