@@ -39,6 +39,7 @@ from aotdist._compat.codes import (
 )
 from aotdist._compat.compiler import (
     aot_eager_parts,
+    autograd_cache_off,
     call_impl,
     compilation_metric_fields,
     compilation_metrics,
@@ -88,6 +89,7 @@ __all__ = [
     "accelerate_old_forward",
     "accelerator_state_initialized",
     "aot_eager_parts",
+    "autograd_cache_off",
     "cached_subgraph_schemas",
     "call_impl",
     "compilation_metric_fields",

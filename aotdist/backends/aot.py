@@ -11,6 +11,7 @@ rebuild run such graphs eagerly. Details: docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -135,7 +136,8 @@ def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None
     Args:
         backend: ``"aot_eager"``, ``"inductor"``, or ``torch.compile``'s wrapper of either
             (an Inductor wrapper keeps its mode and options).
-        on_graph: Called with each forward/backward/inference graph before it is compiled.
+        on_graph: Called with each forward/backward/inference graph before it is compiled
+            (with Inductor, AOTAutograd's cache is off for these compiles so that it is).
 
     Returns:
         A ``torch.compile`` backend, or ``None`` when ``backend`` is not one of those.
@@ -156,7 +158,12 @@ def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None
         inner = _hooked(compile_fx_inner, None, on_graph)
 
         def inductor(gm, example_inputs):
-            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+            # A hit in AOTAutograd's cache skips inner_compile: the hook would see no graph
+            # (an empty capture, a region call left in a graph meant to be inlined).
+            with (_compat.autograd_cache_off() if on_graph is not None
+                  else contextlib.nullcontext()):
+                return compile_fx(gm, example_inputs, inner_compile=inner,
+                                  config_patches=patches)
 
         return inductor
     return None

@@ -295,3 +295,15 @@ def test_inspect_cli_on_resnet_in_train_mode(capsys):
     assert "warning: aotdist region 'BasicBlock' cannot be a reusable subgraph" in text
     assert "demoted: BasicBlock" in text and "running_mean data" in text
 
+
+
+@pytest.mark.inductor
+def test_capture_with_inductor_records_graphs_on_a_warm_compile_cache():
+    # A second capture of the same model hits AOTAutograd's cache, which skips the graph
+    # compiler where capture records: before the fix it reported 0 graphs, silently.
+    model = TinyGPT(depth=2)
+    (x,), _ = example_inputs(model)
+    for attempt in range(2):
+        cap = aotdist.capture(copy.deepcopy(model), x, loss_fn=_loss, backend="inductor")
+        kinds = sorted(g["kind"] for g in cap.to_dict()["graphs"])
+        assert kinds == ["backward", "forward"], (attempt, cap.summary())
