@@ -12,8 +12,9 @@ dims: sequence 256, vocabulary 4096, 8 heads) once per strategy from the same se
 one cold step (compile; in one process later strategies can load kernels the earlier ones
 compiled, so these are not the bench's cold compiles) and 3 warm-up steps, then times
 ``--rounds`` rounds of ``--steps`` steps of every strategy, the order rotating per round.
-The ratios (aotdist over each peer) are computed per round and reported as median, min
-and max. A strategy that fails is recorded with its traceback; the others go on.
+``aotdist+inline`` (only when ``--strategies`` names it) is aotdist with every region call flattened before Inductor
+(docs/performance.md, lever 1). The ratios (aotdist and aotdist+inline over each peer) are
+computed per round and reported as median, min and max. A strategy that fails is recorded with its traceback; the others go on.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import warnings
 
 import torch
 
-STRATEGIES = ("eager", "full", "accelerate", "aotdist")
+STRATEGIES = ("eager", "full", "accelerate", "aotdist", "aotdist+inline")
+COMPARED = ("aotdist", "aotdist+inline")  # each one's ratios to every peer are reported
 
 
 def _build(dim: int, depth: int, device: torch.device):
@@ -54,6 +56,11 @@ def _apply(name: str, model, mode: str):
         import aotdist
 
         return aotdist.compile_regions(model, backend="inductor", **kwargs)
+    if name == "aotdist+inline":  # regions traced once, flattened before Inductor (lever 1)
+        import aotdist
+        from aotdist.backends.inline import inline_backend
+
+        return aotdist.compile_regions(model, backend=inline_backend(kwargs.get("mode")))
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
 
 
@@ -116,12 +123,13 @@ def probe(dim: int, depth: int, mode: str, *, strategies, device: torch.device, 
             times = [steps_of[name]()[0] for _ in range(steps)]
             entry["rounds_s"].setdefault(name, []).append(statistics.median(times))
     entry["step_ms"] = {n: statistics.median(v) * 1e3 for n, v in entry["rounds_s"].items()}
-    for peer in ("full", "accelerate", "eager"):
-        if "aotdist" in entry["rounds_s"] and peer in entry["rounds_s"]:
-            ratios = [a / b for a, b in zip(entry["rounds_s"]["aotdist"],
-                                            entry["rounds_s"][peer], strict=True)]
-            entry[f"aotdist_over_{peer}"] = [statistics.median(ratios), min(ratios),
-                                             max(ratios)]
+    for ours in COMPARED:
+        for peer in ("full", "accelerate", "eager", "aotdist"):
+            if ours != peer and ours in entry["rounds_s"] and peer in entry["rounds_s"]:
+                ratios = [a / b for a, b in zip(entry["rounds_s"][ours],
+                                                entry["rounds_s"][peer], strict=True)]
+                entry[f"{ours}_over_{peer}"] = [statistics.median(ratios), min(ratios),
+                                                max(ratios)]
     return entry
 
 
@@ -132,7 +140,8 @@ def main(argv=None) -> int:
                    help="comma-separated gpt:DIM:DEPTH")
     p.add_argument("--modes", default="default,reduce-overhead",
                    help="default and/or reduce-overhead (CUDA graphs; CUDA only)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--strategies", default="eager,full,accelerate,aotdist",
+                   help=f"comma-separated, from {', '.join(STRATEGIES)}")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8)

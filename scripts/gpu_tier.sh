@@ -13,7 +13,9 @@
 # scripts/gpu_probe.py (step times side by side, with and without CUDA graphs) and the
 # bench's GPT at depth 32 with full, accelerate and aotdist, one repeat; each part
 # time-boxed (130 s probe, 150 s bench; on one H100 the tests took about 40 s each, so
-# the whole run is about 9 minutes). Logs and JSON go to $BENCH_OUT.
+# the whole run is about 9 minutes). Logs and JSON go to $BENCH_OUT. To fit a smaller
+# lease: SHORT_K (a pytest -k expression choosing the tests), PROBE_ARGS (the probe's
+# arguments), PROBE_S (its time box) and SKIP_BENCH=1 (no bench).
 #
 # The wheels are installed with --no-index --no-deps into $GPU_SITE (default /tmp/site),
 # outside any environment, and reach Python through PYTHONPATH together with the checkout
@@ -75,7 +77,8 @@ fi
 if [[ $SHORT == 1 ]]; then
     mkdir -p "$BENCH_OUT"
     status=0
-    tests=$("$PY" -m pytest -p no:cacheprovider -m gpu --collect-only -q tests/gpu | grep '::')
+    tests=$("$PY" -m pytest -p no:cacheprovider -m gpu --collect-only -q ${SHORT_K:+-k "$SHORT_K"} \
+        tests/gpu | grep '::')
     for t in $tests; do
         echo "+ timeout ${SHORT_TEST_S:-75} $PY -m pytest -m gpu --tb=short $t"
         timeout "${SHORT_TEST_S:-75}" "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs \
@@ -85,7 +88,10 @@ if [[ $SHORT == 1 ]]; then
         [[ $rc -ne 0 ]] && status=$rc
     done
     grep -E "^(FAILED|ERROR|E  )" "$BENCH_OUT/pytest.log" | head -40
-    run timeout 130 "$PY" scripts/gpu_probe.py --out "$BENCH_OUT/probe.json"
+    # shellcheck disable=SC2086  # PROBE_ARGS is a list of arguments
+    run timeout "${PROBE_S:-130}" "$PY" scripts/gpu_probe.py ${PROBE_ARGS:-} \
+        --out "$BENCH_OUT/probe.json"
+    [[ -n "${SKIP_BENCH:-}" ]] && exit $status
     run timeout 150 "$PY" -m aotdist.cli bench --device cuda --model gpt --depths 32 \
         --strategies full,accelerate,aotdist --repeats 1 --out "$BENCH_OUT"
     exit $status
