@@ -12,9 +12,10 @@ dims: sequence 256, vocabulary 4096, 8 heads) once per strategy from the same se
 one cold step (compile; in one process later strategies can load kernels the earlier ones
 compiled, so these are not the bench's cold compiles) and 3 warm-up steps, then times
 ``--rounds`` rounds of ``--steps`` steps of every strategy, the order rotating per round.
-``aotdist+inline`` (only when ``--strategies`` names it) is aotdist with every region call flattened before Inductor
-(docs/performance.md, lever 1). The ratios (aotdist and aotdist+inline over each peer) are
-computed per round and reported as median, min and max. A strategy that fails is recorded with its traceback; the others go on.
+``aotdist+inline`` (only when ``--strategies`` names it) is aotdist with every region call
+flattened before Inductor (docs/performance.md, lever 1). The ratios (aotdist and
+aotdist+inline over each peer) are computed per round and reported as median, min and
+max. A strategy that fails is recorded with its traceback; the others go on.
 """
 
 from __future__ import annotations
