@@ -23,6 +23,7 @@ from aotdist._compat.accelerate import (
     set_accelerate_old_forward,
 )
 from aotdist._compat.caches import (
+    autograd_cache_off,
     cpp_code_cache_keys,
     default_store,
     fsdp_params_of,
@@ -39,7 +40,6 @@ from aotdist._compat.codes import (
 )
 from aotdist._compat.compiler import (
     aot_eager_parts,
-    autograd_cache_off,
     call_impl,
     compilation_metric_fields,
     compilation_metrics,

@@ -1,7 +1,9 @@
-"""Compile caches (Mega-Cache, C++ kernels, ISA probes, FX graph cache), FSDP2, the store."""
+"""Compile caches (Mega-Cache, C++ kernels, ISA probes, FX graph and AOTAutograd caches),
+FSDP2, the store."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +13,7 @@ from torch import nn
 from aotdist._compat._base import attr, unavailable
 
 __all__ = [
+    "autograd_cache_off",
     "cpp_code_cache_keys",
     "default_store",
     "fsdp_params_of",
@@ -19,6 +22,21 @@ __all__ = [
     "merge_mega_cache",
     "wrap_fx_graph_cache",
 ]
+
+
+# --------------------------------------------------------------------- AOTAutograd
+
+
+def autograd_cache_off() -> contextlib.AbstractContextManager:
+    """A scope in which AOTAutograd's cache is neither read nor written
+    (``torch._functorch.config.enable_autograd_cache = False``; torch 2.11, 2.15). A hit
+    in that cache skips the graph compiler, so a hook on the compiler sees no graph; its
+    key does not cover a custom ``inner_compile``. Where the key is missing: a no-op."""
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "enable_autograd_cache"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(enable_autograd_cache=False)
 
 
 # --------------------------------------------------------------------- FSDP2

@@ -20,7 +20,6 @@ from aotdist._compat._base import attr, unavailable
 
 __all__ = [
     "aot_eager_parts",
-    "autograd_cache_off",
     "call_impl",
     "compilation_metric_fields",
     "compilation_metrics",
@@ -375,18 +374,6 @@ def stable_topological_sort(graph: torch.fx.Graph) -> None:
     if fn is None:
         raise unavailable("torch._inductor.pattern_matcher.stable_topological_sort")
     fn(graph)
-
-
-def autograd_cache_off() -> contextlib.AbstractContextManager:
-    """A scope in which AOTAutograd's cache is neither read nor written
-    (``torch._functorch.config.enable_autograd_cache = False``; torch 2.11, 2.15). A hit
-    in that cache skips the graph compiler, so a hook on the compiler sees no graph; its
-    key does not cover a custom ``inner_compile``. Where the key is missing: a no-op."""
-    import torch._functorch.config as functorch_config
-
-    if not hasattr(functorch_config, "enable_autograd_cache"):
-        return contextlib.nullcontext()
-    return functorch_config.patch(enable_autograd_cache=False)
 
 
 def inductor_compile_fx() -> tuple[Callable, Callable]:
