@@ -57,7 +57,8 @@ def _cmd_bench(args) -> int:
                   warmup=job.warmup if args.warmup is None else args.warmup,
                   repeats=job.repeats if args.repeats is None else args.repeats,
                   device=args.device, float8=args.float8, out=args.out,
-                  timeout=args.timeout, profile=args.profile, mesh=args.mesh)
+                  timeout=args.timeout, profile=args.profile, mesh=args.mesh,
+                  mode=args.mode)
     except (BenchError, ConfigError) as exc:
         print(f"aotdist bench: {exc}", file=sys.stderr)
         return 1
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--strategies", type=_csv, default=None,
                    help="comma-separated, default all: eager, full, accelerate, aotdist")
     b.add_argument("--backend", default="inductor")
+    b.add_argument("--mode", default=None, help="torch.compile mode of every compiling "
+                   "strategy (reduce-overhead: CUDA graphs, with --device cuda)")
     b.add_argument("--quick", action="store_true", help="the developers' job: one depth, one "
                    "repeat, few steps (no spreads: do not judge targets from it)")
     b.add_argument("--steps", type=int, default=None,

@@ -43,26 +43,19 @@ def _build(dim: int, depth: int, device: torch.device):
 
 
 def _apply(name: str, model, mode: str):
-    kwargs = {} if mode == "default" else {"mode": mode}
-    if name == "eager":
-        return model
-    if name == "full":
-        model.compile(backend="inductor", **kwargs)
-        return model
-    if name == "accelerate":
-        from accelerate.utils import compile_regions
+    """The bench's strategy ``name`` (eager, full, accelerate, aotdist) with ``mode``, or
+    ``aotdist+inline``."""
+    from aotdist.bench.strategies import Setup, get_strategy
 
-        return compile_regions(model, backend="inductor", **kwargs)
-    if name == "aotdist":
-        import aotdist
-
-        return aotdist.compile_regions(model, backend="inductor", **kwargs)
+    mode_or_none = None if mode == "default" else mode
     if name == "aotdist+inline":  # regions traced once, flattened before Inductor (lever 1)
         import aotdist
         from aotdist.backends.inline import inline_backend
 
-        return aotdist.compile_regions(model, backend=inline_backend(kwargs.get("mode")))
-    raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+        return aotdist.compile_regions(model, backend=inline_backend(mode_or_none))
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    return get_strategy(name).apply(model, Setup(backend="inductor", mode=mode_or_none))
 
 
 def _step_fn(run, model, x, y, *, cuda_graphs: bool, sync):

@@ -15,7 +15,8 @@
 # time-boxed (130 s probe, 150 s bench; on one H100 the tests took about 40 s each, so
 # the whole run is about 9 minutes). Logs and JSON go to $BENCH_OUT. To fit a smaller
 # lease: SHORT_K (a pytest -k expression choosing the tests), PROBE_ARGS (the probe's
-# arguments), PROBE_S (its time box) and SKIP_BENCH=1 (no bench).
+# arguments), PROBE_S (its time box) and SKIP_BENCH=1 (no bench); BENCH_MODE (e.g.
+# reduce-overhead) is the bench's --mode.
 #
 # The wheels are installed with --no-index --no-deps into $GPU_SITE (default /tmp/site),
 # outside any environment, and reach Python through PYTHONPATH together with the checkout
@@ -93,7 +94,8 @@ if [[ $SHORT == 1 ]]; then
         --out "$BENCH_OUT/probe.json"
     [[ -n "${SKIP_BENCH:-}" ]] && exit $status
     run timeout 150 "$PY" -m aotdist.cli bench --device cuda --model gpt --depths 32 \
-        --strategies full,accelerate,aotdist --repeats 1 --out "$BENCH_OUT"
+        --strategies full,accelerate,aotdist --repeats 1 ${BENCH_MODE:+--mode "$BENCH_MODE"} \
+        --out "$BENCH_OUT"
     exit $status
 fi
 

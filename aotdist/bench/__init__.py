@@ -66,6 +66,7 @@ def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
 
 def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
                   device: str, float8: bool, timeout: float, replicate: int = 1,
+                  mode: str | None = None,
                   profile_dir: str | None, progress: Callable[[str], None],
                   env: dict | None = None, seed: str | None = None,
                   keep_cache: str | None = None, paired_rounds: int = 0) -> dict:
@@ -84,6 +85,7 @@ def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
                "--steps", str(steps), "--warmup", str(warmup), "--device", device,
                "--nproc", str(case.nproc), "--timeout", str(timeout)]
         cmd += ["--float8"] if float8 else []
+        cmd += ["--mode", mode] if mode else []
         cmd += ["--replicate", str(replicate)] if replicate > 1 and case.nproc > 1 else []
         cmd += ["--profile-dir", profile_dir] if profile_dir else []
         cmd += ["--paired", str(paired_rounds)] if paired_rounds else []
@@ -115,7 +117,8 @@ def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
     raise BenchError(f"measurement {_label(case)} failed ({why}); its last output:\n{tail}\n"
                      "Fix: run it alone with `python -m aotdist.bench.runner --strategy "
                      f"{case.strategy} --model {case.model} --depth {case.depth} --nproc "
-                     f"{case.nproc} --backend {backend}{again}` to see the whole error.")
+                     f"{case.nproc} --backend {backend}{again}"
+                     f"{f' --mode {mode}' if mode else ''}` to see the whole error.")
 
 
 def _seed_isa_probes(where: str, *, backend: str, device: str,
@@ -176,6 +179,29 @@ def _check_model_dependencies(cases: Sequence[Case]) -> None:
             "leave the model out: aotdist bench --model gpt,dictgpt.", extra="bench")
 
 
+def _check_mode(mode: str | None, *, backend: str, device: str) -> None:
+    """``--mode`` names an Inductor mode, with Inductor, and CUDA graphs only on CUDA.
+
+    Raises:
+        ConfigError: It does not.
+    """
+    from aotdist.bench.strategies import CUDA_GRAPH_MODES
+    from aotdist.config import COMPILE_MODES
+
+    if mode is None:
+        return
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"--mode {mode!r}: unknown torch.compile mode; use one of "
+                          f"{', '.join(COMPILE_MODES)}")
+    if backend != "inductor":
+        raise ConfigError(f"--mode {mode} applies to the inductor backend; got --backend "
+                          f"{backend}. Fix: drop --mode or use --backend inductor.")
+    if mode in CUDA_GRAPH_MODES and not device.startswith("cuda"):
+        raise ConfigError(f"--mode {mode} records CUDA graphs, which need --device cuda; got "
+                          f"--device {device}. Fix: use --device cuda, or on CPU "
+                          "--mode max-autotune-no-cudagraphs or no --mode.")
+
+
 def _check_mesh(mesh: tuple[int, int] | None, cases: Sequence[Case]) -> int:
     """The HSDP replicate degree ``mesh`` asks for (1 without one).
 
@@ -201,7 +227,7 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
               steps: int = MAIN_SETTINGS.steps, warmup: int = MAIN_SETTINGS.warmup,
               device: str = "cpu", float8: bool = False, repeats: int = MAIN_SETTINGS.repeats,
               out: str | Path = "bench-out", timeout: float = 1200.0, profile: bool = False,
-              mesh: tuple[int, int] | None = None,
+              mesh: tuple[int, int] | None = None, mode: str | None = None,
               progress: Callable[[str], None] = print) -> dict:
     """Runs every cell ``repeats`` times, round robin, and writes bench.json/.md/.png.
 
@@ -220,6 +246,8 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
             ``out/profile`` (their timings are inflated by profiling).
         mesh: ``(replicas, shards)``: the multi-rank cells shard as HSDP on that 2-D mesh
             (their ``nproc`` must be ``replicas * shards``); ``None``: FSDP over all ranks.
+        mode: The ``torch.compile`` mode of every compiling strategy (``None``: the
+            default); ``reduce-overhead`` and ``max-autotune`` (CUDA graphs) need ``cuda``.
         progress: Receives one line per run and phase.
 
     After the round robin, the paired runs (module docstring) time the steady steps of
@@ -236,6 +264,7 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
     if steps < 1 or warmup < 0 or repeats < 1:
         raise ConfigError(f"need steps >= 1, warmup >= 0, repeats >= 1; got steps={steps}, "
                           f"warmup={warmup}, repeats={repeats}")
+    _check_mode(mode, backend=backend, device=device)
     cases = plan_cases() if cases is None else list(cases)
     replicate = _check_mesh(mesh, cases)
     _check_model_dependencies(cases)
@@ -260,7 +289,7 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
             r = _measure_in_fresh_process(case, backend=backend, steps=steps, warmup=warmup,
                                           device=device, float8=float8, timeout=timeout,
                                           profile_dir=profile_dir, progress=progress,
-                                          seed=isa_seed, replicate=replicate,
+                                          seed=isa_seed, replicate=replicate, mode=mode,
                                           keep_cache=_warm_dir(warm_root, case, rep, pairs))
             progress(f"        compile {r['compile_s']:.2f}s  step {r['steady_step_s']*1e3:.2f}ms"
                      f"  saved {r['saved_activation_bytes'] / 1024:.0f}KiB"
@@ -280,13 +309,13 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
                 paired.append(_measure_once(case, backend=backend, steps=steps,
                                             warmup=warmup, device=device, float8=float8,
                                             timeout=timeout, profile_dir=None,
-                                            progress=progress, paired_rounds=rounds,
+                                            progress=progress, paired_rounds=rounds, mode=mode,
                                             seed=warm if os.path.isdir(warm) else isa_seed))
             except BenchError as exc:  # the round robin's results stand without it
                 failed.append(f"depth {case.depth}: {str(exc).splitlines()[0]}")
                 progress(f"        paired run failed; the steady-step ratios at depth "
                          f"{case.depth} stay across processes. {exc}")
-    settings = {"backend": backend, "steps": steps, "warmup": warmup, "device": device,
+    settings = {"backend": backend, "compile_mode": mode, "steps": steps, "warmup": warmup, "device": device,
                 "float8": float8, "repeats": repeats, "profiled": profile,
                 "mesh": list(mesh) if mesh else None,
                 "cases": [asdict(c) for c in cases],

@@ -114,11 +114,17 @@ def _mesh_text(settings: dict) -> str:
     return f", HSDP mesh {mesh[0]}x{mesh[1]} (replicate x shard)" if mesh else ""
 
 
+def _mode_text(settings: dict) -> str:
+    mode = settings.get("compile_mode")
+    return f", torch.compile mode {mode} in every compiling strategy" if mode else ""
+
+
 def _markdown(report: dict) -> str:
     results, settings = report["results"], report["settings"]
     memory_metric = next((r["memory_metric"] for r in results if r.get("memory_metric")), "")
     lines = [f"Machine: {report['machine']}", "", _load_line(settings), "",
-             f"Settings: backend {settings['backend']}, device {settings['device']}, "
+             f"Settings: backend {settings['backend']}{_mode_text(settings)}, "
+             f"device {settings['device']}, "
              f"float8 {settings['float8']}{_mesh_text(settings)}, cold step + "
              f"{settings['warmup']} warm-up + {settings['steps']} timed steps (median), {settings['repeats']} repeat(s) per "
              f"cell, run round robin (every cell once per repeat), each run a fresh process "

@@ -39,7 +39,7 @@ def _phase(rank: int, text: str) -> None:
         print(PHASE_PREFIX + text, flush=True)
 
 
-def _step_fn(model, opt, x, y, device: str):
+def _step_fn(model, opt, x, y, device: str, *, cuda_graphs: bool = False):
     import torch
 
     from aotdist.bench.models import training_loss
@@ -47,6 +47,8 @@ def _step_fn(model, opt, x, y, device: str):
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def step() -> float:
+        if cuda_graphs:  # a new iteration: cudagraph trees may reuse the last one's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         sync()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -59,12 +61,16 @@ def _step_fn(model, opt, x, y, device: str):
     return step
 
 
-def _saved_for_backward(model, run_model, opt, x, y) -> dict:
+def _saved_for_backward(model, run_model, opt, x, y, *, cuda_graphs: bool = False) -> dict:
     """One more training step with :class:`~aotdist.bench.saved.SavedBytes` around the
     forward: the bytes saved for backward (activations; parameters and buffers apart)."""
+    import torch
+
     from aotdist.bench.models import training_loss
     from aotdist.bench.saved import SavedBytes
 
+    if cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
     opt.zero_grad(set_to_none=True)
     with SavedBytes(exclude=[*model.parameters(), *model.buffers()]) as saved:
         loss = training_loss(run_model(x), y)
@@ -87,7 +93,7 @@ def _build(spec: dict, name: str, *, fsdp: bool = False) -> tuple:
     model = build_bench_model(spec["model"], depth=spec["depth"]).to(spec["device"])
     notes = strategy.notes(model) if strategy.notes else ""
     setup = Setup(backend=spec["backend"], fsdp=fsdp, float8=spec["float8"],
-                  replicate=spec.get("replicate", 1) if fsdp else 1)
+                  replicate=spec.get("replicate", 1) if fsdp else 1, mode=spec.get("mode"))
     return strategy, model, strategy.apply(model, setup), notes
 
 
@@ -108,7 +114,14 @@ def _training(spec: dict, model, run_model, rank: int = 0) -> tuple:
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     x, y = synthetic_batch(spec["model"], model, batch=spec["batch"], generator=g)
     x, y = x.to(spec["device"]), y.to(spec["device"])
-    return opt, x, y, _step_fn(run_model, opt, x, y, spec["device"])
+    return opt, x, y, _step_fn(run_model, opt, x, y, spec["device"],
+                               cuda_graphs=_cuda_graphs(spec))
+
+
+def _cuda_graphs(spec: dict) -> bool:
+    from aotdist.bench.strategies import CUDA_GRAPH_MODES
+
+    return spec.get("mode") in CUDA_GRAPH_MODES and spec["device"].startswith("cuda")
 
 
 def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
@@ -116,7 +129,8 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
 
     Args:
         spec: ``strategy``, ``model``, ``depth``, ``backend``, ``steps``, ``warmup``,
-            ``batch``, ``device``, ``float8`` and optionally ``profile_dir``.
+            ``batch``, ``device``, ``float8`` and optionally ``profile_dir`` and ``mode``
+            (``torch.compile``'s).
             After the timed steps, one more step measures the bytes saved for backward.
         rank: This process's rank (under FSDP2).
         world_size: Ranks in the process group; > 1 shards with FSDP2.
@@ -156,7 +170,8 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
                 step()
             barrier()
             times = [step() for _ in range(spec["steps"])]
-            saved = _saved_for_backward(model, run_model, opt, x, y)
+            saved = _saved_for_backward(model, run_model, opt, x, y,
+                                        cuda_graphs=_cuda_graphs(spec))
         if profile_dir:
             profile_steady_steps(step, profile_dir, label, phases)
     steady = statistics.median(times)
@@ -164,7 +179,8 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
     compile_s = max(first - steady, 0.0) if strategy.compiles else 0.0
     return {
         "strategy": spec["strategy"], "model": spec["model"], "depth": spec["depth"],
-        "nproc": world_size, "backend": spec["backend"], "device": device,
+        "nproc": world_size, "backend": spec["backend"], "compile_mode": spec.get("mode"),
+        "device": device,
         "float8": spec["float8"], "batch": spec["batch"], "rank": rank,
         "fsdp_mesh": _fsdp_mesh_shape(model),
         "first_step_s": first, "isa_probe_s": isa_probe_s, "steady_step_s": steady, "step_times_s": times,
@@ -221,7 +237,8 @@ def measure_paired(spec: dict, strategies: list[str], slices: int) -> dict:
                 medians[name].append(statistics.median(steps[name]()
                                                        for _ in range(spec["steps"])))
     return {"model": spec["model"], "depth": spec["depth"], "nproc": 1,
-            "backend": spec["backend"], "device": device, "strategies": list(strategies),
+            "backend": spec["backend"], "compile_mode": spec.get("mode"), "device": device,
+            "strategies": list(strategies),
             "slices": slices, "steps_per_slice": spec["steps"], "slice_step_s": medians,
             "first_step_s": first, "cache_hits": {k: v - hits[k] for k, v in _cache_hits().items()},
             "torch": torch.__version__}
@@ -328,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="gpt")
     p.add_argument("--depth", type=int, required=True)
     p.add_argument("--backend", default="inductor")
+    p.add_argument("--mode", default=None, help="torch.compile mode of every compiling strategy")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=4)
@@ -343,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     spec = {"strategy": a.strategy, "model": a.model, "depth": a.depth, "backend": a.backend,
             "steps": a.steps, "warmup": a.warmup, "batch": a.batch, "device": a.device,
-            "float8": a.float8, "replicate": a.replicate, "profile_dir": a.profile_dir}
+            "float8": a.float8, "replicate": a.replicate, "profile_dir": a.profile_dir,
+            "mode": a.mode}
     if a.paired:
         result = measure_paired(spec, a.strategy.split(","), a.paired)
     else:

@@ -22,7 +22,10 @@ from aotdist._compat.extras import require
 from aotdist.bench.stats import WHOLE_MODEL_NOTE
 from aotdist.errors import ConfigError
 
-__all__ = ["STRATEGIES", "Setup", "Strategy", "get_strategy", "register_strategy"]
+__all__ = ["CUDA_GRAPH_MODES", "STRATEGIES", "Setup", "Strategy",
+           "get_strategy", "register_strategy"]
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # Inductor's modes with CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -34,12 +37,20 @@ class Setup:
         fsdp: Shard with FSDP2 over the default process group.
         float8: Convert eligible ``nn.Linear`` layers to torchao ``Float8Linear``.
         replicate: With ``fsdp``: HSDP over ``(replicate, world / replicate)`` (``--mesh``).
+        mode: The ``torch.compile`` mode of every compiling strategy (``--mode``;
+            ``None``: the default). ``reduce-overhead`` and ``max-autotune`` add CUDA graphs.
     """
 
     backend: str = "inductor"
     fsdp: bool = False
     float8: bool = False
     replicate: int = 1
+    mode: str | None = None
+
+    def compile_kwargs(self) -> dict:
+        """``backend`` and, when set, ``mode``: what a strategy passes to ``torch.compile``,
+        and the ``compile`` section of an aotdist config with the same choices."""
+        return {"backend": self.backend, **({"mode": self.mode} if self.mode else {})}
 
 
 @dataclass(frozen=True)
@@ -129,7 +140,7 @@ def _full(model: nn.Module, setup: Setup) -> nn.Module:
     _float8(model, setup)
     if setup.fsdp:
         _shard(model, setup)
-    model.compile(backend=setup.backend)
+    model.compile(**setup.compile_kwargs())
     return model
 
 
@@ -150,11 +161,11 @@ def _accelerate(model: nn.Module, setup: Setup) -> nn.Module:
         # Accelerator.prepare with FSDP2 + regional compile: in-place per-block .compile()
         # first, then fully_shard (fsdp2_prepare_model), so FSDP's hooks still fire.
         other = require("accelerate.utils.other", feature="the bench strategy 'accelerate'")
-        other.compile_regions_fsdp2(model, backend=setup.backend)
+        other.compile_regions_fsdp2(model, **setup.compile_kwargs())
         _shard(model, setup)
         return model
     utils = require("accelerate.utils", feature="the bench strategy 'accelerate'")
-    return utils.compile_regions(model, backend=setup.backend)
+    return utils.compile_regions(model, **setup.compile_kwargs())
 
 
 @register_strategy("aotdist", description="aotdist.parallelize: regions compiled once through "
@@ -163,7 +174,7 @@ def _aotdist(model: nn.Module, setup: Setup) -> nn.Module:
     import aotdist
 
     return aotdist.parallelize(model, config={
-        "compile": {"backend": setup.backend},
+        "compile": setup.compile_kwargs(),
         "fsdp": {"enabled": setup.fsdp, "replicate_degree": setup.replicate},
         "float8": {"enabled": setup.float8},
     })
@@ -178,7 +189,7 @@ def _aotdist_graph(model: nn.Module, setup: Setup) -> nn.Module:
     import aotdist
 
     return aotdist.parallelize(model, config={
-        "compile": {"backend": setup.backend},
+        "compile": setup.compile_kwargs(),
         "fsdp": {"enabled": setup.fsdp, "mode": "graph" if setup.fsdp else "hooks",
                  "replicate_degree": setup.replicate},
         "float8": {"enabled": setup.float8},
@@ -207,7 +218,7 @@ def _aotdist_cache(model: nn.Module, setup: Setup) -> nn.Module:
         raise ConfigError(f"bench strategy aotdist+cache needs ${ARTIFACTS_ENV} (the bundle "
                           "directory); `aotdist bench` sets it. Fix: set it to a directory.")
     return aotdist.parallelize(model, config={
-        "compile": {"backend": setup.backend},
+        "compile": setup.compile_kwargs(),
         "fsdp": {"enabled": setup.fsdp, "replicate_degree": setup.replicate},
         "float8": {"enabled": setup.float8},
         "cache": {"mode": "shared", "dir": where},

@@ -40,6 +40,7 @@ __all__ = [
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _FSDP_MODES = ("hooks", "graph")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
@@ -86,7 +87,7 @@ class CompileConfig(Section):
     options: dict | None = None
 
     def _rule_problems(self) -> list[str]:
-        modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+        modes = COMPILE_MODES
         out = []
         if self.mode is not None and self.mode not in modes:
             out.append(f"compile.mode: unknown mode {self.mode!r}; use one of {list(modes)}")
