@@ -315,8 +315,8 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
                 failed.append(f"depth {case.depth}: {str(exc).splitlines()[0]}")
                 progress(f"        paired run failed; the steady-step ratios at depth "
                          f"{case.depth} stay across processes. {exc}")
-    settings = {"backend": backend, "compile_mode": mode, "steps": steps, "warmup": warmup, "device": device,
-                "float8": float8, "repeats": repeats, "profiled": profile,
+    settings = {"backend": backend, "compile_mode": mode, "steps": steps, "warmup": warmup,
+                "device": device, "float8": float8, "repeats": repeats, "profiled": profile,
                 "mesh": list(mesh) if mesh else None,
                 "cases": [asdict(c) for c in cases],
                 "order": [[rep, asdict(c)] for rep, c in order],
