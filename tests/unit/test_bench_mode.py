@@ -30,21 +30,29 @@ def test_a_bad_mode_is_refused_before_any_run(tmp_path, monkeypatch, mode, kwarg
         bench.run_bench([Case("gpt", 2, "aotdist")], mode=mode, out=tmp_path, **kwargs)
 
 
-def test_the_mode_reaches_every_compiling_strategy(monkeypatch):
+def test_the_mode_reaches_every_compiling_strategy(monkeypatch, tmp_path):
     import accelerate.utils
 
-    seen = {}
-    monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda self, **kw: seen.setdefault("full", kw))
+    from aotdist.bench.strategies import ARTIFACTS_ENV
+
+    seen = []  # (what compiled, its compile arguments), in call order
+
+    def record(what, kw, model=None):
+        seen.append((what, kw))
+        return model
+
+    monkeypatch.setenv(ARTIFACTS_ENV, str(tmp_path))
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: record("full", kw))
     monkeypatch.setattr(accelerate.utils, "compile_regions",
-                        lambda model, **kw: seen.setdefault("accelerate", kw) and model)
+                        lambda model, **kw: record("accelerate", kw, model))
     monkeypatch.setattr(aotdist, "parallelize",
-                        lambda model, config: seen.setdefault(config.get("fsdp", {}).get(
-                            "mode", "hooks"), config["compile"]) and model)
-    for name in ("full", "accelerate", "aotdist", "aotdist-graph"):
+                        lambda model, config: record("parallelize", config["compile"], model))
+    names = ("full", "accelerate", "aotdist", "aotdist-graph", "aotdist+cache")
+    for name in names:
         get_strategy(name).apply(TinyGPT(depth=2), Setup(mode=MODE))
     want = {"backend": "inductor", "mode": MODE}
-    assert seen == {"full": want, "accelerate": want, "hooks": want}  # no FSDP: hooks both
+    assert seen == [("full", want), ("accelerate", want), ("parallelize", want),
+                    ("parallelize", want), ("parallelize", want)]  # one call per strategy
     assert Setup().compile_kwargs() == {"backend": "inductor"}  # no mode: torch's default
 
 
