@@ -60,6 +60,10 @@ def rank_main(
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+    # A rank that dies of a fatal signal (a native crash: SIGSEGV, or SIGABRT from glibc's
+    # "double free or corruption") prints its Python stacks to stderr, which the parent
+    # shows, so the report says where it died, not only that it died.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     if hasattr(signal, "SIGUSR1"):
         stack_out = open(stack_file, "w")  # stays open: faulthandler writes to it later
         faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)

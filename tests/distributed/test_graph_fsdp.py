@@ -385,9 +385,9 @@ def _overlap_on_cpu(rank: int, world_size: int):
 
     for module in (inductor_utils, estimation):
         if hasattr(module, "get_gpu_dram_gbps"):
-            module.get_gpu_dram_gbps = lambda: 3000
-        if hasattr(module, "get_device_tflops"):
-            module.get_device_tflops = lambda dtype: 400.0
+            module.get_gpu_dram_gbps = lambda *a, **k: 3000
+        if hasattr(module, "get_device_tflops"):  # torch 2.15 adds device=
+            module.get_device_tflops = lambda *a, **k: 400.0
     if hasattr(scheduling, "estimate_runtime_analytical"):
         scheduling.estimate_runtime_analytical = _estimate
     inductor_config.aten_distributed_optimizations.custom_runtime_estimation = _estimate

@@ -65,6 +65,13 @@ def _exit_on_rank1(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _abort_on_rank1(rank: int, world_size: int) -> None:
+    """A native crash mid-work, as glibc's "double free or corruption" abort would cause."""
+    if rank == 1:
+        os.abort()
+    dist.barrier()
+
+
 def _crash_in_teardown_on_rank1(rank: int, world_size: int, how: str) -> int:
     """Returns normally; rank 1 then dies while its interpreter exits (atexit)."""
     if rank == 1:
@@ -165,6 +172,18 @@ def test_rank_that_exits_without_reporting_is_named_with_its_exit_code():
     assert "rank 1" in message
     assert "exit code 3" in message
     assert info.value.rank == 1
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_by_a_signal_prints_where_it_died(capfd):
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_abort_on_rank1, 2, timeout=30)
+
+    assert info.value.rank == 1 and "SIGABRT" in str(info.value), str(info.value)
+    # faulthandler in the rank: its Python stack at the crash reaches the parent's stderr
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "_abort_on_rank1" in err, err[-2000:]
     assert multiprocessing.active_children() == []
 
 
