@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import os
 
 import torch
 from torch import nn
@@ -50,7 +51,7 @@ def convert_to_float8(model: nn.Module, config: Float8Config) -> list[str]:
     Raises:
         ConfigError: A ``config.exclude`` pattern matches no ``Linear`` layer, no
             layer is eligible (float8 would do nothing), or ``config.recipe`` cannot run
-            on the model's device (row-wise scaling on a CPU torch without it).
+            on the model's device (no float8 matmul there, or no row-wise scaling).
     """
     ao = require("torchao.float8", feature="float8.enabled (torchao Float8 training)")
 
@@ -69,9 +70,8 @@ def convert_to_float8(model: nn.Module, config: Float8Config) -> list[str]:
             f"layers: {linears[:6]}). Fix: set float8.enabled: false."
         )
     ao_config = ao.Float8LinearConfig.from_recipe_name(config.recipe)
-    if config.recipe != "tensorwise":
-        first = model.get_submodule(chosen[0]).weight
-        _check_recipe_runs(ao, ao_config, config.recipe, first.device, first.dtype)
+    first = model.get_submodule(chosen[0]).weight
+    _check_recipe_runs(ao, ao_config, config.recipe, first.device, first.dtype)
     if config.fsdp_all_gather:
         ao_config = dataclasses.replace(ao_config, enable_fsdp_float8_all_gather=True)
     chosen_set = set(chosen)
@@ -85,17 +85,22 @@ def _check_recipe_runs(ao, ao_config, recipe: str, device: torch.device,
                        dtype: torch.dtype) -> None:
     """Runs one tiny ``Float8Linear`` of ``recipe`` forward and backward on ``device``.
 
-    Row-wise scaling needs a ``torch._scaled_mm`` with per-row scales: CUDA GPUs of
-    compute capability >= 8.9, and on CPU only some torch versions (2.15 has it, 2.11
-    fails with an internal assert "only supports per-tensor scaling for CPU backend").
-    Probing torchao's own layer finds that out at ``parallelize`` instead of at the first
-    training step. Meta tensors are not probed.
+    Every recipe needs ``torch._scaled_mm``: CUDA GPUs of compute capability >= 8.9; on
+    CPU, torch emulates it, or calls oneDNN where the CPU reports AMX, and oneDNN fails
+    when ``ONEDNN_MAX_CPU_ISA`` caps it below AMX ("could not create a primitive
+    descriptor for the matmul primitive"). Row-wise scaling also needs per-row scales,
+    which some CPU torch versions lack (2.15 has them, 2.11 fails with an internal assert
+    "only supports per-tensor scaling for CPU backend"). Probing torchao's own layer finds that out at
+    ``parallelize`` instead of at the first training step. Not probed: meta tensors, and
+    a CPU model on a machine with a GPU (it most likely trains there).
 
     Raises:
         ConfigError: The recipe cannot run on ``device``; names the cause and the fix.
     """
     if device.type == "meta":
         return
+    if device.type == "cpu" and torch.cuda.is_available():
+        return  # a CPU model on a GPU machine is most likely moved to the GPU to train
     probe = nn.Sequential(nn.Linear(16, 16, bias=False)).to(device=device, dtype=dtype)
     ao.convert_to_float8_training(probe, config=ao_config)
     try:
@@ -103,10 +108,21 @@ def _check_recipe_runs(ao, ao_config, recipe: str, device: torch.device,
             probe(torch.ones(16, 16, device=device, dtype=dtype)).sum().backward()
     except (RuntimeError, NotImplementedError, AssertionError) as exc:
         cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if recipe != "tensorwise":
+            fix = ("set float8.recipe: tensorwise, or train on a CUDA GPU of compute "
+                   "capability >= 8.9 (row-wise scaled matmul)")
+        elif device.type == "cpu" and os.environ.get("ONEDNN_MAX_CPU_ISA"):
+            fix = (f"torch's CPU float8 matmul runs in oneDNN on this AMX CPU, and "
+                   f"ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']} caps oneDNN below "
+                   "AMX: unset it (or set AVX512_CORE_AMX), or set float8.enabled: false")
+        elif device.type == "cpu":
+            fix = "set float8.enabled: false on this machine, or train on a CUDA GPU"
+        else:
+            fix = ("train on a GPU with float8 matmuls (CUDA compute capability >= 8.9), or "
+                   "set float8.enabled: false")
         raise ConfigError(
             f"float8.recipe: {recipe!r} cannot run on {device} with torch {torch.__version__}"
-            f" (torchao's Float8Linear fails: {cause}). Fix: set float8.recipe: tensorwise, "
-            "or train on a CUDA GPU of compute capability >= 8.9 (row-wise scaled matmul)."
+            f" (torchao's Float8Linear fails: {cause}). Fix: {fix}."
         ) from exc
 
 

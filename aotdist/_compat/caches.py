@@ -29,8 +29,8 @@ __all__ = [
 
 def autograd_cache_off() -> contextlib.AbstractContextManager:
     """A scope in which AOTAutograd's cache is neither read nor written
-    (``torch._functorch.config.enable_autograd_cache = False``; run on torch 2.11 and
-    2.14, not on 2.15). A hit in that cache skips the graph compiler, so a hook on the
+    (``torch._functorch.config.enable_autograd_cache = False``; run on torch 2.11, 2.14
+    and 2.15). A hit in that cache skips the graph compiler, so a hook on the
     compiler sees no graph; its key does not cover a custom ``inner_compile``. Where the
     key is missing: a no-op."""
     import torch._functorch.config as functorch_config

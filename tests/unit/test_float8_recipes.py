@@ -12,6 +12,10 @@ with axiswise scaling is not supported yet"): aotdist demotes it with a warning.
 from __future__ import annotations
 
 import copy
+import os
+import platform
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -62,6 +66,8 @@ def test_rowwise_recipe_trains_compiled_like_eager_or_is_refused(recipe):
     base = build_model("gpt", depth=2)
     float8 = {"enabled": True, "recipe": recipe, "exclude": ["head"]}
     failure = _torchao_failure(recipe)
+    if failure is not None and torch.cuda.is_available():
+        pytest.skip("a CPU model on a GPU machine is not probed: it most likely trains there")
     if failure is not None:  # this torch cannot run row-wise scaling on CPU
         model = copy.deepcopy(base)
         with pytest.raises(aotdist.ConfigError,
@@ -91,3 +97,41 @@ def test_rowwise_recipe_trains_compiled_like_eager_or_is_refused(recipe):
         got = model.state_dict()[key]
         torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-5, msg=lambda s, k=key: f"{k}: {s}")
         assert not torch.equal(got, initial[key]), f"{key} never trained: the test is vacuous"
+
+
+_NO_FP8_CPU = """
+import aotdist, torch
+from torchao.float8.float8_linear import Float8Linear
+from aotdist.testing import build_model
+model = build_model("gpt", depth=2)
+try:
+    aotdist.parallelize(model, config={"float8": {"enabled": True, "exclude": ["head"]},
+                                       "compile": {"backend": "aot_eager"}})
+except aotdist.ConfigError as exc:
+    print("REFUSED", exc)
+    print("TOUCHED", any(isinstance(m, Float8Linear) for m in model.modules()),
+          aotdist.parallelize_info(model) is not None)
+else:
+    print("ACCEPTED")
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or platform.machine() != "x86_64",
+                    reason="AMX and oneDNN's ISA cap: x86 Linux")
+def test_cpu_float8_matmul_that_fails_is_refused_at_parallelize(tmp_path):
+    # On a CPU with AMX torch runs float8 matmuls in oneDNN (elsewhere it emulates them);
+    # capped below AMX by ONEDNN_MAX_CPU_ISA, oneDNN fails at the first step ("could not
+    # create a primitive descriptor"). parallelize must refuse first, naming the cause and
+    # the fix.
+    pytest.importorskip("torchao.float8")
+    with open("/proc/cpuinfo") as f:
+        if "amx_int8" not in f.read():
+            pytest.skip("no AMX: torch emulates the float8 matmul, which always runs")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", _NO_FP8_CPU], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED float8.recipe: 'tensorwise' cannot run on cpu" in out.stdout, out.stdout
+    assert "ONEDNN_MAX_CPU_ISA=AVX2 caps oneDNN below AMX" in out.stdout, out.stdout
+    assert "float8.enabled: false" in out.stdout
+    assert "TOUCHED False False" in out.stdout  # the model is left as it was
