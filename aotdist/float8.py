@@ -90,9 +90,9 @@ def _check_recipe_runs(ao, ao_config, recipe: str, device: torch.device,
     when ``ONEDNN_MAX_CPU_ISA`` caps it below AMX ("could not create a primitive
     descriptor for the matmul primitive"). Row-wise scaling also needs per-row scales,
     which some CPU torch versions lack (2.15 has them, 2.11 fails with an internal assert
-    "only supports per-tensor scaling for CPU backend"). Probing torchao's own layer finds that out at
-    ``parallelize`` instead of at the first training step. Not probed: meta tensors, and
-    a CPU model on a machine with a GPU (it most likely trains there).
+    "only supports per-tensor scaling for CPU backend"). Probing torchao's own layer finds
+    that out at ``parallelize`` instead of at the first training step. Not probed: meta
+    tensors, and a CPU model on a machine with a GPU (it most likely trains there).
 
     Raises:
         ConfigError: The recipe cannot run on ``device``; names the cause and the fix.

@@ -277,7 +277,8 @@ class _Run:
             rank = next(iter(deaths))
             primary = (
                 f"rank {rank} of {self.world_size} {_exit_text(deaths[rank])} without "
-                f"reporting a result from {self.name} (its stderr, above, may say why: a native crash prints its Python stack there)"
+                f"reporting a result from {self.name} (its stderr, above, may say why: "
+                "a native crash prints its Python stack there)"
             )
         else:
             rank = next(iter(self.errors))
