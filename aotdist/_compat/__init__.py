@@ -30,6 +30,7 @@ from aotdist._compat.caches import (
     inductor_cache_dir,
     isa_probe_keys,
     merge_mega_cache,
+    remembered_isa_loads,
     wrap_fx_graph_cache,
 )
 from aotdist._compat.codes import (
@@ -125,6 +126,7 @@ __all__ = [
     "lookup_backend",
     "mark_accelerate_prepared",
     "merge_mega_cache",
+    "remembered_isa_loads",
     "named_backend_wrapper",
     "optimized_module_type",
     "root_call_function",

@@ -20,6 +20,7 @@ __all__ = [
     "inductor_cache_dir",
     "isa_probe_keys",
     "merge_mega_cache",
+    "remembered_isa_loads",
     "wrap_fx_graph_cache",
 ]
 
@@ -125,8 +126,8 @@ def isa_probe_keys(root: str) -> set[str]:
     """Keys of the vector-ISA probe programs built in the Inductor cache dir ``root``: the
     ``<key>.cpp`` files that define one of ``torch._inductor.cpu_vec_isa``'s
     ``__*_chk_kernel`` functions (AVX2/AVX512 and the bf16, VNNI and AMX checks), plus
-    the keys with a ``<key>.so.load_ok`` marker (torch 2.11, 2.15; 2.11 writes no
-    markers)."""
+    the keys with a ``<key>.so.load_ok`` marker (torch 2.11, 2.15; 2.11 writes markers
+    only inside :func:`remembered_isa_loads`)."""
     keys: set[str] = set()
     for sub in os.listdir(root) if os.path.isdir(root) else ():
         folder = os.path.join(root, sub)
@@ -140,6 +141,71 @@ def isa_probe_keys(root: str) -> set[str]:
                     if _PROBE_SYMBOL in fh.read():
                         keys.add(name[:-4])
     return keys
+
+
+def _probe_library(isa: Any, code: str) -> str | None:
+    """The ``.so`` path ``VecISA.check_build(isa, code)`` builds and loads (``None`` where
+    this torch computes it differently): the same calls as that method."""
+    try:
+        from torch._inductor.codecache import write
+        from torch._inductor.cpp_builder import (
+            CppBuilder,
+            CppTorchOptions,
+            normalize_path_separator,
+        )
+        from torch._inductor.cpu_vec_isa import _get_isa_dry_compile_fingerprint
+
+        # torch 2.11 keys the probe by ``_arch_flags``, which its AVX512 and AMX checks
+        # extend while they run (bf16, fp16); ``build_arch_flags()`` would not say so.
+        flags = getattr(isa, "_arch_flags", None)
+        flags = isa.build_arch_flags() if flags is None else flags
+        key, source = write(code, "cpp", extra=_get_isa_dry_compile_fingerprint(flags))
+        builder = CppBuilder(key, [source], CppTorchOptions(vec_isa=isa, warning_all=False),
+                             os.path.dirname(source))
+        return normalize_path_separator(builder.get_target_file_path())
+    except Exception:  # noqa: BLE001 - another torch: its own check runs unchanged
+        return None
+
+
+@contextlib.contextmanager
+def remembered_isa_loads():
+    """A scope in which Inductor's CPU vector-ISA load check is remembered across
+    processes, as torch 2.14 and later do themselves.
+
+    Before its first CPU kernel, Inductor builds a probe library per vector ISA and loads
+    each in a child Python (which imports torch: 1-2 s each, about 8 per process on a
+    2-core machine). torch 2.14+ skip the child once a ``<probe>.so.load_ok`` marker sits
+    beside the library; torch 2.11 starts it in every process, a warm start included.
+    On a torch whose ``VecISA.check_build`` writes no marker, this scope wraps it: a
+    library with its marker passes, and a check that passes writes the marker, the same
+    file the newer torch writes (the cache bundle carries it to machines with the same
+    CPU only). A check that fails writes nothing. Checked on torch 2.11 (wraps) and 2.15
+    (torch remembers; a no-op).
+    """
+    cls = attr("torch._inductor.cpu_vec_isa", "VecISA")
+    check = vars(cls).get("check_build") if cls is not None else None
+    torch_remembers = ".load_ok" in getattr(getattr(check, "__code__", None), "co_consts", ())
+    if check is None or torch_remembers or getattr(check, "_aotdist_remembers", False):
+        yield
+        return
+
+    def check_build(self, code: str) -> bool:
+        library = _probe_library(self, code)
+        marker = library + PROBE_LOAD_MARKER[3:] if library else None
+        if marker and os.path.isfile(library) and os.path.isfile(marker):
+            return True
+        passed = check(self, code)
+        if passed and marker and os.path.isfile(library):
+            with contextlib.suppress(OSError), open(marker, "w"):
+                pass
+        return passed
+
+    check_build._aotdist_remembers = True
+    cls.check_build = check_build
+    try:
+        yield
+    finally:
+        cls.check_build = check
 
 
 def merge_mega_cache(saved: bytes) -> bytes:

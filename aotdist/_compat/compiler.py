@@ -226,12 +226,16 @@ def import_compiler_stack() -> None:
 def probe_cpu_isa() -> bool:
     """Runs Inductor's CPU vector-ISA probes now (``torch._inductor.cpu_vec_isa.
     pick_vec_isa``, torch 2.11, 2.15): a few small C++ builds and loads, once per process
-    and Inductor cache dir, which the first CPU kernel would otherwise run. Returns
+    and Inductor cache dir, which the first CPU kernel would otherwise run (a passed load
+    check remembered: :func:`~aotdist._compat.caches.remembered_isa_loads`). Returns
     whether this torch has the probe function."""
+    from aotdist._compat.caches import remembered_isa_loads
+
     fn = attr("torch._inductor.cpu_vec_isa", "pick_vec_isa")
     if fn is None:
         return False
-    fn()
+    with remembered_isa_loads():
+        fn()
     return True
 
 

@@ -161,7 +161,10 @@ class RecordingBackend:
         # Regions recompute norm statistics rather than save them (docs/internals.md).
         regions = bool(record.call_sites) or record.standalone is not None
         try:
-            with _compat.recomputable_reductions() if regions else contextlib.nullcontext():
+            # A passed CPU vector-ISA load check is remembered across processes (torch
+            # 2.11 would start a Python per ISA in every process, warm starts included).
+            with (_compat.recomputable_reductions() if regions else contextlib.nullcontext(),
+                  _compat.remembered_isa_loads()):
                 compiled = self._compile(gm, example_inputs)
         except Exception as exc:
             failing = _regions_named_in(exc, node_regions)

@@ -65,8 +65,9 @@ def isa_probe_files() -> dict[str, bytes]:
 
     Before its first CPU kernel, Inductor compiles a few small C++ programs to learn which
     vector ISA this CPU runs, once per cache dir, and then loads each in a child Python
-    (torch 2.15 remembers a success in a ``<key>.so.load_ok`` marker, 2.11 loads again in
-    every process; costs: docs/internals.md). The probes' ``.so`` files travel with the
+    (a success is remembered in a ``<key>.so.load_ok`` marker: by torch 2.14+ itself, on
+    2.11 by :func:`aotdist._compat.remembered_isa_loads` while aotdist compiles; costs:
+    docs/internals.md). The probes' ``.so`` files travel with the
     bundle. Their markers travel too, with this machine's
     :func:`cpu_signature` (entry :data:`CPU_ENTRY`): :func:`install` writes them only on
     a machine with the same signature, so a CPU without that ISA still runs the probe and

@@ -259,22 +259,61 @@ def test_isa_probe_load_markers_are_installed_only_on_the_same_cpu(tmp_path, mon
         assert not (root / "aotdist").exists()  # the signature entry is no cache file
 
 
+@pytest.mark.inductor
+def test_a_passed_isa_load_check_is_remembered_and_a_failed_one_is_not(tmp_path, monkeypatch):
+    """Inductor loads each CPU vector-ISA probe in a child Python; a passed load leaves a
+    ``.so.load_ok`` marker that later checks (other processes) trust, on every torch
+    (2.11 through aotdist's scope, 2.14+ natively). A failed load leaves none."""
+    import subprocess
+
+    import torch._inductor.cpu_vec_isa as cpu_vec_isa
+
+    from aotdist import _compat
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    if not isa:
+        pytest.skip("Inductor finds no vector ISA on this CPU")
+    code, original = cpu_vec_isa.VecISA._avx_code, cpu_vec_isa.VecISA.check_build
+    real = {name: getattr(subprocess, name) for name in ("check_call", "run")}
+
+    def children(behaviour):
+        for name in real:
+            monkeypatch.setattr(subprocess, name, behaviour or real[name])
+
+    def fail(cmd, *args, **kwargs):
+        raise subprocess.CalledProcessError(1, cmd)
+
+    def forbidden(cmd, *args, **kwargs):
+        raise AssertionError(f"a child process was started: {cmd}")
+
+    for n, first in enumerate([fail, None]):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / str(n)))
+        with _compat.remembered_isa_loads():
+            children(first)
+            assert isa.check_build(code) == (first is None)
+            markers = list((tmp_path / str(n)).glob("*/*.so.load_ok"))
+            assert len(markers) == (first is None), markers
+            children(forbidden)  # a second process: the marker alone decides
+            assert isa.check_build(code) == (first is None)
+    assert cpu_vec_isa.VecISA.check_build is original
+
+
 _WARM_CHILD = r"""
 import json, os, sys, torch
 import torch._inductor.cpp_builder as cb
-import torch._inductor.cpu_vec_isa as isa
+import subprocess
 builds, probes = [], []
 build = cb.CppBuilder.build
 def counted_build(self, *a, **k):
     builds.append(os.path.basename(self.get_target_file_path()))
     return build(self, *a, **k)
 cb.CppBuilder.build = counted_build
-if hasattr(isa.VecISA, "_probe_load"):  # torch 2.15; 2.11 loads probes inline, every time
-    probe = isa.VecISA._probe_load
-    def counted_probe(self, path):
-        probes.append(path)
-        return probe(self, path)
-    isa.VecISA._probe_load = counted_probe
+for name in ("check_call", "run"):  # a probe's load check: a child Python (2.11 and 2.15)
+    def counted(cmd, *a, _real=getattr(subprocess, name), **k):
+        if isinstance(cmd, list) and "LoadLibrary" in " ".join(map(str, cmd)):
+            probes.append(cmd)
+        return _real(cmd, *a, **k)
+    setattr(subprocess, name, counted)
 import aotdist, aotdist.cache
 from aotdist.testing import build_model, example_inputs
 torch.manual_seed(0)
@@ -287,7 +326,7 @@ loss.backward()
 aotdist.cache.save(model)
 load = vars(model)[aotdist.cache.STATE_ATTR]["load"]
 print(json.dumps({"builds": builds, "probes": len(probes), "status": str(load.status),
-                  "loss": loss.item(), "can_count_probes": hasattr(isa.VecISA, "_probe_load")}))
+                  "loss": loss.item()}))
 """
 
 
@@ -313,6 +352,5 @@ def test_warm_start_runs_no_cpp_compiler_and_no_isa_probe(tmp_path):
     assert cold["status"] == "missing" and warm["status"] == "loaded", (cold, warm)
     assert len(cold["builds"]) > 5  # it compiled kernels and probes: there was work to skip
     assert [b for b in warm["builds"] if not b.endswith(".i")] == [], warm  # .i: a header
-    if warm["can_count_probes"]:
-        assert cold["probes"] > 0 and warm["probes"] == 0, (cold, warm)
+    assert cold["probes"] > 0 and warm["probes"] == 0, (cold, warm)
     assert warm["loss"] == cold["loss"]
