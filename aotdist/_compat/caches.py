@@ -191,7 +191,7 @@ def remembered_isa_loads():
 
     def check_build(self, code: str) -> bool:
         library = _probe_library(self, code)
-        marker = library + PROBE_LOAD_MARKER[3:] if library else None
+        marker = os.path.splitext(library)[0] + PROBE_LOAD_MARKER if library else None
         if marker and os.path.isfile(library) and os.path.isfile(marker):
             return True
         passed = check(self, code)
