@@ -120,4 +120,9 @@ def main(argv: list[str] | None = None) -> list[float]:
 
 
 if __name__ == "__main__":
+    from aotdist.launch import exit_without_teardown
+
     main()
+    # Exit without interpreter teardown: torch's gloo worker threads can abort it (SIGABRT)
+    # after a run that succeeded (docs/guide/limits.md).
+    exit_without_teardown()

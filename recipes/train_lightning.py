@@ -115,4 +115,9 @@ def main(args: list[str] | None = None) -> LightningCLI:
 
 
 if __name__ == "__main__":
+    from aotdist.launch import exit_without_teardown
+
     main()
+    # Exit without interpreter teardown: torch's gloo worker threads can abort it (SIGABRT)
+    # after a run that succeeded (docs/guide/limits.md).
+    exit_without_teardown()

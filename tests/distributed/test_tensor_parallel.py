@@ -27,6 +27,9 @@ DEPTH = 2
 STEPS = 3
 LR = 0.5
 AOT = {"compile": {"backend": "aot_eager"}}
+# Lightning's default_root_dir for runs that write nothing we read: never the repository,
+# and removed when this process exits (mkdtemp alone left one folder per run behind).
+_SCRATCH = tempfile.TemporaryDirectory(prefix="aotdist-test-pl-")
 
 
 def _llama():
@@ -176,7 +179,7 @@ def _lightning(rank: int) -> dict:
             callbacks=[RegionalCompile(AOT)], enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
             use_distributed_sampler=False,
-            default_root_dir=tempfile.mkdtemp(prefix="aotdist-test-pl-"))
+            default_root_dir=tempfile.mkdtemp(dir=_SCRATCH.name))
         dp_rank = rank // 2  # Lightning's mesh: (data_parallel, tensor_parallel), row-major
         loader = torch.utils.data.DataLoader(DataParallelSlices(dp_rank), batch_size=None)
         trainer.fit(module, loader)

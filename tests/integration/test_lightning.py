@@ -30,6 +30,9 @@ from aotdist.testing import build_model, example_inputs, run_distributed
 ROOT = Path(__file__).resolve().parents[2]
 DEPTH = 3
 AOT = {"compile": {"backend": "aot_eager"}}
+# Lightning's default_root_dir for runs that write nothing we read: never the repository,
+# and removed when this process exits (mkdtemp alone left one folder per run behind).
+_SCRATCH = tempfile.TemporaryDirectory(prefix="aotdist-test-pl-")
 FLOAT8 = {"enabled": True, "exclude": ["head"], "fsdp_all_gather": True}
 
 
@@ -161,7 +164,7 @@ def _fit(module, callbacks, *, strategy="auto", devices=1, max_steps=4, max_epoc
         enable_checkpointing=default_root_dir is not None, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, precision=precision,
         # never the repository: Lightning writes lightning_logs/ there by default
-        default_root_dir=default_root_dir or tempfile.mkdtemp(prefix="aotdist-test-pl-"),
+        default_root_dir=default_root_dir or tempfile.mkdtemp(dir=_SCRATCH.name),
     )
     trainer.fit(module, _loader(batch_size, samples), ckpt_path=ckpt_path)
     return trainer, logger
@@ -203,7 +206,7 @@ def test_single_process_matches_eager_and_logs_metrics():
         got = run(module, _loader(4, 8), verbose=False)[0][key]
         want = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
                           enable_model_summary=False, default_root_dir=tempfile.mkdtemp(
-                              prefix="aotdist-test-pl-"))
+                              dir=_SCRATCH.name))
         expected = getattr(want, run.__name__)(ref, _loader(4, 8), verbose=False)[0][key]
         assert got == pytest.approx(expected, rel=1e-5), run.__name__
     assert trainer.callbacks[0].applied is cb.applied and cb.applied.target is module.model
@@ -521,7 +524,7 @@ def _llama_model_parallel_runs(rank: int, world_size: int):
                                                tensor_parallel_size=1),
                 callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
                 enable_model_summary=False, num_sanity_val_steps=0,
-                default_root_dir=tempfile.mkdtemp(prefix="aotdist-test-pl-"))
+                default_root_dir=tempfile.mkdtemp(dir=_SCRATCH.name))
             trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
         out[name] = {"losses": module.losses, "params": _params(module),
                      "logged": logger.merged(),
