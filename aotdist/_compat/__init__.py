@@ -31,6 +31,7 @@ from aotdist._compat.caches import (
     isa_probe_keys,
     merge_mega_cache,
     remembered_isa_loads,
+    rerooted_autotune_lookups,
     wrap_fx_graph_cache,
 )
 from aotdist._compat.codes import (
@@ -103,6 +104,7 @@ __all__ = [
     "probe_cpu_isa",
     "recomputable_reductions",
     "remembered_isa_loads",
+    "rerooted_autotune_lookups",
     "cpp_code_cache_keys",
     "current_frame_locals",
     "custom_graph_pass_base",

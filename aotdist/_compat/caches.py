@@ -21,6 +21,7 @@ __all__ = [
     "isa_probe_keys",
     "merge_mega_cache",
     "remembered_isa_loads",
+    "rerooted_autotune_lookups",
     "wrap_fx_graph_cache",
 ]
 
@@ -206,6 +207,54 @@ def remembered_isa_loads():
         yield
     finally:
         cls.check_build = check
+
+
+@contextlib.contextmanager
+def rerooted_autotune_lookups():
+    """A scope in which a Triton kernel loaded from a cache entry looks up its autotuning
+    result in this process's Inductor cache dir, not in the dir of the run that saved it.
+
+    An FX graph cache entry carries its Triton kernels as pickled ``CachingAutotuner``s
+    whose ``filename`` is the kernel's path in the saving run's cache dir. Loading one,
+    ``recheck_autotune_cache`` reads the best config from ``dirname(filename)``; torch
+    re-roots the kernel's binary (``reload_cubin_path``) but not that path. So a bundle
+    loaded under another cache dir (another machine's, or a temporary one) misses the
+    autotuning result the Mega-Cache installed under this one, benchmarks every config
+    again, and writes the result back under the old path. This scope re-roots
+    ``filename`` to ``<cache dir>/<its folder>/<its name>``, where the Mega-Cache installs
+    it (``AutotuneCacheArtifact.populate_cache``). Checked on torch 2.11, 2.14 and 2.15
+    (the same code there); a no-op where the method is missing.
+    """
+    cls = attr("torch._inductor.runtime.triton_heuristics", "CachingAutotuner")
+    recheck = vars(cls).get("recheck_autotune_cache") if cls is not None else None
+    if recheck is None or getattr(recheck, "_aotdist_reroots", False):
+        yield
+        return
+
+    def recheck_autotune_cache(self, *args, **kwargs):
+        reroot_kernel_file(self)
+        return recheck(self, *args, **kwargs)
+
+    recheck_autotune_cache._aotdist_reroots = True
+    cls.recheck_autotune_cache = recheck_autotune_cache
+    try:
+        yield
+    finally:
+        cls.recheck_autotune_cache = recheck
+
+
+def reroot_kernel_file(kernel: Any) -> None:
+    """Moves ``kernel.filename`` under this process's Inductor cache dir (its last two
+    path parts kept) when it points elsewhere; see :func:`rerooted_autotune_lookups`."""
+    filename = getattr(kernel, "filename", None)
+    if not isinstance(filename, str) or not filename:
+        return
+    root = os.path.abspath(inductor_cache_dir())
+    path = os.path.abspath(filename)
+    if os.path.commonpath([root, path]) == root:
+        return
+    folder, name = os.path.split(path)
+    kernel.filename = os.path.join(root, os.path.basename(folder), name)
 
 
 def merge_mega_cache(saved: bytes) -> bytes:

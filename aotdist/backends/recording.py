@@ -162,9 +162,10 @@ class RecordingBackend:
         regions = bool(record.call_sites) or record.standalone is not None
         try:
             # A passed CPU vector-ISA load check is remembered across processes (torch
-            # 2.11 would start a Python per ISA in every process, warm starts included).
+            # 2.11 would start a Python per ISA in every process, warm starts included);
+            # Triton kernels from a cache entry find their autotuning under this cache dir.
             with (_compat.recomputable_reductions() if regions else contextlib.nullcontext(),
-                  _compat.remembered_isa_loads()):
+                  _compat.remembered_isa_loads(), _compat.rerooted_autotune_lookups()):
                 compiled = self._compile(gm, example_inputs)
         except Exception as exc:
             failing = _regions_named_in(exc, node_regions)
