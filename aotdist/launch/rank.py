@@ -2,7 +2,7 @@
 
 Sets the ``torch.distributed`` environment, dies with its parent, initializes the process
 group, runs the function and reports the result (pickled) or the traceback, then leaves
-without interpreter teardown.
+without interpreter finalization (``atexit`` handlers still run unless ``skip_teardown``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from aotdist.launch.teardown import exit_without_teardown
 
 __all__ = ["rank_main"]
 
@@ -94,12 +96,16 @@ def rank_main(
     sys.stderr.flush()
     if skip_teardown:
         # Opt-in (run_distributed(skip_teardown=True)): the report is delivered and the
-        # group closed, so leave without interpreter teardown. With torch 2.15, C++
+        # group closed, so leave at once, without atexit handlers either. With torch 2.15,
         # teardown after Inductor compiled in the process can abort ("terminate called
         # without an active exception", SIGABRT) although the work succeeded; seen once in
-        # CI-like runs of the cache tests. Otherwise the process exits normally, and a
-        # crash in teardown (atexit, C++ destructors) shows in its exit code.
+        # CI-like runs of the cache tests.
         os._exit(0)
+    # Otherwise leave as interpreter exit would up to finalization: atexit handlers run,
+    # so a crash there shows in the exit code; finalization is skipped, where a gloo
+    # worker thread still releasing a collective's tensors aborts the process (torch's,
+    # on every supported release; aotdist.launch.teardown).
+    exit_without_teardown(0)
 
 
 def _run_fn(

@@ -80,10 +80,10 @@ def run_distributed(
         backend: The ``torch.distributed`` backend, ``"gloo"`` or ``"nccl"``.
         timeout: Seconds for the whole run, start-up included; also the process
             group's collective timeout.
-        skip_teardown: After reporting, leave each rank with ``os._exit(0)`` instead of a
-            normal interpreter exit. Only for work that hits a known torch teardown crash
-            (torch 2.15: an abort in C++ teardown after Inductor compiled in the process);
-            by default a rank that crashes while exiting fails the run.
+        skip_teardown: After reporting, leave each rank with ``os._exit(0)`` at once, its
+            ``atexit`` handlers skipped too. By default a rank runs them and then leaves
+            without interpreter finalization (``exit_without_teardown``: torch's gloo
+            worker threads can abort it), and a rank that crashes in them fails the run.
         **kwargs: Passed to ``fn``; must be picklable. ``backend``, ``timeout`` and
             ``skip_teardown`` are taken by this function and never reach ``fn``.
 
