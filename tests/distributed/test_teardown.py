@@ -35,7 +35,7 @@ print("trained", flush=True)
 
 def _run(code: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=60)
 
 
 def test_a_gloo_process_with_collectives_in_flight_exits_zero(tmp_path: Path):
@@ -65,6 +65,24 @@ def test_exit_keeps_the_exit_code_threads_atexit_handlers_and_buffered_output():
     proc = _run(code)
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout == "buffered thread done\natexit ran\n"
+
+
+def test_exit_shuts_down_a_process_pool_like_interpreter_exit():
+    """concurrent.futures shuts its executors down from threading's exit hooks, before
+    the atexit handlers; without them multiprocessing's atexit handler waits for the
+    pool's workers forever (this hung the ranks of a graph-mode FSDP test)."""
+    code = textwrap.dedent("""
+        import concurrent.futures, operator
+        from aotdist.launch import exit_without_teardown
+
+        if __name__ == "__main__":
+            pool = concurrent.futures.ProcessPoolExecutor(2)
+            print(pool.submit(operator.add, 1, 1).result(), flush=True)
+            exit_without_teardown()
+    """)
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "2\n"
 
 
 @pytest.mark.parametrize("code", [True, "0", 1.0])
