@@ -232,7 +232,7 @@ def rerooted_autotune_lookups():
         return
 
     def recheck_autotune_cache(self, *args, **kwargs):
-        reroot_kernel_file(self)
+        _reroot_kernel_file(self)
         return recheck(self, *args, **kwargs)
 
     recheck_autotune_cache._aotdist_reroots = True
@@ -243,7 +243,7 @@ def rerooted_autotune_lookups():
         cls.recheck_autotune_cache = recheck
 
 
-def reroot_kernel_file(kernel: Any) -> None:
+def _reroot_kernel_file(kernel: Any) -> None:
     """Moves ``kernel.filename`` under this process's Inductor cache dir (its last two
     path parts kept) when it points elsewhere; see :func:`rerooted_autotune_lookups`."""
     filename = getattr(kernel, "filename", None)
