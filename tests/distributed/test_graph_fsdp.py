@@ -412,6 +412,47 @@ def _overlap_on_cpu(rank: int, world_size: int):
     return out
 
 
+def _native_crash(exc: Exception) -> bool:
+    """A rank killed by a signal, or ranks that never finished: not a Python error."""
+    from aotdist.errors import DistributedTimeoutError
+
+    return isinstance(exc, DistributedTimeoutError) or "was killed by SIG" in str(exc)
+
+
+def _run_overlap_emulation():
+    """Runs :func:`_overlap_on_cpu`, and once more after a native crash or a hang.
+
+    The emulation (gloo collectives in Inductor's CPU code, scheduled for a GPU) rarely
+    dies inside torch: seen once in a 2.11 CI run (both ranks waiting forever on a
+    reduce-scatter in the backward) and once in 26 loaded runs here (a rank's segfault in
+    an all-gather of its first forward). No aotdist frame was on either stack, and the
+    graphs were the same code as in the passing runs. A rank that raises (a wrong loss,
+    a NaN, a recompile error) is never retried, and a crash that comes back fails.
+    """
+    import warnings
+
+    from aotdist.errors import DistributedTestError
+
+    try:
+        return run_distributed(_overlap_on_cpu, 2, timeout=300)
+    except DistributedTestError as exc:
+        if not _native_crash(exc):
+            raise
+        warnings.warn("overlap emulation: a native crash or hang, retrying once: "
+                      + str(exc).splitlines()[0], stacklevel=2)
+    return run_distributed(_overlap_on_cpu, 2, timeout=300)
+
+
+def test_only_native_crashes_are_retried():
+    from aotdist.errors import DistributedTestError, DistributedTimeoutError
+
+    assert _native_crash(DistributedTestError(
+        "rank 1 of 2 was killed by SIGSEGV (exit code -11) without reporting a result"))
+    assert _native_crash(DistributedTimeoutError("timed out after 300 s", [0, 1]))
+    assert not _native_crash(DistributedTestError(
+        "rank 0 of 2 failed in _overlap_on_cpu:\nAssertionError: nan loss", rank=0))
+
+
 @pytest.mark.slow
 @pytest.mark.inductor
 def test_overlap_scheduler_matches_eager():
@@ -421,7 +462,7 @@ def test_overlap_scheduler_matches_eager():
     their writes: NaN losses here, 30x too high on one H100 rank. With torch 2.14's own
     FSDP pre-bucketing on, the two ranks issued all-gathers of different sizes (gloo
     aborts: "Received data size doesn't match expected size")."""
-    rank0, _ = run_distributed(_overlap_on_cpu, 2, timeout=580)
+    rank0, _ = _run_overlap_emulation()
     assert rank0["scheduled"] > 0, "the overlap scheduler never ran"
     ref_losses, ref_params, _ = _reference("graph", 2)
     torch.testing.assert_close(torch.tensor(rank0["losses"]), torch.tensor(ref_losses),
