@@ -424,10 +424,11 @@ def _run_overlap_emulation():
 
     The emulation (gloo collectives in Inductor's CPU code, scheduled for a GPU) rarely
     dies inside torch: seen once in a 2.11 CI run (both ranks waiting forever on a
-    reduce-scatter in the backward) and once in 26 loaded runs here (a rank's segfault in
-    an all-gather of its first forward). No aotdist frame was on either stack, and the
-    graphs were the same code as in the passing runs. A rank that raises (a wrong loss,
-    a NaN, a recompile error) is never retried, and a crash that comes back fails.
+    reduce-scatter in the backward) and once in 57 runs here on 2.11, 42 of them with the
+    CPU loaded (a rank's segfault in an all-gather of its first forward). No aotdist frame
+    was on either stack, and the graphs were the same code as in the passing runs. A rank
+    that raises (a wrong loss, a NaN, a recompile error) is never retried, and a crash
+    that comes back fails.
     """
     import warnings
 
