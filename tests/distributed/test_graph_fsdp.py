@@ -435,13 +435,13 @@ def _run_overlap_emulation():
     from aotdist.errors import DistributedTestError
 
     try:
-        return run_distributed(_overlap_on_cpu, 2, timeout=300)
+        return run_distributed(_overlap_on_cpu, 2, timeout=240)
     except DistributedTestError as exc:
         if not _native_crash(exc):
             raise
         warnings.warn("overlap emulation: a native crash or hang, retrying once: "
                       + str(exc).splitlines()[0], stacklevel=2)
-    return run_distributed(_overlap_on_cpu, 2, timeout=300)
+    return run_distributed(_overlap_on_cpu, 2, timeout=240)
 
 
 def test_only_native_crashes_are_retried():
