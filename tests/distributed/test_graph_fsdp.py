@@ -446,9 +446,10 @@ def _run_overlap_emulation():
 
 def test_only_native_crashes_are_retried():
     from aotdist.errors import DistributedTestError, DistributedTimeoutError
+    from aotdist.launch.runner import _exit_text  # the runner's own words for a signal
 
-    assert _native_crash(DistributedTestError(
-        "rank 1 of 2 was killed by SIGSEGV (exit code -11) without reporting a result"))
+    assert _native_crash(DistributedTestError(f"rank 1 of 2 {_exit_text(-11)} without "
+                                              "reporting a result"))
     assert _native_crash(DistributedTimeoutError("timed out after 300 s", [0, 1]))
     assert not _native_crash(DistributedTestError(
         "rank 0 of 2 failed in _overlap_on_cpu:\nAssertionError: nan loss", rank=0))
