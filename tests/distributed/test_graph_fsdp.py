@@ -444,15 +444,41 @@ def _run_overlap_emulation():
     return run_distributed(_overlap_on_cpu, 2, timeout=240)
 
 
-def test_only_native_crashes_are_retried():
+def test_only_native_crashes_are_retried(monkeypatch):
     from aotdist.errors import DistributedTestError, DistributedTimeoutError
     from aotdist.launch.runner import _exit_text  # the runner's own words for a signal
 
-    assert _native_crash(DistributedTestError(f"rank 1 of 2 {_exit_text(-11)} without "
-                                              "reporting a result"))
-    assert _native_crash(DistributedTimeoutError("timed out after 300 s", [0, 1]))
-    assert not _native_crash(DistributedTestError(
-        "rank 0 of 2 failed in _overlap_on_cpu:\nAssertionError: nan loss", rank=0))
+    segfault = DistributedTestError(f"rank 1 of 2 {_exit_text(-11)} without reporting a result")
+    hang = DistributedTimeoutError("timed out after 240 s", [0, 1])
+    raised = DistributedTestError("rank 0 of 2 failed in _overlap_on_cpu:\nAssertionError: nan",
+                                  rank=0)
+
+    def runner(*outcomes):
+        calls = []
+
+        def run(fn, world_size, timeout):
+            calls.append(timeout)
+            outcome = outcomes[len(calls) - 1]
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        monkeypatch.setattr(__import__(__name__), "run_distributed", run)
+        return calls
+
+    for crash in (segfault, hang):  # once: retried with a warning, the second run counts
+        calls = runner(crash, ("rank0", "rank1"))
+        with pytest.warns(UserWarning, match="native crash or hang"):
+            assert _run_overlap_emulation() == ("rank0", "rank1")
+        assert len(calls) == 2
+    calls = runner(segfault, segfault)  # twice: fails
+    with pytest.warns(UserWarning), pytest.raises(DistributedTestError, match="SIGSEGV"):
+        _run_overlap_emulation()
+    assert len(calls) == 2
+    calls = runner(raised, ("rank0", "rank1"))  # a Python error: never retried
+    with pytest.raises(DistributedTestError, match="AssertionError"):
+        _run_overlap_emulation()
+    assert len(calls) == 1
 
 
 @pytest.mark.slow
