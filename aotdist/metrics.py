@@ -65,6 +65,10 @@ class CompileMetrics:
     # "graph": one whole-model graph calling region subgraphs; "frames": each region its
     # own compiled graph (under FSDP2); "" when no aotdist model was tracked
     mode: CompileMode | str = ""
+    # the window ran a whole-model graph loaded from the cache bundle (no trace); calls
+    # its guards did not cover (each compiled as usual), with the failing guard
+    precompiled: bool = False
+    precompile_misses: list[str] = field(default_factory=list)
 
     @property
     def num_graph_breaks(self) -> int:
@@ -84,7 +88,8 @@ class CompileMetrics:
             f"aot_autograd {_s(self.aot_autograd_seconds)}, backend {_s(self.backend_seconds)})"
             f" | frames {_n(self.frames_compiled)} | graphs {self.graphs} | "
             f"graph breaks {self.num_graph_breaks} | recompiles {len(self.recompiles)}"
-            + (f" | mode {self.mode}" if self.mode else ""),
+            + (f" | mode {self.mode}" if self.mode else "")
+            + (" | saved graph loaded" if self.precompiled else ""),
         ]
         for name, st in self.regions.items():
             extra = f", {st.inlined} inlined" if st.inlined else ""
@@ -108,6 +113,8 @@ class CompileMetrics:
             lines.append(f"  region {name} RAN EAGER: {why[:160]}")
         for name, why in self.reuse.items():
             lines.append(f"  region {name} reuse: {why[:160]}")
+        for why in self.precompile_misses:
+            lines.append(f"  saved graph missed: {why[:160]}")
         return "\n".join(lines)
 
 
@@ -167,6 +174,7 @@ class Tracker:
         if self._before is not None:
             raise RuntimeError("Tracker.start() called twice; call stop() first")
         self.metrics = CompileMetrics()
+        self._precompiled_calls = _precompiled_calls(self.model)
         self._before = ({id(m) for m in _compat.compilation_metrics() or []},
                         Counter(_compat.dynamo_counters("graph_break")),
                         Counter(_compat.dynamo_counters("unimplemented")),
@@ -197,6 +205,8 @@ class Tracker:
         if self.model is not None:
             records = [r for r in records if r.model_id == id(self.model)]
         metrics.graphs = len(records)
+        metrics.precompiled = (_precompiled_calls(self.model) > self._precompiled_calls
+                               or any(r.precompiled for r in records))
         _fill_regions(metrics, self.model, records)
         return metrics
 
@@ -218,6 +228,11 @@ def track(model: nn.Module | None = None) -> Iterator[CompileMetrics]:
         yield metrics
     finally:
         tracker.stop()
+
+
+def _precompiled_calls(model: nn.Module | None) -> int:
+    state = vars(model).get(STATE_ATTR) if model is not None else None
+    return getattr(getattr(state, "precompiled", None), "calls", 0)
 
 
 def _fill_times(metrics: CompileMetrics, entries: list) -> None:
@@ -261,6 +276,7 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
         metrics.demoted = dict(state.demoted)
         metrics.eager = dict(state.eager)
         metrics.reuse = dict(state.reuse)
+        metrics.precompile_misses = list(getattr(state.precompiled, "misses", ()))
     subgraphs: dict[str, set[str]] = {}
     inlined: dict[str, set[str]] = {}
     for rec in records:

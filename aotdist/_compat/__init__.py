@@ -11,7 +11,8 @@ anywhere else in the library. Public APIs are used where they exist
 Grouped by what they reach into: :mod:`~aotdist._compat.compiler` (``nn.Module``'s
 compiled call, Dynamo, AOTAutograd, Inductor), :mod:`~aotdist._compat.caches` (compile
 caches, FSDP2, the process group's store), :mod:`~aotdist._compat.subgraphs` (a scoped
-fix in Dynamo's subgraph dedup), :mod:`~aotdist._compat.accelerate`.
+fix in Dynamo's subgraph dedup), :mod:`~aotdist._compat.precompile` (``aot_compile``),
+:mod:`~aotdist._compat.accelerate`.
 """
 
 from aotdist._compat._base import CHECKED_ON
@@ -76,6 +77,12 @@ from aotdist._compat.compiler import (
     tree_leaves,
     tree_map,
 )
+from aotdist._compat.precompile import (
+    PrecompiledFunction,
+    aot_compile,
+    precompile_unavailable,
+    unserializable_guard_types,
+)
 from aotdist._compat.subgraphs import (
     cached_subgraph_schemas,
     recomputable_reductions,
@@ -88,6 +95,10 @@ __all__ = [
     "maybe_mark_dynamic",
     "dynamo_error_types",
     "CHECKED_ON",
+    "PrecompiledFunction",
+    "aot_compile",
+    "precompile_unavailable",
+    "unserializable_guard_types",
     "accelerate_old_forward",
     "accelerator_state_initialized",
     "aot_eager_parts",

@@ -33,8 +33,8 @@ from aotdist.backends.aot import aot_backend, storage_resized_inputs
 from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_chain
 from aotdist.log import rank_zero_warn
 
-__all__ = ["DryRunDone", "GraphRecord", "RecordingBackend", "graph_log_cursor", "module_path_to_fqn",
-           "records_since"]
+__all__ = ["DryRunDone", "GraphRecord", "RecordingBackend", "append_record", "graph_log_cursor",
+           "module_path_to_fqn", "records_since"]
 
 # Every RecordingBackend appends here, so track() can see graphs compiled in its window;
 # readers hold a cursor (graph_log_cursor) and ask for the records since (records_since).
@@ -56,6 +56,12 @@ def records_since(cursor: int) -> list[GraphRecord]:
     """Every graph recorded (by any model) since ``cursor`` was taken, oldest first."""
     kept = _appended - cursor
     return list(_GRAPH_LOG[-kept:]) if kept > 0 else []
+
+
+def append_record(record: GraphRecord) -> None:
+    """Adds a graph compiled elsewhere (a saved whole-model graph, loaded) to the log."""
+    record.index = _appended
+    _append(record)
 
 
 def _append(record: GraphRecord) -> None:
@@ -81,6 +87,7 @@ class GraphRecord:
     # region compiled as a frame of its own (after a graph break outside it), if any
     standalone: str | None = None
     gm: Any = None
+    precompiled: bool = False  # loaded from a cache bundle's saved graph, not compiled here
 
 
 _PATH_TOKEN = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]|\.(\w+)")

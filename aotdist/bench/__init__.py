@@ -61,7 +61,9 @@ def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
         kwargs["progress"]("        warm start from the saved artifacts (fresh process)")
         warm = _measure_once(case, env={ARTIFACTS_ENV: artifacts}, **kwargs)
     return {**cold, "warm_first_step_s": fresh_start_s(warm),
-            "warm_compile_s": warm["compile_s"], "warm_cache_load": warm["cache_load"]}
+            "warm_compile_s": warm["compile_s"], "warm_cache_load": warm["cache_load"],
+            "warm_precompiled": warm.get("precompiled"),
+            "warm_precompile_reason": warm.get("precompile_reason")}
 
 
 def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,

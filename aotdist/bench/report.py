@@ -150,6 +150,7 @@ def _markdown(report: dict) -> str:
                 f"{r['graph_breaks']} | {r['recompiles_after_first_step']} | "
                 f"{_fmt_regions(r)} |")
         lines.append("")
+    lines += _warm_lines(results)
     lines += ["### Where cold compile time goes (s, the run with the median cold compile)", "",
               "| group | strategy | depth | dynamo | aot_autograd | inductor | "
               "of which codegen | of which kernel compile wait | C++ compiles | "
@@ -186,6 +187,20 @@ def _markdown(report: dict) -> str:
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _warm_lines(results: list[dict]) -> list[str]:
+    """Which path each aotdist+cache warm start took, and what the cold run's save cost."""
+    out = []
+    for r in sorted(results, key=lambda r: (group_of(r), r["depth"])):
+        if r.get("warm_first_step_s") is None:
+            continue
+        path = ("the saved whole-model graph, untraced" if r.get("warm_precompiled") else
+                f"traced again ({r.get('warm_precompile_reason') or 'no saved graph'})")
+        out.append(f"- {group_of(r)}, depth {r['depth']}: warm start (bundle load and first "
+                   f"step) {_fig(r, 'warm_first_step_s')} s via {path}; the cold run's save "
+                   f"took {r.get('cache_save_s') or 0.0:.2f} s")
+    return ["Warm starts (aotdist+cache):", "", *out, ""] if out else []
 
 
 def _paired_lines(paired: list[dict], failures: list[str]) -> list[str]:

@@ -160,10 +160,12 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
         _phase(rank, "cold step (compile)")
         with metrics.track(tracked) as m, PhaseTimer() as phases:
             first = profile_first_step(step, profile_dir, label) if profile_dir else step()
+        save_s = time.perf_counter()
         if tracked is not None:  # cache.mode local/shared: save after the first step
             import aotdist.cache
 
-            aotdist.cache.save(model)
+            aotdist.cache.save(model)  # with precompile: the graph is traced once more
+        save_s = time.perf_counter() - save_s
         _phase(rank, f"cold step {first:.2f}s; warm-up and timed steps")
         with metrics.track(None) as later:  # warm-up and timed steps: nothing may compile
             for _ in range(spec["warmup"]):
@@ -197,7 +199,9 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
         "regions": {n: vars(s) for n, s in m.regions.items()}, "mode": m.mode,
         "notes": notes, "profiled": bool(profile_dir), "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "cache_load": _cache_status(model),
+        "cache_load": _cache_status(model), "cache_load_s": _cache_load_s(model),
+        "cache_save_s": save_s,
+        "precompiled": m.precompiled, "precompile_reason": _precompile_reason(model),
     }
 
 
@@ -275,6 +279,17 @@ def _probe_cpu_isa(spec: dict, strategy) -> float:
 def _cache_status(model) -> str:
     state = vars(model).get("_aotdist_cache")
     return str(state["load"].status) if state else "off"
+
+
+def _precompile_reason(model) -> str:
+    state = vars(model).get("_aotdist_cache")
+    return state["load"].precompile_reason if state else ""
+
+
+def _cache_load_s(model) -> float:
+    """Seconds ``parallelize`` spent loading the bundle (a warm start's share of setup)."""
+    state = vars(model).get("_aotdist_cache")
+    return state["load_s"] if state else 0.0
 
 
 def _import_compiler_stack() -> None:

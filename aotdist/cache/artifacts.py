@@ -16,7 +16,7 @@ import torch
 from aotdist import _compat
 from aotdist.cache.bundle import encode, write_atomic
 
-__all__ = ["CPU_ENTRY", "cpu_signature", "install", "isa_probe_files", "kernel_files", "mega_bytes",
+__all__ = ["CPU_ENTRY", "ENTRY_PREFIX", "cpu_signature", "install", "isa_probe_files", "kernel_files", "mega_bytes",
            "pack"]
 
 
@@ -34,7 +34,8 @@ def kernel_files() -> dict[str, bytes]:
     return out
 
 
-CPU_ENTRY = "aotdist/isa-cpu"  # a bundle entry, not a cache-dir file: who made the markers
+ENTRY_PREFIX = "aotdist/"  # bundle entries that are not cache-dir files
+CPU_ENTRY = "aotdist/isa-cpu"  # who made the ISA load markers
 
 
 def cpu_signature() -> str:
@@ -105,18 +106,20 @@ def mega_bytes() -> bytes | None:
     return _compat.merge_mega_cache(saved[0])
 
 
-def pack(key: dict) -> bytes | None:
+def pack(key: dict, extra: dict[str, bytes] | None = None) -> bytes | None:
+    """The bundle: the Mega-Cache, kernel and ISA probe files, and ``extra`` entries
+    (named ``aotdist/...``: not cache-dir files)."""
     mega = mega_bytes()
     if mega is None:
         return None
-    return encode(key, mega, {**isa_probe_files(), **kernel_files()})
+    return encode(key, mega, {**isa_probe_files(), **kernel_files(), **(extra or {})})
 
 
 def install(mega: bytes, kernels: dict[str, bytes]) -> dict:
     root = _compat.inductor_cache_dir()
     same_cpu = kernels.get(CPU_ENTRY, b"").decode(errors="replace") == cpu_signature() != ""
     for path, data in kernels.items():
-        if path == CPU_ENTRY or (path.endswith(".load_ok") and not same_cpu):
+        if path.startswith(ENTRY_PREFIX) or (path.endswith(".load_ok") and not same_cpu):
             continue
         dest = os.path.join(root, path)
         if os.path.exists(dest):

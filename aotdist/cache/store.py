@@ -17,18 +17,21 @@ import json
 import os
 import struct
 import sys
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from aotdist._compat.enums import StrEnum
-from aotdist.cache.artifacts import install, pack
+from aotdist.cache import precompile
+from aotdist.cache.artifacts import ENTRY_PREFIX, install, pack
 from aotdist.cache.bundle import FORMAT, check_safe, decode, write_atomic
 from aotdist.cache.share import CompileSharing
 from aotdist.compile.state import INFO_ATTR
+from aotdist.compile.state import STATE_ATTR as REGION_STATE_ATTR
 from aotdist.config import AOTDistConfig, CacheConfig
 from aotdist.errors import CacheWarning
 from aotdist.log import get_logger, rank_zero_warn
@@ -75,6 +78,12 @@ class CacheLoad:
         path: The bundle file.
         artifacts: Mega-Cache entries loaded, by kind (``inductor``, ``aot_autograd``).
         kernel_files: Compiled kernel files written into Inductor's cache directory.
+        precompiled: The bundle's whole-model graph was loaded: the model runs it without
+            tracing (:mod:`aotdist.cache.precompile`).
+        precompile_reason: Why not, when it was not; with no bundle loaded, why this run
+            will save none (empty: it will).
+        refresh: The bundle's saved graph could not be used (its model's source changed):
+            this run saves the bundle again after its first step.
     """
 
     status: CacheStatus
@@ -82,6 +91,9 @@ class CacheLoad:
     path: str = ""
     artifacts: dict | None = None
     kernel_files: int = 0
+    precompiled: bool = False
+    precompile_reason: str = ""
+    refresh: bool = False
 
 
 def _rank_world() -> tuple[int, int]:
@@ -128,7 +140,8 @@ def _diff(stored: dict, key: dict) -> str:
                      if stored.get(k) != v)
 
 
-def _use(data: bytes | None, key: dict, path: str) -> CacheLoad:
+def _use(data: bytes | None, key: dict, path: str, model: nn.Module,
+         config: AOTDistConfig) -> CacheLoad:
     if data is None:
         return CacheLoad(CacheStatus.MISSING, "no bundle yet; this run compiles and saves one", path)
     try:
@@ -138,7 +151,10 @@ def _use(data: bytes | None, key: dict, path: str) -> CacheLoad:
     if header.get("key") != key:
         return CacheLoad(CacheStatus.STALE, f"made for another setup ({_diff(header.get('key', {}), key)})",
                          path)
-    return CacheLoad(CacheStatus.LOADED, "", path, install(mega, kernels), len(kernels))
+    artifacts = install(mega, kernels)
+    loaded, why, refresh = precompile.attach(model, config, kernels)
+    files = sum(1 for p in kernels if not p.startswith(ENTRY_PREFIX))
+    return CacheLoad(CacheStatus.LOADED, "", path, artifacts, files, loaded, why, refresh)
 
 
 def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = None,
@@ -161,6 +177,7 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
     cfg = config.cache
     if cfg.mode == "off":
         return CacheLoad(CacheStatus.OFF)
+    start = time.perf_counter()
     rank, world = _rank_world()
     key = cache_key(model, config, plan=plan, device=device)
     path = _bundle_path(cfg, rank, world)
@@ -185,7 +202,7 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
         result = CacheLoad(CacheStatus.UNSAFE, f"others could have written it: {unsafe}", path)
     else:
         try:
-            result = _use(data, key, path)
+            result = _use(data, key, path, model, config)
         except Exception as exc:  # a failure installing must never stop the job
             result = CacheLoad(CacheStatus.CORRUPT,
                                f"could not install it: {type(exc).__name__}: {exc}", path)
@@ -203,7 +220,15 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
         sharing = CompileSharing(rank=rank, timeout_s=cfg.share_timeout_s)
         sharing.start()
     model.__dict__[STATE_ATTR] = {"config": config, "key": key, "load": result,
-                                  "sharing": sharing, "saved": False}
+                                  "sharing": sharing, "saved": False,
+                                  "load_s": time.perf_counter() - start}
+    if result.status != CacheStatus.LOADED:  # this run saves a bundle: with a graph?
+        result = replace(result, precompile_reason=precompile.unavailable_reason(model, config) or "")
+    region_state = vars(model).get(REGION_STATE_ATTR)
+    if region_state is not None and (result.status != CacheStatus.LOADED or result.refresh):
+        # keep the first call's inputs: the save traces the graph with them
+        region_state.keep_example = precompile.unavailable_reason(model, config) is None
+    model.__dict__[STATE_ATTR]["load"] = result
     return result
 
 
@@ -236,11 +261,11 @@ def _save_one(model: nn.Module, *, force: bool) -> str | None:
     rank, world = _rank_world()
     if cfg.mode == "shared" and rank != 0:
         return None
-    if state["load"].status == CacheStatus.LOADED and not force:
+    if state["load"].status == CacheStatus.LOADED and not (force or state["load"].refresh):
         return None  # the bundle it started from holds everything this run compiled
     path = _bundle_path(cfg, rank, world)
     try:
-        data = pack(state["key"])
+        data = pack(state["key"], precompile.build(model, state["config"]))
         if data is None:
             return None
         os.makedirs(cfg.dir, mode=0o755, exist_ok=True)  # not group-writable under umask 002

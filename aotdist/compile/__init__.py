@@ -149,9 +149,10 @@ def compile_regions(
         # Through an aotdist function, not model._call_impl: see _compat.root_call_function
         # (torch 2.11 does not trace an nn.Sequential root's _call_impl); its code is this
         # model's own, so Dynamo's per-code state (automatic dynamic) is never shared.
-        compiled = torch.compile(_compat.root_call_function(type(model).__name__),
-                                 backend=state.backend, dynamic=_torch_dynamic(dynamic))
+        root = _compat.root_call_function(type(model).__name__)
+        compiled = torch.compile(root, backend=state.backend, dynamic=_torch_dynamic(dynamic))
         compiled = functools.partial(compiled, model)  # compiled(model, *args, **kwargs)
+        state.call_fn, state.call_bound = root, (model,)
         _compat.set_compiled_call(model, RegionGuardedCall(model, state, compiled))
     state.compiled = True
     return model
@@ -183,8 +184,9 @@ def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None 
             "use aotdist.compile_regions(model), which compiles inside the FSDP units."
         )
     state = _prepare(model, plan, backend, mode, dynamic, options)
-    compiled = torch.compile(_compat.unique_code_function(fn, type(model).__name__),
-                             backend=state.backend, dynamic=_torch_dynamic(dynamic))
+    fn = _compat.unique_code_function(fn, type(model).__name__)
+    compiled = torch.compile(fn, backend=state.backend, dynamic=_torch_dynamic(dynamic))
+    state.call_fn, state.call_bound = fn, ()
     state.compiled = True
     return RegionGuardedCall(model, state, compiled)
 
@@ -217,6 +219,7 @@ def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
         )
     state.backend = RecordingBackend(inner, model=model, plan=state.plan)
     state.dynamic_inputs = dynamic is True
+    state.call_dynamic = _torch_dynamic(dynamic)
     return state
 
 

@@ -25,7 +25,7 @@ from aotdist.errors import exception_chain as _chain
 from aotdist.fsdp import fsdp_modules
 from aotdist.log import rank_zero_warn
 
-__all__ = ["RegionGuardedCall", "mark_dynamic_inputs"]
+__all__ = ["RegionGuardedCall", "mark_dynamic_inputs", "replay_outcomes"]
 
 
 class RegionGuardedCall:
@@ -55,6 +55,13 @@ class RegionGuardedCall:
         if state.dynamic_inputs:
             mark_dynamic_inputs(args, kwargs)
         first = not state.reuse_checked
+        if state.precompiled is not None:  # a graph saved by aotdist.cache: no Dynamo trace
+            hit, out = state.precompiled.run((*state.call_bound, *args), kwargs, state.backend)
+            if hit:
+                if first:
+                    state.reuse_checked = True
+                    report_reuse(self._model_ref, state)
+                return out
         for _ in range(2 * len(state.plan) + 2):
             try:
                 out = self._run(*args, **kwargs)
@@ -65,6 +72,8 @@ class RegionGuardedCall:
             if first:
                 state.reuse_checked = True
                 report_reuse(self._model_ref, state)
+                if state.keep_example:  # aotdist.cache.save traces it again (precompile)
+                    state.example = (args, kwargs)
             return out
         return self._run(*args, **kwargs)
 
@@ -115,6 +124,19 @@ class RegionGuardedCall:
             else:
                 _demote(self._model_ref, state, name, reason)
         return True
+
+
+def replay_outcomes(model: nn.Module, state: RegionState, fixes: dict[str, str],
+                    demoted: dict[str, str]) -> None:
+    """Fixes and demotes regions as the run that saved a whole-model graph did (that graph
+    was traced with them so), with the same warnings (:mod:`aotdist.cache.precompile`)."""
+    names = {r.name for r in state.plan}
+    for name in fixes:
+        if name in names and name not in state.fixes:
+            _fix(model, state, name, "as in the run that saved the compiled graph")
+    for name, reason in demoted.items():
+        if name in names and name not in state.demoted:
+            _demote(model, state, name, reason)
 
 
 def mark_dynamic_inputs(args: tuple, kwargs: dict) -> None:

@@ -11,10 +11,11 @@ alias an input and applies activation checkpointing when asked.
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from aotdist.compile.state import STATE_ATTR, RegionState
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan, find_regions
 
-__all__ = ["is_compiled", "mark_regions", "unmark_regions"]
+__all__ = ["is_compiled", "mark_regions", "pickled_with_region_depth", "unmark_regions"]
 
 
 def copy_function(fn: Callable, *, new_code: bool = False) -> types.FunctionType:
@@ -88,6 +89,38 @@ def _checkpointed(fn: Callable) -> Callable:
 def _reduce_as_base(self, protocol):
     """Pickle and deepcopy a marked instance as an instance of the user's own class."""
     return (copyreg._reconstructor, (type(self)._aotdist_base, object, None), vars(self).copy())
+
+
+_STAND_INS: dict[type, type] = {}
+
+
+def _stand_in_instance(base: type) -> nn.Module:
+    """An empty instance of a subclass of ``base`` made in this process: a region instance
+    unpickled with its class's depth (see :func:`pickled_with_region_depth`)."""
+    if base not in _STAND_INS:
+        _STAND_INS[base] = type(base.__name__, (base,), {"__module__": base.__module__,
+                                                         "__qualname__": base.__qualname__})
+    return object.__new__(_STAND_INS[base])
+
+
+def _reduce_keeping_depth(self, protocol):
+    return (_stand_in_instance, (type(self)._aotdist_base,), vars(self).copy())
+
+
+@contextlib.contextmanager
+def pickled_with_region_depth(model: nn.Module) -> Iterator[None]:
+    """Inside, region instances of ``model`` pickle as instances of a subclass of their
+    user class, made anew where they are unpickled: Dynamo's saved guards name class
+    attributes by position in the class's MRO (``__mro__[2]``), which the user class alone
+    would shift by one (aotdist.cache.precompile saves such guards)."""
+    classes = {type(m) for m in model.modules() if "_aotdist_region" in vars(type(m))}
+    for cls in classes:
+        cls.__reduce_ex__ = _reduce_keeping_depth
+    try:
+        yield
+    finally:
+        for cls in classes:
+            cls.__reduce_ex__ = _reduce_as_base
 
 
 def _detach_no_grad_outputs(fn: Callable) -> Callable:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aotdist._compat.enums import StrEnum
 from aotdist.regions import RegionPlan
@@ -54,3 +55,11 @@ class RegionState:
     reuse: dict[str, str] = field(default_factory=dict)  # region -> why it has >1 subgraph
     frames_checked: bool = False  # frames mode: the first forward's eager check ran
     reuse_checked: bool = False  # whole-model compile: reuse reported after the first call
+    # graph mode: the function compiled, called as call_fn(*call_bound, *args, **kwargs),
+    # and torch.compile's dynamic; aotdist.cache.precompile traces it again to save it
+    call_fn: Callable | None = None
+    call_bound: tuple = ()
+    call_dynamic: bool | None = None
+    keep_example: bool = False  # set by aotdist.cache.load: keep the first call's inputs
+    example: tuple | None = None  # (args, kwargs) of the first call, until the cache saves
+    precompiled: Any = None  # aotdist.cache.precompile.Precompiled, loaded from a bundle

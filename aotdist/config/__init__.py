@@ -224,19 +224,21 @@ class CacheConfig(Section):
     Attributes:
         mode: ``off``; ``local``: each rank saves its artifacts to ``dir`` after the first
             training step and the next run loads them before its first compile;
-            ``shared``: rank 0's artifacts serve every rank: it saves them, and at start
-            it reads them and sends them to the other ranks through the process group
-            (``dir`` need not be shared); in the first run the other ranks also load
-            rank 0's artifacts of each graph as it is compiled, instead of compiling.
+            ``shared``: rank 0 saves, and at start reads and sends its artifacts to the
+            other ranks through the process group (``dir`` need not be shared); in the
+            first run the other ranks load rank 0's artifacts of each graph it compiles.
         dir: Directory of the artifact files; required unless ``mode`` is ``off``.
         share_timeout_s: ``shared``: seconds a rank waits for rank 0's artifacts of a
             graph before compiling it itself (with a warning).
+        precompile: Also save the whole-model graph (torch 2.14+, graph mode, Inductor,
+            one graph): a warm start runs it untraced; the save traces once more.
     """
 
     _key: typing.ClassVar[str] = "cache"
     mode: str = "off"
     dir: str | None = None
     share_timeout_s: int = 300
+    precompile: bool = True
 
     def _rule_problems(self) -> list[str]:
         out = []

@@ -88,9 +88,10 @@ def test_changed_config_or_version_is_named(tmp_path):
     model, *_ = _run(config)
     key = cache_key(model, config)
     other = AOTDistConfig.from_dict({**config.to_dict(), "compile": {"backend": "inductor"}})
-    assert _use(_encode(key, b"x", {}), cache_key(model, other), "p").reason.count("config")
+    stale = _use(_encode(key, b"x", {}), cache_key(model, other), "p", model, other)
+    assert stale.reason.count("config")
     old = {**key, "torch": "2.0.0"}
-    assert "torch '2.0.0'" in _use(_encode(old, b"x", {}), key, "p").reason
+    assert "torch '2.0.0'" in _use(_encode(old, b"x", {}), key, "p", model, config).reason
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "header"])
@@ -234,7 +235,7 @@ def test_bundle_round_trip_loads_inductor_artifacts(tmp_path, monkeypatch):
     assert mega is not None and kernels  # the kernel binaries travel with the FX entries
     key = {"k": 1}
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "fresh"))
-    result = _use(_encode(key, mega, kernels), key, "p")
+    result = _use(_encode(key, mega, kernels), key, "p", torch.nn.Linear(1, 1), _config(tmp_path))
     assert result.status == "loaded" and result.artifacts.get("inductor", 0) >= 1
     for path in kernels:
         assert (tmp_path / "fresh" / path).exists()

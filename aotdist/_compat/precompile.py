@@ -1,0 +1,143 @@
+"""torch's precompile: a whole-model graph saved with its guards and run without Dynamo.
+
+``torch.compile(fn, fullgraph=True).aot_compile(((args), kwargs))`` traces and compiles
+``fn`` once and returns a function that can be serialized; loaded in another process it
+checks its guards and calls the compiled code directly (no Dynamo trace, no AOTAutograd
+cache lookup). aotdist saves one with the cache bundle (:mod:`aotdist.cache.precompile`).
+Checked on torch 2.11 (where :func:`precompile_unavailable` says why not: it saves the
+output of Inductor's own backend only, not of one that wraps it), 2.14 and 2.15.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import linecache
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from aotdist._compat._base import attr
+
+__all__ = ["PrecompiledFunction", "aot_compile", "precompile_unavailable",
+           "unserializable_guard_types"]
+
+
+@functools.cache
+def precompile_unavailable() -> str | None:
+    """Why this torch cannot save aotdist's whole-model graph, or ``None`` when it can
+    (torch 2.14, 2.15; 2.11 cannot)."""
+    fullgraph = attr("torch._dynamo.aot_compile", "aot_compile_fullgraph")
+    if fullgraph is None:
+        return f"torch {torch.__version__} has no aot_compile"
+    try:
+        source = inspect.getsource(fullgraph)
+    except (OSError, TypeError):
+        return f"torch {torch.__version__}'s aot_compile source cannot be read"
+    if "compiled_fn.serialize" not in source:  # 2.11: only Inductor's own wrapper is saved
+        return (f"torch {torch.__version__}'s aot_compile saves only Inductor's own backend, "
+                "not one that wraps it (torch 2.14 and later do)")
+    return None
+
+
+def unserializable_guard_types() -> frozenset[str]:
+    """Guard kinds torch cannot save with a precompiled graph (object identities; torch
+    2.11, 2.15)."""
+    cfm = attr("torch._dynamo.guards", "CheckFunctionManager")
+    return frozenset(getattr(cfm, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", ()))
+
+
+@contextlib.contextmanager
+def _grads_detached(model: nn.Module):
+    """Parameters without ``.grad`` while guards are saved: torch 2.14 and 2.15 pickle a
+    parameter's gradient as a placeholder that fails to load ("assigned grad expected
+    to be a Tensor or None")."""
+    grads = {p: p.grad for p in model.parameters()}
+    for p in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in grads.items():
+            p.grad = grad
+
+
+_MODULE_REF = re.compile(r"^___module_\w+?_(\d+)_c\d+$")
+
+
+def aot_compile(fn: Callable, args: tuple, kwargs: dict, *, model: nn.Module, backend: Any,
+                dynamic: bool | None, guard_filter: Callable) -> tuple[bytes, dict[str, str]]:
+    """Traces ``fn(*args, **kwargs)`` as one graph with ``backend``; returns the serialized
+    precompiled function and the modules its code reaches through globals Dynamo made up
+    (``___module_<name>_<id>_c<n>``: name -> module name; the loader must pass them).
+    torch 2.14, 2.15; not 2.11. Raises what torch raises (a graph break, a guard that
+    cannot be saved, an output it cannot serialize), and ``RuntimeError`` for code that
+    reaches another made-up global."""
+    compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=dynamic,
+                             options={"guard_filter_fn": guard_filter})
+    patch = ({"enable_aot_compile": True}
+             if hasattr(torch._dynamo.config, "enable_aot_compile") else {})
+    with torch._dynamo.config.patch(**patch), _grads_detached(model):
+        result = compiled.aot_compile((args, kwargs))
+    env = result._artifacts.runtime_env
+    missing = (set(getattr(env, "external_refs", ())) - set(env.import_sources)
+               - set(env.used_globals) - {result._artifacts.backend_id})
+    by_id = {id(m): m.__name__ for m in list(sys.modules.values()) if m is not None}
+    modules = {}
+    for ref in sorted(missing):
+        match = _MODULE_REF.match(ref)
+        if match is None or int(match.group(1)) not in by_id:
+            raise RuntimeError(f"its code reads a global Dynamo made up, {ref}, that cannot be saved")
+        modules[ref] = by_id[int(match.group(1))]
+    return type(result).serialize(result).serialized_data, modules
+
+
+class PrecompiledFunction:
+    """A loaded precompiled function: its guard check, why a check failed, the call
+    (torch 2.14, 2.15; 2.11 saves none for aotdist)."""
+
+    def __init__(self, data: bytes, modules: dict[str, str]):
+        cls = attr("torch._dynamo.aot_compile", "AOTCompiledFunction")
+        refs = {ref: importlib.import_module(name) for ref, name in modules.items()}
+        self._fn = cls.deserialize(data, f_globals=refs)
+        self._fn.disable_guard_check()  # checked here first, so a miss can fall back
+
+    def check(self, args: tuple, kwargs: dict) -> bool:
+        return bool(self._fn.guard_check(*args, **kwargs))
+
+    def why(self, args: tuple, kwargs: dict) -> str:
+        """The failing guard, as torch words it."""
+        manager = self._fn._artifacts.guard_manager
+        verbose = manager.check_verbose(self._fn.prepare_f_locals(*args, **kwargs))
+        parts = getattr(verbose, "verbose_code_parts", None)
+        text = "; ".join(map(str, parts)) if isinstance(parts, (list, tuple)) else str(verbose)
+        return " ".join(text.split())[:300]
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def changed_source(self) -> str | None:
+        """A traced function whose source changed since the save (``module lines a-b``),
+        or ``None``: the guards do not check the code, so this must."""
+        linecache.checkcache()
+        for src in self._fn.source_info().inlined_sources:
+            try:
+                module = importlib.import_module(src.module)
+                lines = inspect.getsourcelines(module)[0][src.firstlineno - 1:src.lastlineno - 1]
+            except (ImportError, OSError, TypeError):
+                return f"{src.module} (cannot be read)"
+            if _hash("".join(lines)) != src.checksum:
+                return f"{src.module} lines {src.firstlineno}-{src.lastlineno - 1}"
+        return None
+
+
+def _hash(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()

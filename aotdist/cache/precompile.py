@@ -1,0 +1,195 @@
+"""The saved whole-model graph: a warm start that runs without Dynamo (``cache.precompile``).
+
+At :func:`~aotdist.cache.save`, a graph-mode model that compiled as one graph is traced
+once more with torch's ``aot_compile`` (same backend and options; Inductor's caches serve
+the kernels), and the result travels in the bundle. At :func:`~aotdist.cache.load` it is
+loaded; the model's compiled call then checks its guards and runs it, with no Dynamo
+trace and no AOTAutograd cache lookup. A call its guards do not cover, or a model whose
+source changed since the save, compiles as usual, with a ``CacheWarning``.
+
+Guards not saved: torch's unserializable kinds (object identities), and the type of each
+region instance, a class each process creates anew (:mod:`aotdist.compile.marking`):
+the bundle's key (region plan, parameters, versions) and the source check stand in.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from typing import Any
+
+from torch import nn
+
+from aotdist import _compat
+from aotdist.backends.recording import GraphRecord, RecordingBackend, append_record
+from aotdist.compile.guard import replay_outcomes
+from aotdist.compile.marking import pickled_with_region_depth
+from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode
+from aotdist.errors import CacheWarning
+from aotdist.log import get_logger
+
+__all__ = ["ENTRY", "Precompiled", "attach", "build", "guard_filter", "unavailable_reason"]
+
+_log = get_logger(__name__)
+
+ENTRY, RECORDS, SKIPPED = "aotdist/precompiled", "aotdist/precompiled-records", "aotdist/precompile-skipped"
+_CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def guard_filter(entries) -> list[bool]:
+    """Which of Dynamo's guards the saved graph keeps: not the unserializable kinds, not
+    guards on globals (torch's own default for ``aot_compile``: the loaded function
+    lacks the module globals they read), not the type of a region instance (a
+    per-process class), not the constants inside the region class's forward wrapper
+    (aotdist's own: the plan and the replayed fixes decide them)."""
+    bad = _compat.unserializable_guard_types()
+    keep = []
+    for entry in entries:
+        kinds = {entry.guard_type, *entry.derived_guard_types}
+        region = entry.has_value and getattr(type(entry.value), "_aotdist_region", None) is not None
+        keep.append(not (kinds & bad) and not entry.is_global
+                    and not (region and "TYPE_MATCH" in kinds)
+                    and "['_aotdist_impl']" not in entry.name)
+    return keep
+
+
+def unavailable_reason(model: nn.Module, config) -> str | None:
+    """Why ``model`` gets no saved graph with this config and torch, or ``None``."""
+    state, info = vars(model).get(STATE_ATTR), vars(model).get(INFO_ATTR)
+    if not config.cache.precompile:
+        return "cache.precompile is false"
+    if (why := _compat.precompile_unavailable()) is not None:
+        return why
+    if state is None or not state.compiled:
+        return "the model was not compiled by aotdist"
+    if state.mode != CompileMode.GRAPH:
+        return "FSDP2 hooks mode compiles each region as a frame of its own, not one graph"
+    if state.call_fn is None:
+        return "compiled without one whole-model call (aotdist.capture)"
+    if info is not None and info.sharded_fqns:
+        return "graph-mode FSDP (sharded parameters) is not saved yet"
+    if config.cache.mode == "shared" and _world() > 1:
+        return "shared across ranks: rank 0's graph would be specialized to its own device"
+    if getattr(state.backend, "compiler_name", None) != "inductor":
+        return f"backend {config.compile.backend!r}: torch saves Inductor's output only"
+    if config.compile.mode in _CUDAGRAPH_MODES:
+        return f"compile.mode {config.compile.mode!r} (CUDA graphs are not saved)"
+    return None
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def build(model: nn.Module, config) -> dict[str, bytes]:
+    """The bundle entries of ``model``'s saved graph (after its first step), or an entry
+    saying why there is none. A failure is a ``CacheWarning``, never an error."""
+    why = unavailable_reason(model, config)
+    state = vars(model).get(STATE_ATTR)
+    example, state.example = (state.example, None) if state is not None else (None, None)
+    if why is None:  # the batch is not held any longer either way
+        graphs = [r for r in state.backend.records if not r.precompiled]
+        if example is None:
+            why = "the model was not called before the save"
+        elif len(graphs) != 1:
+            why = (f"the model compiled into {len(graphs)} graphs (graph breaks or recompiles); "
+                   "a saved graph must be the whole model")
+    if why is not None:
+        _log.info("cache: no saved whole-model graph: %s", why)
+        return {SKIPPED: why.encode()}
+    args, kwargs = example
+    recorder = RecordingBackend(state.backend.inner, plan=state.plan)
+    start = time.perf_counter()
+    try:
+        with pickled_with_region_depth(model):
+            data, modules = _compat.aot_compile(state.call_fn, (*state.call_bound, *args), kwargs,
+                                                model=model, backend=recorder,
+                                                dynamic=state.call_dynamic,
+                                                guard_filter=guard_filter)
+    except Exception as exc:  # the bundle is still saved without it
+        why = f"aot_compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        warnings.warn(f"aotdist cache: the whole-model graph could not be saved ({why}); the "
+                      "next run loads the compiled kernels but traces the model again.",
+                      CacheWarning, stacklevel=3)
+        return {SKIPPED: why.encode()}
+    seconds = time.perf_counter() - start
+    records = [{"num_ops": r.num_ops, "call_sites": r.call_sites, "inlined": sorted_sets(r.inlined),
+                "subgraphs": sorted_sets(r.subgraphs)} for r in recorder.records]
+    _log.info("cache: whole-model graph saved (%d bytes, %.2f s)", len(data), seconds)
+    saved = {"records": records, "seconds": seconds, "fixes": state.fixes, "demoted": state.demoted,
+             "modules": modules}
+    return {ENTRY: data, RECORDS: json.dumps(saved).encode()}
+
+
+def sorted_sets(d: dict[str, set[str]]) -> dict[str, list[str]]:
+    return {k: sorted(v) for k, v in d.items()}
+
+
+def attach(model: nn.Module, config, entries: dict[str, bytes]) -> tuple[bool, str, bool]:
+    """Loads the saved graph of a bundle onto ``model``; returns (loaded, why not, whether
+    this run should save the bundle again: a saved graph it could not use)."""
+    why = unavailable_reason(model, config)
+    if why is not None:
+        return False, why, False
+    if ENTRY not in entries:
+        saved = entries.get(SKIPPED, b"the bundle was saved without it").decode(errors="replace")
+        return False, f"not saved: {saved}", False
+    try:
+        saved = json.loads(entries[RECORDS])
+        with _compat.rerooted_autotune_lookups(), _compat.remembered_isa_loads():
+            fn = _compat.PrecompiledFunction(entries[ENTRY], saved.get("modules", {}))
+        changed = fn.changed_source()
+    except Exception as exc:  # noqa: BLE001 - a bad entry must not stop the job
+        why = f"it could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
+    else:
+        if changed is None:
+            state = vars(model)[STATE_ATTR]
+            # the graph was traced with these regions fixed or inline: so is the model now
+            replay_outcomes(model, state, saved.get("fixes", {}), saved.get("demoted", {}))
+            state.precompiled = Precompiled(model, fn, saved["records"])
+            return True, "", False
+        why = f"the model's source changed since the save ({changed})"
+    warnings.warn(f"aotdist cache: the saved whole-model graph is not used: {why}; the model "
+                  "is traced again (the compiled kernels still load from the bundle), and the "
+                  "bundle is replaced after the first step.", CacheWarning, stacklevel=3)
+    return False, why, True
+
+
+class Precompiled:
+    """The loaded graph on a model: runs a call its guards cover, else says why not."""
+
+    def __init__(self, model: nn.Module, fn: Any, records: list[dict]):
+        self.model_id, self.fn, self.records = id(model), fn, records
+        self.calls, self.misses = 0, []
+
+    def run(self, args: tuple, kwargs: dict, backend: RecordingBackend) -> tuple[bool, Any]:
+        """``(True, output)``, or ``(False, None)`` when the guards fail (then warned once)."""
+        try:
+            hit, why = self.fn.check(args, kwargs), ""
+        except Exception as exc:  # noqa: BLE001 - a guard that cannot be evaluated misses
+            hit, why = False, f"the guard check failed: {type(exc).__name__}: {exc}"[:300]
+        if not hit:
+            if len(self.misses) < 20:
+                self.misses.append(why or self.fn.why(args, kwargs))
+            if len(self.misses) == 1:
+                warnings.warn(
+                    f"aotdist cache: the saved whole-model graph does not cover this call "
+                    f"(guard failed: {self.misses[0]}); it is compiled as usual (kernels the "
+                    "bundle holds still load). Expected for a last, smaller batch or an eval "
+                    "step; if every call misses, delete the bundle so that this run's inputs "
+                    "save a new one.", CacheWarning, stacklevel=4)
+            return False, None
+        if self.calls == 0:  # metrics see the graph the saved one is
+            for rec in self.records:
+                record = GraphRecord(
+                    index=0, model_id=self.model_id, num_ops=rec["num_ops"], backend_seconds=0.0,
+                    call_sites=rec["call_sites"], precompiled=True,
+                    subgraphs={k: set(v) for k, v in rec["subgraphs"].items()},
+                    inlined={k: set(v) for k, v in rec["inlined"].items()})
+                backend.records.append(record)
+                append_record(record)
+        self.calls += 1
+        return True, self.fn(args, kwargs)

@@ -1,0 +1,294 @@
+"""``cache.precompile``: the whole-model graph saved with the bundle and run untraced.
+
+Fast tests drive the guard filter, the reasons a model gets no saved graph, and the
+compiled call's use of a loaded graph (a stand-in for torch's, so no Inductor). The slow
+ones run real processes: save, then warm starts that must train like eager, fall back on
+a batch the guards do not cover, and notice an edited model source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import aotdist
+from aotdist import _compat
+from aotdist.cache import CacheWarning, precompile
+from aotdist.compile import mark_regions
+from aotdist.compile.state import STATE_ATTR
+from aotdist.testing import build_model, example_inputs
+
+needs_precompile = pytest.mark.skipif(_compat.precompile_unavailable() is not None,
+                                      reason=str(_compat.precompile_unavailable()))
+
+
+def _entry(guard_type, value=None, derived=(), name="L['x']", is_global=False):
+    return SimpleNamespace(guard_type=guard_type, derived_guard_types=derived, name=name,
+                           has_value=value is not None, value=value, is_global=is_global)
+
+
+def test_guard_filter_drops_region_types_and_unserializable_guards_only():
+    model = build_model("gpt", depth=2)
+    mark_regions(model)
+    block, plain = model.blocks[0], torch.nn.Linear(1, 1)
+    bad = sorted(_compat.unserializable_guard_types())
+    entries = [_entry("TYPE_MATCH", block), _entry("TYPE_MATCH", plain),
+               _entry("TENSOR_MATCH", torch.zeros(1)), _entry("EQUALS_MATCH", 3),
+               _entry("SEQUENCE_LENGTH", block, ("TYPE_MATCH",))]
+    entries += [_entry(kind) for kind in bad[:2]] + [_entry("HASATTR", None, (bad[0],))]
+    inner = "dict(type(self._modules['blocks']._modules['0']).__dict__)['_aotdist_impl']"
+    entries += [_entry("EQUALS_MATCH", 1, name=inner + ".__closure__[0].cell_contents"),
+                _entry("EQUALS_MATCH", 1, name="dict(type(self).__mro__[2].__dict__)['eps']"),
+                _entry("EQUALS_MATCH", 1, name="G['_pytree']", is_global=True)]
+    keep = precompile.guard_filter(entries)
+    assert keep == [False, True, True, True, False] + [False] * 3 + [False, True, False], keep
+
+
+def _cached(tmp_path, backend="aot_eager", **cache):
+    torch.manual_seed(0)
+    model = build_model("gpt", depth=2)
+    aotdist.parallelize(model, config={"compile": {"backend": backend},
+                                       "cache": {"mode": "local", "dir": str(tmp_path), **cache}})
+    return model
+
+
+def test_a_model_without_a_saved_graph_says_why(tmp_path):
+    config = aotdist.parallelize_info(model := _cached(tmp_path)).config
+    (x,), _ = example_inputs(model, 2)
+    model(x).sum().backward()
+    entries = precompile.build(model, config)  # what save() adds to the bundle
+    assert precompile.ENTRY not in entries
+    why = entries[precompile.SKIPPED].decode()
+    assert why == precompile.unavailable_reason(model, config)
+    assert ("aot_eager" in why) if _compat.precompile_unavailable() is None else "torch" in why
+    assert vars(model)[STATE_ATTR].example is None  # the first batch is not held any longer
+    off = _cached(tmp_path, precompile=False)
+    assert vars(off)[aotdist.cache.STATE_ATTR]["load"].precompile_reason == \
+        "cache.precompile is false"
+
+
+class _FakeLoaded:
+    """Stands in for torch's loaded function: covers batches of 2, runs a reference."""
+
+    def __init__(self, ref):
+        self.ref, self.calls = ref, 0
+
+    def check(self, args, kwargs):
+        return args[1].shape[0] == 2
+
+    def why(self, args, kwargs):
+        return f"size mismatch: expected 2, got {args[1].shape[0]}"
+
+    def __call__(self, args, kwargs):
+        self.calls += 1
+        return self.ref(*args[1:], **kwargs)
+
+
+def test_the_compiled_call_runs_a_loaded_graph_and_falls_back_on_a_miss(tmp_path):
+    model = _cached(tmp_path)
+    ref = build_model("gpt", depth=2)
+    ref.load_state_dict(model.state_dict())
+    fake = _FakeLoaded(ref)
+    record = {"num_ops": 7, "call_sites": {"GPTBlock": ["blocks.0", "blocks.1"]},
+              "subgraphs": {"GPTBlock": ["0:repeated_subgraph0"]}, "inlined": {}}
+    vars(model)[STATE_ATTR].precompiled = precompile.Precompiled(model, fake, [record])
+    (x,), _ = example_inputs(model, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a hit warns about nothing
+        with aotdist.metrics.track(model) as hit:
+            out = model(x)
+    assert fake.calls == 1 and torch.equal(out, ref(x))
+    assert hit.precompiled and hit.frames_compiled in (0, None) and hit.graphs == 1
+    assert (hit.regions["GPTBlock"].call_sites, hit.regions["GPTBlock"].subgraphs) == (2, 1)
+    (x3,), _ = example_inputs(model, 3)
+    with pytest.warns(CacheWarning, match="does not cover this call .*got 3"):
+        with aotdist.metrics.track(model) as miss:
+            out3 = model(x3)
+    assert fake.calls == 1 and not miss.precompiled and miss.graphs == 1  # compiled here
+    torch.testing.assert_close(out3, ref(x3))
+    assert miss.precompile_misses == ["size mismatch: expected 2, got 3"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not at every miss
+        model(x3)
+
+
+def test_a_saved_graph_brings_its_region_fixes_and_demotions_along(tmp_path):
+    """The saved graph was traced with a region inline: the loading model demotes it
+    too (else the region's guards would never match), warning as the saving run did."""
+    from aotdist.compile.guard import replay_outcomes
+
+    model = _cached(tmp_path)
+    state = vars(model)[STATE_ATTR]
+    marked = type(model.blocks[0])
+    with pytest.warns(aotdist.RegionCompileWarning, match="'GPTBlock' cannot be a reusable.*X"):
+        replay_outcomes(model, state, {}, {"GPTBlock": "X", "Gone": "not in this plan"})
+    assert state.demoted == {"GPTBlock": "X"}
+    assert type(model.blocks[0]) is not marked and not hasattr(type(model.blocks[0]),
+                                                                "_aotdist_region")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replay_outcomes(model, state, {}, {"GPTBlock": "X"})  # once only
+    (x,), _ = example_inputs(model, 2)
+    ref = build_model("gpt", depth=2)
+    ref.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(x), ref(x))
+
+
+_MODEL = '''
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x)).relu()
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+'''
+
+_CHILD = r'''
+import json, sys, warnings, torch
+sys.path.insert(0, sys.argv[1])
+import pcmodel, aotdist, aotdist.cache
+torch.manual_seed(0)
+model, ref = pcmodel.Net(), pcmodel.Net()
+ref.load_state_dict(model.state_dict())
+out = {"steps": [], "warnings": []}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    aotdist.parallelize(model, config={"compile": {"backend": "inductor"},
+                                       "cache": {"mode": "local", "dir": sys.argv[2]}})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    g = torch.Generator().manual_seed(1)
+    for i, n in enumerate(json.loads(sys.argv[3])):
+        x = torch.randn(n, 8, generator=g)
+        with aotdist.metrics.track(model) as m:
+            loss = model(x).square().mean()
+            loss.backward()
+        want = ref(x).square().mean()
+        want.backward()
+        grad = max((p.grad - q.grad).abs().max().item()
+                   for p, q in zip(model.parameters(), ref.parameters()))
+        out["steps"].append({"precompiled": m.precompiled, "frames": m.frames_compiled,
+                             "loss": abs(loss.item() - want.item()), "grad": grad})
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        if i == 0:
+            aotdist.cache.save(model)
+load = vars(model)[aotdist.cache.STATE_ATTR]["load"]
+out.update(status=str(load.status), precompiled=load.precompiled, why=load.precompile_reason,
+           warnings=[str(w.message) for w in caught if w.category is aotdist.cache.CacheWarning])
+print(json.dumps(out))
+'''
+
+
+@needs_precompile
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_warm_start_runs_the_saved_graph_trains_like_eager_and_notices_edits(tmp_path):
+    (tmp_path / "pcmodel.py").write_text(_MODEL)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def run(sizes):
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), str(tmp_path / "b"),
+                               json.dumps(sizes)], env=env, capture_output=True, text=True,
+                              timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        for step in result["steps"]:  # every step, saved graph or not, trains like eager
+            assert step["loss"] < 1e-5 and step["grad"] < 1e-4, result
+        return result
+
+    cold = run([4, 4])
+    assert cold["status"] == "missing" and not cold["warnings"], cold
+    assert cold["steps"][0]["frames"] >= 1 and not cold["steps"][0]["precompiled"]
+
+    warm = run([4, 4, 4, 3])
+    assert (warm["status"], warm["precompiled"]) == ("loaded", True), warm
+    assert [s["precompiled"] for s in warm["steps"]] == [True, True, True, False], warm
+    assert [s["frames"] for s in warm["steps"][:3]] == [0, 0, 0]  # Dynamo traced nothing
+    assert warm["steps"][3]["frames"] >= 1  # a batch of 3: compiled as usual, and said so
+    assert len(warm["warnings"]) == 1 and "does not cover this call" in warm["warnings"][0]
+
+    (tmp_path / "pcmodel.py").write_text(_MODEL.replace(".relu()", ".tanh()"))
+    edited = run([4, 4])  # the saved graph computes relu: it must not run
+    assert (edited["status"], edited["precompiled"]) == ("loaded", False), edited
+    assert "source changed" in edited["why"] and "pcmodel" in edited["why"], edited
+    assert not any(s["precompiled"] for s in edited["steps"])
+    again = run([4, 4])  # the edited run saved the bundle again
+    assert again["precompiled"] and again["steps"][0]["precompiled"], again
+
+
+_FAMILY_CHILD = r'''
+import json, sys, warnings, torch
+import aotdist, aotdist.cache
+from aotdist.check.families import family, without_randomness
+fam = family(sys.argv[1])
+(model, inputs), (ref, _) = fam.build(0), fam.build(0)
+model, ref = without_randomness(model), without_randomness(ref)
+ref.load_state_dict(model.state_dict())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    aotdist.parallelize(model, config={"compile": {"backend": "inductor"},
+                                       "cache": {"mode": "local", "dir": sys.argv[2]}})
+    with aotdist.metrics.track(model) as m:
+        loss = fam.loss_of(model(**inputs))
+        loss.backward()
+    aotdist.cache.save(model)
+want = fam.loss_of(ref(**inputs))
+want.backward()
+grad = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())
+           if p.grad is not None)
+load = vars(model)[aotdist.cache.STATE_ATTR]["load"]
+print(json.dumps({"ran_saved": m.precompiled, "frames": m.frames_compiled, "why": load.precompile_reason,
+                  "loss": abs(loss.item() - want.item()), "grad": grad,
+                  "warnings": [str(w.message) for w in caught if w.category is CacheWarning]}))
+'''
+
+
+@needs_precompile
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["llama", "jamba"])
+def test_transformers_models_warm_start_from_their_saved_graph(tmp_path, name):
+    """Real models reach what toy ones do not: a module Dynamo's code loads through a
+    made-up global, class attributes guarded by MRO position, guards on module globals."""
+    pytest.importorskip("transformers")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    child = "from aotdist.cache import CacheWarning\n" + _FAMILY_CHILD
+
+    def run():
+        proc = subprocess.run([sys.executable, "-c", child, name, str(tmp_path / "b")], env=env,
+                              capture_output=True, text=True, timeout=280)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["loss"] < 1e-5 and result["grad"] < 1e-4, result
+        return result
+
+    cold = run()
+    assert not cold["ran_saved"] and not cold["warnings"], cold
+    warm = run()
+    assert (warm["ran_saved"], warm["frames"], warm["why"], warm["warnings"]) == (True, 0, "", []), warm
