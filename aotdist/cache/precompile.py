@@ -89,8 +89,10 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
     saying why there is none. A failure is a ``CacheWarning``, never an error."""
     why = unavailable_reason(model, config)
     state = vars(model).get(STATE_ATTR)
-    example, state.example = (state.example, None) if state is not None else (None, None)
-    if why is None:  # the batch is not held any longer either way
+    example = state.example if state is not None else None
+    if state is not None:
+        state.example = None  # the batch is not held any longer, whatever happens here
+    if why is None:
         graphs = [r for r in state.backend.records if not r.precompiled]
         if example is None:
             why = "the model was not called before the save"
@@ -116,15 +118,15 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
                       CacheWarning, stacklevel=3)
         return {SKIPPED: why.encode()}
     seconds = time.perf_counter() - start
-    records = [{"num_ops": r.num_ops, "call_sites": r.call_sites, "inlined": sorted_sets(r.inlined),
-                "subgraphs": sorted_sets(r.subgraphs)} for r in recorder.records]
+    records = [{"num_ops": r.num_ops, "call_sites": r.call_sites, "inlined": _sorted_sets(r.inlined),
+                "subgraphs": _sorted_sets(r.subgraphs)} for r in recorder.records]
     _log.info("cache: whole-model graph saved (%d bytes, %.2f s)", len(data), seconds)
     saved = {"records": records, "seconds": seconds, "fixes": state.fixes, "demoted": state.demoted,
              "modules": modules}
     return {ENTRY: data, RECORDS: json.dumps(saved).encode()}
 
 
-def sorted_sets(d: dict[str, set[str]]) -> dict[str, list[str]]:
+def _sorted_sets(d: dict[str, set[str]]) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in d.items()}
 
 
