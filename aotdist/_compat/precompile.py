@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
 import inspect
 import linecache
@@ -138,6 +139,4 @@ class PrecompiledFunction:
 
 
 def _hash(text: str) -> str:
-    import hashlib
-
     return hashlib.sha256(text.encode()).hexdigest()

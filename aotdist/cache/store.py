@@ -219,16 +219,16 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
     if cfg.mode == "shared" and world > 1 and result.status != CacheStatus.LOADED:
         sharing = CompileSharing(rank=rank, timeout_s=cfg.share_timeout_s)
         sharing.start()
-    model.__dict__[STATE_ATTR] = {"config": config, "key": key, "load": result,
-                                  "sharing": sharing, "saved": False,
-                                  "load_s": time.perf_counter() - start}
+    why_not = precompile.unavailable_reason(model, config)
     if result.status != CacheStatus.LOADED:  # this run saves a bundle: with a graph?
-        result = replace(result, precompile_reason=precompile.unavailable_reason(model, config) or "")
+        result = replace(result, precompile_reason=why_not or "")
     region_state = vars(model).get(REGION_STATE_ATTR)
     if region_state is not None and (result.status != CacheStatus.LOADED or result.refresh):
         # keep the first call's inputs: the save traces the graph with them
-        region_state.keep_example = precompile.unavailable_reason(model, config) is None
-    model.__dict__[STATE_ATTR]["load"] = result
+        region_state.keep_example = why_not is None
+    model.__dict__[STATE_ATTR] = {"config": config, "key": key, "load": result,
+                                  "sharing": sharing, "saved": False,
+                                  "load_s": time.perf_counter() - start}
     return result
 
 
