@@ -232,7 +232,12 @@ def track(model: nn.Module | None = None) -> Iterator[CompileMetrics]:
 
 def _precompiled_calls(model: nn.Module | None) -> int:
     state = vars(model).get(STATE_ATTR) if model is not None else None
-    return getattr(getattr(state, "precompiled", None), "calls", 0)
+    return sum(saved.calls for saved in _saved_graphs(state)) if state is not None else 0
+
+
+def _saved_graphs(state) -> list:
+    """The saved graphs a model loaded from its cache bundle (whole model, or per frame)."""
+    return [s for s in (state.precompiled, *state.frame_precompiled.values()) if s is not None]
 
 
 def _fill_times(metrics: CompileMetrics, entries: list) -> None:
@@ -276,7 +281,7 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
         metrics.demoted = dict(state.demoted)
         metrics.eager = dict(state.eager)
         metrics.reuse = dict(state.reuse)
-        metrics.precompile_misses = list(getattr(state.precompiled, "misses", ()))
+        metrics.precompile_misses = [miss for saved in _saved_graphs(state) for miss in saved.misses]
     subgraphs: dict[str, set[str]] = {}
     inlined: dict[str, set[str]] = {}
     for rec in records:

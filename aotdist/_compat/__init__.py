@@ -81,6 +81,7 @@ from aotdist._compat.precompile import (
     PrecompiledFunction,
     aot_compile,
     precompile_unavailable,
+    stand_in_parameters,
     unserializable_guard_types,
 )
 from aotdist._compat.subgraphs import (
@@ -98,6 +99,7 @@ __all__ = [
     "PrecompiledFunction",
     "aot_compile",
     "precompile_unavailable",
+    "stand_in_parameters",
     "unserializable_guard_types",
     "accelerate_old_forward",
     "accelerator_state_initialized",

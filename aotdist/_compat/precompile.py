@@ -18,6 +18,7 @@ import inspect
 import linecache
 import re
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch import nn
 from aotdist._compat._base import attr
 
 __all__ = ["PrecompiledFunction", "aot_compile", "precompile_unavailable",
-           "unserializable_guard_types"]
+           "stand_in_parameters", "unserializable_guard_types"]
 
 
 @functools.cache
@@ -69,6 +70,65 @@ def _grads_detached(model: nn.Module):
             p.grad = grad
 
 
+@contextlib.contextmanager
+def _closures_saved_by_code(fn: Callable):
+    """Inside, functions in ``fn``'s closures (a decorator's wrapped function: transformers'
+    ``deprecate_kwarg`` on a decoder layer's ``forward``) that pickle would look up by a
+    name that finds another object (the decorated one) carry ``<locals>`` in their
+    qualified name, which makes torch's pickler save them by code and closure instead
+    (torch 2.14, 2.15)."""
+    renamed, seen, todo = [], set(), [fn]
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if not isinstance(value, types.FunctionType):
+                continue
+            todo.append(value)
+            if "<locals>" not in value.__qualname__ and _by_name(value) is not value:
+                renamed.append((value, value.__qualname__))
+                value.__qualname__ = f"<locals>.{value.__qualname__}"
+    try:
+        yield
+    finally:
+        for value, qualname in renamed:
+            value.__qualname__ = qualname
+
+
+def _by_name(fn: types.FunctionType) -> Any:
+    """What ``fn``'s module and qualified name lead to (pickle's lookup), or ``None``."""
+    obj = sys.modules.get(fn.__module__)
+    for part in fn.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+@contextlib.contextmanager
+def stand_in_parameters(module: nn.Module, params: dict[str, tuple]):
+    """Inside, each parameter of ``module`` named in ``params`` (``"sub.name"`` ->
+    ``(shape, stride, dtype, device, requires_grad)``) is an empty one with that metadata;
+    the originals are back after. A trace reads metadata, not values: FSDP2's unsharded
+    parameters, gone after a step, are traced this way (torch 2.11, 2.15)."""
+    swapped = []
+    for name, (shape, stride, dtype, device, grad) in params.items():
+        owner, _, leaf = name.rpartition(".")
+        holder = module.get_submodule(owner)
+        swapped.append((holder, leaf, holder._parameters[leaf]))
+        holder._parameters[leaf] = nn.Parameter(
+            torch.empty_strided(shape, stride, dtype=dtype, device=device), requires_grad=grad)
+    try:
+        yield
+    finally:
+        for holder, leaf, param in swapped:
+            holder._parameters[leaf] = param
+
+
 _MODULE_REF = re.compile(r"^___module_\w+?_(\d+)_c\d+$")
 
 
@@ -84,7 +144,8 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, *, model: nn.Module, ba
                              options={"guard_filter_fn": guard_filter})
     patch = ({"enable_aot_compile": True}
              if hasattr(torch._dynamo.config, "enable_aot_compile") else {})
-    with torch._dynamo.config.patch(**patch), _grads_detached(model):
+    with torch._dynamo.config.patch(**patch), _grads_detached(model), \
+            _closures_saved_by_code(fn):
         result = compiled.aot_compile((args, kwargs))
     env = result._artifacts.runtime_env
     missing = (set(getattr(env, "external_refs", ())) - set(env.import_sources)
@@ -96,7 +157,8 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, *, model: nn.Module, ba
         if match is None or int(match.group(1)) not in by_id:
             raise RuntimeError(f"its code reads a global Dynamo made up, {ref}, that cannot be saved")
         modules[ref] = by_id[int(match.group(1))]
-    return type(result).serialize(result).serialized_data, modules
+    with _closures_saved_by_code(fn):
+        return type(result).serialize(result).serialized_data, modules
 
 
 class PrecompiledFunction:

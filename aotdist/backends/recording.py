@@ -135,9 +135,10 @@ class RecordingBackend:
     dry_run = False  # set per instance by aotdist.compile.isolate for its trials
 
     def __init__(self, inner: Callable, *, model: nn.Module | None = None, plan=None,
-                 keep_graphs: bool = False):
+                 keep_graphs: bool = False, region_frame: str | None = None):
         self.inner = _compat.lookup_backend(inner) if isinstance(inner, str) else inner
         self.plan = plan
+        self.region_frame = region_frame  # every graph is this region's frame (a re-trace)
         self.keep_graphs = keep_graphs
         self.dry_run = False
         self._model_id = id(model) if model is not None else 0
@@ -163,7 +164,7 @@ class RecordingBackend:
         )
         node_regions = self._analyse(gm, record)
         _warn_autograd_function_splits(gm, node_regions)
-        record.standalone = self._standalone_region()
+        record.standalone = self.region_frame or self._standalone_region()
         start = time.perf_counter()
         # Regions recompute norm statistics rather than save them (docs/internals.md).
         regions = bool(record.call_sites) or record.standalone is not None

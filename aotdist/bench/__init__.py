@@ -59,6 +59,8 @@ def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
     with tempfile.TemporaryDirectory(prefix="aotdist-bench-artifacts-") as artifacts:
         cold = _measure_once(case, env={ARTIFACTS_ENV: artifacts}, **kwargs)
         kwargs["progress"]("        warm start from the saved artifacts (fresh process)")
+        if kwargs.get("profile_dir"):  # the warm run's profiles beside the cold run's
+            kwargs["profile_dir"] = os.path.join(kwargs["profile_dir"], "warm")
         warm = _measure_once(case, env={ARTIFACTS_ENV: artifacts}, **kwargs)
     return {**cold, "warm_first_step_s": fresh_start_s(warm),
             "warm_compile_s": warm["compile_s"], "warm_cache_load": warm["cache_load"],

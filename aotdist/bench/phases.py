@@ -19,7 +19,9 @@ from collections.abc import Callable
 
 from aotdist import _compat
 
-__all__ = ["PhaseTimer", "profile_first_step", "profile_steady_steps"]
+__all__ = ["PROFILED_STEPS", "PhaseTimer", "profile_first_step", "profile_steady_steps"]
+
+PROFILED_STEPS = 5  # steady steps under torch.profiler (every rank runs them)
 
 # dynamo_timed sections the split reports (name in the report -> section)
 _SECTIONS = {
@@ -96,7 +98,7 @@ def profile_first_step(step: Callable[[], float], out_dir: str, label: str) -> f
 
 
 def profile_steady_steps(step: Callable[[], float], out_dir: str, label: str,
-                         phases: PhaseTimer, *, steps: int = 5) -> None:
+                         phases: PhaseTimer, *, steps: int = PROFILED_STEPS) -> None:
     """Profiles ``steps`` steady steps with ``torch.profiler``; writes the op table, a
     Chrome trace and the compile phase table of the cold step."""
     from torch.profiler import ProfilerActivity, profile

@@ -195,7 +195,9 @@ def _warm_lines(results: list[dict]) -> list[str]:
     for r in sorted(results, key=lambda r: (group_of(r), r["depth"])):
         if r.get("warm_first_step_s") is None:
             continue
-        path = ("the saved whole-model graph, untraced" if r.get("warm_precompiled") else
+        saved = ("the saved graphs of its region frames (FSDP2 hooks mode)"
+                 if r.get("mode") == "frames" else "the saved whole-model graph")
+        path = (f"{saved}, untraced" if r.get("warm_precompiled") else
                 f"traced again ({r.get('warm_precompile_reason') or 'no saved graph'})")
         out.append(f"- {group_of(r)}, depth {r['depth']}: warm start (bundle load and first "
                    f"step) {_fig(r, 'warm_first_step_s')} s via {path}; the cold run's save "

@@ -25,7 +25,12 @@ import time
 import warnings
 
 from aotdist.bench.memory import MemoryProbe
-from aotdist.bench.phases import PhaseTimer, profile_first_step, profile_steady_steps
+from aotdist.bench.phases import (
+    PROFILED_STEPS,
+    PhaseTimer,
+    profile_first_step,
+    profile_steady_steps,
+)
 
 __all__ = ["measure", "measure_paired", "main"]
 
@@ -144,8 +149,10 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
 
     device = spec["device"]
     _phase(rank, f"build {spec['model']} depth {spec['depth']}, apply {spec['strategy']}")
-    strategy, model, run_model, notes = _build(spec, spec["strategy"], fsdp=world_size > 1)
+    # first: a warm start's bundle load in parallelize imports the compiler too, and the
+    # cold step does not count these imports either
     _import_compiler_stack()
+    strategy, model, run_model, notes = _build(spec, spec["strategy"], fsdp=world_size > 1)
     isa_probe_s = _probe_cpu_isa(spec, strategy)
     memory = MemoryProbe(device)  # baseline: after imports, model build and strategy
     opt, x, y, step = _training(spec, model, run_model, rank)
@@ -176,6 +183,9 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
                                         cuda_graphs=_cuda_graphs(spec))
         if profile_dir:
             profile_steady_steps(step, profile_dir, label, phases)
+        elif spec.get("profile_dir"):  # other ranks: the same steps, for their collectives
+            for _ in range(PROFILED_STEPS):
+                step()
     steady = statistics.median(times)
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [steady] * 3
     compile_s = max(first - steady, 0.0) if strategy.compiles else 0.0
@@ -199,9 +209,7 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
         "regions": {n: vars(s) for n, s in m.regions.items()}, "mode": m.mode,
         "notes": notes, "profiled": bool(profile_dir), "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "cache_load": _cache_status(model), "cache_load_s": _cache_load_s(model),
-        "cache_save_s": save_s,
-        "precompiled": m.precompiled, "precompile_reason": _precompile_reason(model),
+        **_cache_fields(model), "cache_save_s": save_s, "precompiled": m.precompiled,
     }
 
 
@@ -276,20 +284,15 @@ def _probe_cpu_isa(spec: dict, strategy) -> float:
     return time.perf_counter() - start
 
 
-def _cache_status(model) -> str:
+def _cache_fields(model) -> dict:
+    """What ``parallelize`` did with the cache bundle: its status, the seconds it spent
+    loading it (a warm start's share of setup) and why no graph was saved or loaded."""
     state = vars(model).get("_aotdist_cache")
-    return str(state["load"].status) if state else "off"
-
-
-def _precompile_reason(model) -> str:
-    state = vars(model).get("_aotdist_cache")
-    return state["load"].precompile_reason if state else ""
-
-
-def _cache_load_s(model) -> float:
-    """Seconds ``parallelize`` spent loading the bundle (a warm start's share of setup)."""
-    state = vars(model).get("_aotdist_cache")
-    return state["load_s"] if state else 0.0
+    if state is None:
+        return {"cache_load": "off", "cache_load_s": 0.0, "precompile_reason": ""}
+    load = state["load"]
+    return {"cache_load": str(load.status), "cache_load_s": state["load_s"],
+            "precompile_reason": load.precompile_reason}
 
 
 def _import_compiler_stack() -> None:

@@ -1,9 +1,10 @@
-"""The saved whole-model graph: a warm start that runs without Dynamo (``cache.precompile``).
+"""Saved compiled graphs: a warm start that runs without Dynamo (``cache.precompile``).
 
 At :func:`~aotdist.cache.save`, a graph-mode model that compiled as one graph is traced
 once more with torch's ``aot_compile`` (same backend and options; Inductor's caches serve
-the kernels), and the result travels in the bundle. At :func:`~aotdist.cache.load` it is
-loaded; the model's compiled call then checks its guards and runs it, with no Dynamo
+the kernels), and the result travels in the bundle; under FSDP2 hooks mode, each region's
+frame is, with stand-ins of the unsharded parameters. At :func:`~aotdist.cache.load` they
+are loaded; each compiled call then checks its guards and runs its graph, with no Dynamo
 trace and no AOTAutograd cache lookup. A call its guards do not cover, or a model whose
 source changed since the save, compiles as usual, with a ``CacheWarning``.
 
@@ -34,7 +35,13 @@ __all__ = ["ENTRY", "Precompiled", "attach", "build", "guard_filter", "unavailab
 _log = get_logger(__name__)
 
 ENTRY, RECORDS, SKIPPED = "aotdist/precompiled", "aotdist/precompiled-records", "aotdist/precompile-skipped"
+FRAME_RECORDS = "aotdist/precompiled-frames"
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _frame_entry(region: str) -> str:
+    """The bundle entry of a region frame's saved graph (one path level: no "/")."""
+    return "aotdist/precompiled-frame-" + region.replace("%", "%25").replace("/", "%2F")
 
 
 def guard_filter(entries) -> list[bool]:
@@ -63,19 +70,24 @@ def unavailable_reason(model: nn.Module, config) -> str | None:
         return why
     if state is None or not state.compiled:
         return "the model was not compiled by aotdist"
-    if state.mode != CompileMode.GRAPH:
-        return "FSDP2 hooks mode compiles each region as a frame of its own, not one graph"
-    if state.call_fn is None:
+    frames = state.mode == CompileMode.FRAMES
+    if not frames and state.call_fn is None:
         return "compiled without one whole-model call (aotdist.capture)"
-    if info is not None and info.sharded_fqns:
+    if not frames and info is not None and info.sharded_fqns:
         return "graph-mode FSDP (sharded parameters) is not saved yet"
-    if config.cache.mode == "shared" and _world() > 1:
+    if config.cache.mode == "shared" and _world() > 1 and not (frames and _on_cpu(model)):
         return "shared across ranks: rank 0's graph would be specialized to its own device"
     if getattr(state.backend, "compiler_name", None) != "inductor":
         return f"backend {config.compile.backend!r}: torch saves Inductor's output only"
     if config.compile.mode in _CUDAGRAPH_MODES:
         return f"compile.mode {config.compile.mode!r} (CUDA graphs are not saved)"
     return None
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    """Every parameter on the CPU: a region frame traced on rank 0 fits every rank (no
+    collective is in it, and no device index)."""
+    return all(p.device.type == "cpu" for p in model.parameters())
 
 
 def _world() -> int:
@@ -89,6 +101,8 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
     saying why there is none. A failure is a ``CacheWarning``, never an error."""
     why = unavailable_reason(model, config)
     state = vars(model).get(STATE_ATTR)
+    if why is None and state.mode == CompileMode.FRAMES:
+        return _build_frames(model, state)
     example = state.example if state is not None else None
     if state is not None:
         state.example = None  # the batch is not held any longer, whatever happens here
@@ -126,6 +140,53 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
     return {ENTRY: data, RECORDS: json.dumps(saved).encode()}
 
 
+def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
+    """FSDP2 hooks mode: one saved graph per region frame, traced again from its first
+    call, with stand-ins of the unsharded parameters it saw (FSDP2 has resharded them;
+    a trace needs their metadata, not their values)."""
+    examples, state.frame_examples, state.keep_example = state.frame_examples, {}, False
+    entries, saved = {}, {}
+    for region in state.plan:
+        name, example = region.name, examples.get(region.name)
+        frames = [r for r in state.backend.records if r.standalone == name and not r.precompiled]
+        why = (f"region {name!r} is demoted" if name in state.demoted
+               else f"region {name!r} was not called before the save" if example is None
+               else f"a parameter is a tensor subclass ({example.subclass})" if example.subclass
+               else f"region {name!r}'s frame compiled {len(frames)} times" if len(frames) != 1
+               else None)
+        loaded = state.frame_precompiled.get(name)
+        if example is None and loaded is not None:  # save(force=True) after a warm start
+            entries[_frame_entry(name)], saved[name] = loaded.saved
+            continue
+        if why is None:
+            recorder = RecordingBackend(state.backend.inner, plan=state.plan, region_frame=name)
+            start = time.perf_counter()
+            try:
+                with pickled_with_region_depth(model), \
+                        _compat.stand_in_parameters(example.instance, example.params):
+                    data, modules = _compat.aot_compile(
+                        state.classes[name]._aotdist_plain_forward,
+                        (example.instance, *example.args), example.kwargs,
+                        model=example.instance, backend=recorder, dynamic=state.call_dynamic,
+                        guard_filter=guard_filter)
+            except Exception as exc:  # the bundle is still saved without it
+                why = f"aot_compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                warnings.warn(f"aotdist cache: region {name!r}'s compiled frame could not be "
+                              f"saved ({why}); the next run loads its compiled kernels but "
+                              "traces it again.", CacheWarning, stacklevel=4)
+        if why is not None:
+            _log.info("cache: no saved graph for region frame %s: %s", name, why)
+            saved[name] = {"skipped": why}
+            continue
+        entries[_frame_entry(name)] = data
+        saved[name] = {"modules": modules, "seconds": time.perf_counter() - start,
+                       "records": [{"num_ops": r.num_ops, "call_sites": {}, "inlined": {},
+                                    "subgraphs": {}, "standalone": name}
+                                   for r in recorder.records]}
+    entries[FRAME_RECORDS] = json.dumps(saved).encode()
+    return entries
+
+
 def _sorted_sets(d: dict[str, set[str]]) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in d.items()}
 
@@ -136,35 +197,78 @@ def attach(model: nn.Module, config, entries: dict[str, bytes]) -> tuple[bool, s
     why = unavailable_reason(model, config)
     if why is not None:
         return False, why, False
+    if vars(model)[STATE_ATTR].mode == CompileMode.FRAMES:
+        return _attach_frames(model, entries)
     if ENTRY not in entries:
         saved = entries.get(SKIPPED, b"the bundle was saved without it").decode(errors="replace")
         return False, f"not saved: {saved}", False
     try:
         saved = json.loads(entries[RECORDS])
-        with _compat.rerooted_autotune_lookups(), _compat.remembered_isa_loads():
-            fn = _compat.PrecompiledFunction(entries[ENTRY], saved.get("modules", {}))
-        changed = fn.changed_source()
-    except Exception as exc:  # noqa: BLE001 - a bad entry must not stop the job
-        why = f"it could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
+    except ValueError as exc:
+        fn, why = None, f"it could not be loaded (its records: {exc})"
     else:
-        if changed is None:
-            state = vars(model)[STATE_ATTR]
-            # the graph was traced with these regions fixed or inline: so is the model now
-            replay_outcomes(model, state, saved.get("fixes", {}), saved.get("demoted", {}))
-            state.precompiled = Precompiled(model, fn, saved["records"])
-            return True, "", False
-        why = f"the model's source changed since the save ({changed})"
+        fn, why = _load(entries[ENTRY], saved.get("modules", {}))
+    if fn is not None:
+        state = vars(model)[STATE_ATTR]
+        # the graph was traced with these regions fixed or inline: so is the model now
+        replay_outcomes(model, state, saved.get("fixes", {}), saved.get("demoted", {}))
+        state.precompiled = Precompiled(model, fn, saved["records"])
+        return True, "", False
     warnings.warn(f"aotdist cache: the saved whole-model graph is not used: {why}; the model "
                   "is traced again (the compiled kernels still load from the bundle), and the "
                   "bundle is replaced after the first step.", CacheWarning, stacklevel=3)
     return False, why, True
 
 
+def _attach_frames(model: nn.Module, entries: dict[str, bytes]) -> tuple[bool, str, bool]:
+    """:func:`attach` for FSDP2 hooks mode: each region frame's saved graph."""
+    state = vars(model)[STATE_ATTR]
+    try:
+        saved = json.loads(entries.get(FRAME_RECORDS, b"{}"))
+    except ValueError as exc:
+        return False, f"the saved frame graphs could not be loaded (their records: {exc})", True
+    whys, refresh = [], False
+    for region in state.plan:
+        info = saved.get(region.name) or {"skipped": "the bundle was saved without it"}
+        if "skipped" in info:
+            whys.append(f"region {region.name!r} not saved: {info['skipped']}")
+            continue
+        fn, why = _load(entries[_frame_entry(region.name)], info.get("modules", {}))
+        if fn is not None:
+            state.frame_precompiled[region.name] = Precompiled(
+                model, fn, info["records"], label=f"region {region.name!r}'s saved graph",
+                saved=(entries[_frame_entry(region.name)], info))
+            continue
+        refresh = refresh or why.startswith("the model's source changed")
+        whys.append(f"region {region.name!r}: {why}")
+        warnings.warn(f"aotdist cache: region {region.name!r}'s saved graph is not used: "
+                      f"{why}; it is traced again (its compiled kernels still load from the "
+                      "bundle).", CacheWarning, stacklevel=4)
+    if refresh:
+        state.frame_precompiled.clear()  # so that the run traces every frame and saves anew
+    return bool(state.frame_precompiled), "; ".join(whys), refresh
+
+
+def _load(data: bytes, modules: dict[str, str]) -> tuple[Any, str]:
+    """A saved graph loaded, with its source checked: ``(function, "")`` or ``(None, why)``."""
+    try:
+        with _compat.rerooted_autotune_lookups(), _compat.remembered_isa_loads():
+            fn = _compat.PrecompiledFunction(data, modules)
+        changed = fn.changed_source()
+    except Exception as exc:  # noqa: BLE001 - a bad entry must not stop the job
+        return None, f"it could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
+    if changed is not None:
+        return None, f"the model's source changed since the save ({changed})"
+    return fn, ""
+
+
 class Precompiled:
     """The loaded graph on a model: runs a call its guards cover, else says why not."""
 
-    def __init__(self, model: nn.Module, fn: Any, records: list[dict]):
-        self.model_id, self.fn, self.records = id(model), fn, records
+    def __init__(self, model: nn.Module, fn: Any, records: list[dict], *,
+                 label: str = "the saved whole-model graph", saved: tuple | None = None):
+        self.model_id, self.fn, self.records, self.label = id(model), fn, records, label
+        self.saved = saved  # (entry bytes, records entry): a forced save keeps them
         self.calls, self.misses = 0, []
 
     def run(self, args: tuple, kwargs: dict, backend: RecordingBackend) -> tuple[bool, Any]:
@@ -178,7 +282,7 @@ class Precompiled:
                 self.misses.append(why or self.fn.why(args, kwargs))
             if len(self.misses) == 1:
                 warnings.warn(
-                    f"aotdist cache: the saved whole-model graph does not cover this call "
+                    f"aotdist cache: {self.label} does not cover this call "
                     f"(guard failed: {self.misses[0]}); it is compiled as usual (kernels the "
                     "bundle holds still load). Expected for a last, smaller batch or an eval "
                     "step; if every call misses, delete the bundle so that this run's inputs "
@@ -189,6 +293,7 @@ class Precompiled:
                 record = GraphRecord(
                     index=0, model_id=self.model_id, num_ops=rec["num_ops"], backend_seconds=0.0,
                     call_sites=rec["call_sites"], precompiled=True,
+                    standalone=rec.get("standalone"),
                     subgraphs={k: set(v) for k, v in rec["subgraphs"].items()},
                     inlined={k: set(v) for k, v in rec["inlined"].items()})
                 backend.records.append(record)

@@ -12,15 +12,19 @@ frame compiled more than once (its instances differ) is named too (``reuse``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from torch import nn
 
+from aotdist import _compat
 from aotdist.compile.guard import mark_dynamic_inputs
 from aotdist.compile.reuse import report_reuse
 from aotdist.compile.state import RegionState
 from aotdist.errors import RegionCompileWarning
 from aotdist.log import rank_zero_warn
 
-__all__ = ["compile_frames"]
+__all__ = ["FrameExample", "compile_frames", "frame_example"]
 
 
 def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
@@ -36,14 +40,51 @@ def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
         compiled = compile_fn(cls._aotdist_plain_forward)
         calls = state.frame_calls.setdefault(region.name, set())
 
-        def forward(self, *args, _compiled=compiled, _calls=calls, _state=state, **kwargs):
+        def forward(self, *args, _compiled=compiled, _calls=calls, _state=state,
+                    _name=region.name, **kwargs):
             _calls.add(id(self))
             if _state.dynamic_inputs:
                 mark_dynamic_inputs(args, kwargs)
+            if (saved := _state.frame_precompiled.get(_name)) is not None:  # aotdist.cache
+                hit, out = saved.run((self, *args), kwargs, _state.backend)
+                if hit:
+                    return out
+            elif _state.keep_example and _name not in _state.frame_examples:
+                _state.frame_examples[_name] = frame_example(self, args, kwargs)
             return _compiled(self, *args, **kwargs)
 
         cls._aotdist_impl = forward
     _watch_first_forward(model, state)
+
+
+@dataclass
+class FrameExample:
+    """A region frame's first call, kept for :mod:`aotdist.cache.precompile` to trace it
+    again at save time: the instance, stand-ins of its inputs, and the metadata of the
+    parameters it saw (FSDP2's unsharded ones, gone by then)."""
+
+    instance: nn.Module
+    args: tuple
+    kwargs: dict
+    params: dict[str, tuple]  # "submodule.name" -> (shape, stride, dtype, device, requires_grad)
+    subclass: str | None  # a parameter that is a tensor subclass (Float8): not saved
+
+
+def frame_example(instance: nn.Module, args: tuple, kwargs: dict) -> FrameExample:
+    """What :class:`FrameExample` keeps of a call (no tensor data is held)."""
+    def stand_in(t):
+        if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, nn.Parameter):
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                   device=t.device).requires_grad_(t.requires_grad)
+
+    params, subclass = {}, None
+    for name, p in instance.named_parameters():
+        if type(p) not in (torch.Tensor, nn.Parameter):
+            subclass = subclass or f"{name} is a {type(p).__name__}"
+        params[name] = (tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad)
+    args, kwargs = _compat.tree_map(stand_in, (args, kwargs))
+    return FrameExample(instance, args, kwargs, params, subclass)
 
 
 def _watch_first_forward(model: nn.Module, state: RegionState) -> None:

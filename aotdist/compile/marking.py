@@ -91,36 +91,48 @@ def _reduce_as_base(self, protocol):
     return (copyreg._reconstructor, (type(self)._aotdist_base, object, None), vars(self).copy())
 
 
-_STAND_INS: dict[type, type] = {}
+_STAND_INS: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
-def _stand_in_instance(base: type) -> nn.Module:
-    """An empty instance of a subclass of ``base`` made in this process: a region instance
-    unpickled with its class's depth (see :func:`pickled_with_region_depth`)."""
-    if base not in _STAND_INS:
-        _STAND_INS[base] = type(base.__name__, (base,), {"__module__": base.__module__,
-                                                         "__qualname__": base.__qualname__})
-    return object.__new__(_STAND_INS[base])
+def _stand_in_instance(base: type, names: tuple[str, ...] = ()) -> nn.Module:
+    """An empty instance of a class made in this process, as many subclasses below
+    ``base`` as ``names`` (the names of the classes above it, bottom first; default: one,
+    named as ``base``): a region instance unpickled with its class's depth and name (see
+    :func:`pickled_with_region_depth`)."""
+    names = names or (base.__name__,)
+    if (base, names) not in _STAND_INS:
+        cls = base
+        for name in reversed(names):
+            cls = type(name, (cls,), {"__module__": base.__module__, "__qualname__": name})
+        _STAND_INS[base, names] = cls
+    return object.__new__(_STAND_INS[base, names])
 
 
 def _reduce_keeping_depth(self, protocol):
-    return (_stand_in_instance, (type(self)._aotdist_base,), vars(self).copy())
+    base = type(self)._aotdist_base
+    above = type(self).__mro__[:type(self).__mro__.index(base)]
+    return (_stand_in_instance, (base, tuple(c.__name__ for c in above)), vars(self).copy())
 
 
 @contextlib.contextmanager
 def pickled_with_region_depth(model: nn.Module) -> Iterator[None]:
-    """Inside, region instances of ``model`` pickle as instances of a subclass of their
-    user class, made anew where they are unpickled: Dynamo's saved guards name class
+    """Inside, region instances of ``model`` pickle as instances of a class as many
+    subclasses below their user class as theirs (the region class; FSDP2's ``FSDP<cls>``
+    above it), made anew where they are unpickled: Dynamo's saved guards name class
     attributes by position in the class's MRO (``__mro__[2]``), which the user class alone
-    would shift by one (aotdist.cache.precompile saves such guards)."""
-    classes = {type(m) for m in model.modules() if "_aotdist_region" in vars(type(m))}
+    would shift (aotdist.cache.precompile saves such guards)."""
+    classes = {type(m): "__reduce_ex__" in vars(type(m)) for m in model.modules()
+               if getattr(type(m), "_aotdist_region", None) is not None}
     for cls in classes:
         cls.__reduce_ex__ = _reduce_keeping_depth
     try:
         yield
     finally:
-        for cls in classes:
-            cls.__reduce_ex__ = _reduce_as_base
+        for cls, own in classes.items():
+            if own:
+                cls.__reduce_ex__ = _reduce_as_base
+            else:  # a class made from a region class (FSDP<cls>): inherits it again
+                del cls.__reduce_ex__
 
 
 def _detach_no_grad_outputs(fn: Callable) -> Callable:

@@ -63,3 +63,6 @@ class RegionState:
     keep_example: bool = False  # set by aotdist.cache.load: keep the first call's inputs
     example: tuple | None = None  # (args, kwargs) of the first call, until the cache saves
     precompiled: Any = None  # aotdist.cache.precompile.Precompiled, loaded from a bundle
+    # frames mode: the same per region frame (aotdist.compile.frames.FrameExample kept)
+    frame_examples: dict[str, Any] = field(default_factory=dict)
+    frame_precompiled: dict[str, Any] = field(default_factory=dict)

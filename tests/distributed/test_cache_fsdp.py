@@ -7,7 +7,9 @@ directory of its own (as on separate nodes):
   rank 0's artifacts of it instead of compiling (counted by Inductor's FX graph cache
   hits and misses); rank 0 saves the bundle after the first step;
 * warm: a restart (new empty Inductor cache dirs, Dynamo and Inductor in-memory caches
-  cleared, the model rebuilt): rank 0 reads the bundle and broadcasts it, no rank compiles;
+  cleared, the model rebuilt): rank 0 reads the bundle and broadcasts it, no rank compiles
+  (torch 2.14+: each region frame runs its saved graph, untraced); once more with a last
+  batch of another size, which the saved graphs do not cover: it compiles, warned once;
 * eager: the same training without compile, the parity reference.
 
 Then, on the same processes, without FSDP: ``cache.mode: local`` (each rank saves and
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import aotdist
+from aotdist import _compat
 from aotdist.testing import build_model, example_inputs, run_distributed
 
 pytestmark = [pytest.mark.inductor, pytest.mark.slow]  # a 90 s spawn on 2 cores
@@ -34,7 +37,8 @@ pytestmark = [pytest.mark.inductor, pytest.mark.slow]  # a 90 s spawn on 2 cores
 STEPS = 2
 
 
-def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0.0) -> dict:
+def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0.0,
+           other_batch: bool = False) -> dict:
     import time
 
     import torch.distributed as dist
@@ -56,8 +60,11 @@ def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0
         for step in range(STEPS):
             (x,), y = example_inputs(model, 2 * world_size, generator=g)
             x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
+            with aotdist.metrics.track(model) as m:
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss.backward()
+            if step == 0:
+                tracked = {"precompiled": m.precompiled, "frames": m.frames_compiled}
             opt.step()
             opt.zero_grad()
             if step == 0:
@@ -66,9 +73,15 @@ def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0
                          ("fxgraph_cache_hit", "fxgraph_cache_miss")}
             dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
             losses.append(loss.item())
+        if other_batch:  # a batch of 3: the saved frame graphs' guards do not cover it
+            (x,), y = example_inputs(model, 3, generator=g)
+            with aotdist.metrics.track(model) as m:
+                F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            tracked["other_batch_misses"] = m.precompile_misses
     state = vars(model).get(aotdist.cache.STATE_ATTR)
     sharing = state["sharing"] if state else None
-    return {"losses": losses, "first": first, "saved": saved,
+    return {"losses": losses, "first": first, "saved": saved, **tracked,
+            "precompile_reason": state["load"].precompile_reason if state else "",
             "load": state["load"].status if state else "off",
             "shared_loaded": sharing.loaded if sharing else 0,
             "share_misses": sharing.misses if sharing else [],
@@ -81,10 +94,10 @@ def _phases(rank: int, world_size: int, root: str) -> dict:
     cache = {**fsdp, "compile": {"backend": "inductor"},
              "cache": {"mode": "shared", "dir": os.path.join(root, "bundle")}}
     out = {}
-    for phase, config in (("cold", cache), ("warm", cache),
+    for phase, config in (("cold", cache), ("warm", cache), ("warm_other_batch", cache),
                           ("eager", {**fsdp, "compile": {"enabled": False}})):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
-        out[phase] = _train(rank, world_size, config)
+        out[phase] = _train(rank, world_size, config, other_batch=phase == "warm_other_batch")
     # cache.mode: local, no FSDP: each rank its own bundle (artifacts.rank<r>.aotc)
     compile_ = {"compile": {"backend": "inductor"}}
     local = {**compile_, "cache": {"mode": "local", "dir": os.path.join(root, "local")}}
@@ -125,8 +138,26 @@ def test_warm_restart_compiles_nothing(phases):
         warm = phases[rank]["warm"]
         assert warm["load"] == "loaded", warm
         assert warm["first"]["fxgraph_cache_miss"] == 0, (rank, warm)
-        assert warm["first"]["fxgraph_cache_hit"] > 0
         assert warm["warnings"] == []
+        if _compat.precompile_unavailable() is None:  # each region frame's saved graph ran
+            assert warm["precompiled"] and warm["precompile_reason"] == "", warm
+            assert warm["frames"] in (0, None) and warm["first"]["fxgraph_cache_hit"] == 0
+        else:  # traced again, every kernel from the bundle
+            assert not warm["precompiled"] and "torch" in warm["precompile_reason"], warm
+            assert warm["first"]["fxgraph_cache_hit"] > 0
+
+
+@pytest.mark.skipif(_compat.precompile_unavailable() is not None,
+                    reason=str(_compat.precompile_unavailable()))
+def test_a_batch_the_saved_frame_graphs_do_not_cover_compiles_with_one_warning(phases):
+    for rank in (0, 1):
+        run = phases[rank]["warm_other_batch"]
+        assert run["precompiled"] and run["losses"] == phases[rank]["warm"]["losses"], run
+        misses = run["other_batch_misses"]  # one per block call of that step
+        assert len(misses) == 2 and len(set(misses)) == 1 and misses[0], misses
+    warned = [w for w in phases[0]["warm_other_batch"]["warnings"]
+              if "region 'GPTBlock''s saved graph does not cover this call" in w]
+    assert len(warned) == 1, phases[0]["warm_other_batch"]["warnings"]
 
 
 def test_cached_results_match_uncached(phases):

@@ -1,13 +1,17 @@
 """``cache.precompile``: the whole-model graph saved with the bundle and run untraced.
 
-Fast tests drive the guard filter, the reasons a model gets no saved graph, and the
-compiled call's use of a loaded graph (a stand-in for torch's, so no Inductor). The slow
-ones run real processes: save, then warm starts that must train like eager, fall back on
-a batch the guards do not cover, and notice an edited model source.
+Fast tests drive the guard filter, the reasons a model gets no saved graph, the
+compiled call's use of a loaded graph (a stand-in for torch's, so no Inductor), and the
+pieces FSDP2 hooks mode's per-frame graphs need (stand-in classes at FSDP2's depth, a
+frame's kept example and stand-in parameters, decorated forwards). The slow ones run real
+processes: save, then warm starts that must train like eager, fall back on a batch the
+guards do not cover, and notice an edited model source; the 2-rank FSDP2 warm start is in
+``tests/distributed/test_cache_fsdp.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -21,7 +25,8 @@ import torch
 import aotdist
 from aotdist import _compat
 from aotdist.cache import CacheWarning, precompile
-from aotdist.compile import mark_regions
+from aotdist.compile import mark_regions, marking
+from aotdist.compile.frames import frame_example
 from aotdist.compile.state import STATE_ATTR
 from aotdist.testing import build_model, example_inputs
 
@@ -292,3 +297,74 @@ def test_transformers_models_warm_start_from_their_saved_graph(tmp_path, name):
     assert not cold["ran_saved"] and not cold["warnings"], cold
     warm = run()
     assert (warm["ran_saved"], warm["frames"], warm["why"], warm["warnings"]) == (True, 0, "", []), warm
+
+
+def test_region_instances_pickle_at_their_class_depth_under_a_class_made_from_theirs():
+    """FSDP2 makes ``FSDP<cls>`` from a region class: its instances' guards name the MRO
+    two levels above the user class, and their stand-in must keep both levels."""
+    import pickle
+
+    model = build_model("gpt", depth=2)
+    mark_regions(model)
+    region_cls = type(model.blocks[0])
+    base = region_cls._aotdist_base
+    wrapped = type("FSDPGPTBlock", (_Mixin, region_cls), {})  # as fully_shard does
+    model.blocks[1].__class__ = wrapped
+    with marking.pickled_with_region_depth(model):
+        for block in model.blocks:
+            copy = pickle.loads(pickle.dumps(block))
+            assert type(copy) is not type(block) and isinstance(copy, base)
+            assert type(copy).__mro__.index(base) == type(block).__mro__.index(base)
+            assert type(copy).__name__ == type(block).__name__  # guards read it too
+    assert "__reduce_ex__" not in vars(wrapped)  # inherits the region class's again
+    assert type(pickle.loads(pickle.dumps(model.blocks[1]))) is base
+
+
+class _Mixin:
+    pass
+
+
+def test_a_region_frame_example_keeps_metadata_not_data_and_stand_ins_restore():
+    model = build_model("gpt", depth=2)
+    block = model.blocks[0]
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    example = frame_example(block, (x * 2,), {"scale": 3})
+    (arg,), kwargs = example.args, example.kwargs
+    assert arg.shape == x.shape and arg.requires_grad and arg.grad_fn is None and kwargs == {"scale": 3}
+    name, weight = next(iter(block.named_parameters()))
+    assert example.params[name] == (tuple(weight.shape), weight.stride(), weight.dtype,
+                                    weight.device, True)
+    assert example.subclass is None
+    before = dict(block.named_parameters())
+    with _compat.stand_in_parameters(block, example.params):
+        inside = dict(block.named_parameters())
+        assert inside.keys() == before.keys()
+        assert all(inside[k] is not before[k] and inside[k].shape == before[k].shape
+                   for k in before)
+    assert all(p is before[k] for k, p in block.named_parameters())
+
+
+def _decorate(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_decorate
+def _decorated(x):
+    return x + 1
+
+
+def test_a_decorated_functions_wrapped_original_is_saved_by_code_while_saving():
+    """transformers decorates decoder layers' forward (``deprecate_kwarg``): pickle finds
+    the wrapper under the original's name, so the original must be saved by code."""
+    from aotdist._compat import precompile as compat_precompile
+
+    original = _decorated.__closure__[0].cell_contents
+    assert original is not _decorated and original.__qualname__ == "_decorated"
+    with compat_precompile._closures_saved_by_code(_decorated):
+        assert "<locals>" in original.__qualname__  # torch's pickler: code and closure
+        assert _decorated.__qualname__ == "_decorated"  # found by its name: as it is
+    assert original.__qualname__ == "_decorated" and _decorated(1) == 2
