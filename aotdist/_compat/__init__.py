@@ -25,6 +25,7 @@ from aotdist._compat.accelerate import (
 )
 from aotdist._compat.caches import (
     autograd_cache_off,
+    cacheable_autograd_functions,
     cpp_code_cache_keys,
     default_store,
     fsdp_params_of,
@@ -105,6 +106,7 @@ __all__ = [
     "accelerator_state_initialized",
     "aot_eager_parts",
     "autograd_cache_off",
+    "cacheable_autograd_functions",
     "cached_subgraph_schemas",
     "call_impl",
     "compilation_metric_fields",

@@ -14,6 +14,7 @@ from aotdist._compat._base import attr, unavailable
 
 __all__ = [
     "autograd_cache_off",
+    "cacheable_autograd_functions",
     "cpp_code_cache_keys",
     "default_store",
     "fsdp_params_of",
@@ -312,3 +313,19 @@ def wrap_fx_graph_cache(wrap_lookup: Callable[[Callable], Callable],
             setattr(cls, name, original)
 
     return restore
+
+
+_AUTOGRAD_FUNCTION_HOP = "torch.ops.higher_order.autograd_function_apply"
+
+
+def cacheable_autograd_functions(tag: str) -> dict:
+    """Inductor options under which graphs that hold custom ``autograd.Function``s (traced
+    as the ``autograd_function_apply`` higher-order op, forward and backward subgraphs in
+    the graph) are cached by AOTAutograd and the FX graph cache, which otherwise bypass
+    them; ``tag`` goes into the cache key. Keeps what Inductor's config marks already.
+    ``{}`` where this torch has no such option (torch 2.11, 2.15 have it)."""
+    config = attr("torch._inductor", "config")
+    marked = getattr(config, "unsafe_marked_cacheable_functions", None)
+    if not isinstance(marked, dict):
+        return {}
+    return {"unsafe_marked_cacheable_functions": {**marked, _AUTOGRAD_FUNCTION_HOP: tag}}

@@ -18,6 +18,7 @@ from aotdist import _compat
 from aotdist.backends.reuse import is_reuse_pass, reuse_pass
 from aotdist.errors import ConfigError, ConfigWarning, RegionCompileWarning
 from aotdist.log import rank_zero_warn
+from aotdist.version import __version__
 
 __all__ = ["add_joint_pass", "make_backend", "graph_fsdp_backend", "inductor_options",
            "overlap_options"]
@@ -272,7 +273,10 @@ def graph_fsdp_backend(backend: str | Callable, options: dict | None, *,
         )
         overlap = False
     if backend == "inductor":
-        return backend, inductor_options(options, bucket_mb=bucket_mb, overlap=overlap)
+        # the gathers are autograd.Functions, which AOTAutograd would not cache: every warm
+        # start and every rank sharing rank 0's compiles would trace and partition again
+        return backend, {**_compat.cacheable_autograd_functions(f"aotdist {__version__}"),
+                         **inductor_options(options, bucket_mb=bucket_mb, overlap=overlap)}
     if backend == "aot_eager" and bucket_mb and not options:
         from aotdist.backends.bucketing import bucketing_aot_eager
 

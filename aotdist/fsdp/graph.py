@@ -29,16 +29,10 @@ from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, RegionCompileWarning
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan, find_regions
+from aotdist.version import __version__
 
-__all__ = [
-    "GatherSpec",
-    "ShardedCall",
-    "check_graph_config",
-    "graph_plan",
-    "local_shards",
-    "shard_graph",
-    "sharded_call",
-]
+__all__ = ["GatherSpec", "ShardedCall", "check_graph_config", "graph_plan", "local_shards",
+           "shard_graph", "sharded_call"]
 
 @dataclass(frozen=True)
 class GatherSpec:
@@ -135,6 +129,11 @@ def _recompute_context():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(_recompute_policy)
+
+
+# else AOTAutograd's cache bypasses every graph with a gather ("SAC context_fn does not
+# have a cache_hash attribute"), and each warm start traces and partitions again
+_recompute_context.cache_hash = f"aotdist {__version__}: gathers MUST_RECOMPUTE"
 
 
 def _gather_fn(local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
