@@ -162,11 +162,12 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
             recorder = RecordingBackend(state.backend.inner, plan=state.plan, region_frame=name)
             start = time.perf_counter()
             try:
+                args, kwargs = example.inputs()
                 with pickled_with_region_depth(model), \
                         _compat.stand_in_parameters(example.instance, example.params):
                     data, modules = _compat.aot_compile(
                         state.classes[name]._aotdist_plain_forward,
-                        (example.instance, *example.args), example.kwargs,
+                        (example.instance, *args), kwargs,
                         model=example.instance, backend=recorder, dynamic=state.call_dynamic,
                         guard_filter=guard_filter)
             except Exception as exc:  # the bundle is still saved without it

@@ -24,7 +24,7 @@ from aotdist.compile.state import RegionState
 from aotdist.errors import RegionCompileWarning
 from aotdist.log import rank_zero_warn
 
-__all__ = ["FrameExample", "compile_frames", "frame_example"]
+__all__ = ["FrameExample", "TensorMeta", "compile_frames", "frame_example"]
 
 
 def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
@@ -57,11 +57,27 @@ def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
     _watch_first_forward(model, state)
 
 
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a trace needs of an input tensor: an empty one like it is made from this."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
+                                   device=self.device).requires_grad_(self.requires_grad)
+
+
 @dataclass
 class FrameExample:
     """A region frame's first call, kept for :mod:`aotdist.cache.precompile` to trace it
-    again at save time: the instance, stand-ins of its inputs, and the metadata of the
-    parameters it saw (FSDP2's unsharded ones, gone by then)."""
+    again at save time: the instance, its inputs (tensors as :class:`TensorMeta`), and
+    the metadata of the parameters it saw (FSDP2's unsharded ones, gone by then). No
+    tensor memory is held."""
 
     instance: nn.Module
     args: tuple
@@ -69,21 +85,25 @@ class FrameExample:
     params: dict[str, tuple]  # "submodule.name" -> (shape, stride, dtype, device, requires_grad)
     subclass: str | None  # a parameter that is a tensor subclass (Float8): not saved
 
+    def inputs(self) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with an empty tensor for each :class:`TensorMeta`."""
+        return _compat.tree_map(lambda x: x.empty() if isinstance(x, TensorMeta) else x,
+                                (self.args, self.kwargs))
+
 
 def frame_example(instance: nn.Module, args: tuple, kwargs: dict) -> FrameExample:
-    """What :class:`FrameExample` keeps of a call (no tensor data is held)."""
-    def stand_in(t):
+    """What :class:`FrameExample` keeps of a call."""
+    def meta(t):
         if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, nn.Parameter):
             return t
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
-                                   device=t.device).requires_grad_(t.requires_grad)
+        return TensorMeta(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
     params, subclass = {}, None
     for name, p in instance.named_parameters():
         if type(p) not in (torch.Tensor, nn.Parameter):
             subclass = subclass or f"{name} is a {type(p).__name__}"
         params[name] = (tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad)
-    args, kwargs = _compat.tree_map(stand_in, (args, kwargs))
+    args, kwargs = _compat.tree_map(meta, (args, kwargs))
     return FrameExample(instance, args, kwargs, params, subclass)
 
 

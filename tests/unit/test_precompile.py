@@ -329,8 +329,10 @@ def test_a_region_frame_example_keeps_metadata_not_data_and_stand_ins_restore():
     block = model.blocks[0]
     x = torch.randn(2, 16, 32, requires_grad=True)
     example = frame_example(block, (x * 2,), {"scale": 3})
-    (arg,), kwargs = example.args, example.kwargs
-    assert arg.shape == x.shape and arg.requires_grad and arg.grad_fn is None and kwargs == {"scale": 3}
+    assert not any(isinstance(t, torch.Tensor) for t in _compat.tree_leaves(example.args))
+    (arg,), kwargs = example.inputs()
+    assert arg.shape == x.shape and arg.stride() == x.stride() and arg.requires_grad
+    assert arg.grad_fn is None and kwargs == {"scale": 3}
     name, weight = next(iter(block.named_parameters()))
     assert example.params[name] == (tuple(weight.shape), weight.stride(), weight.dtype,
                                     weight.device, True)
