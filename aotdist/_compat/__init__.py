@@ -83,6 +83,7 @@ from aotdist._compat.precompile import (
     aot_compile,
     precompile_unavailable,
     stand_in_parameters,
+    unsaved_in_guards,
     unserializable_guard_types,
 )
 from aotdist._compat.subgraphs import (
@@ -101,6 +102,7 @@ __all__ = [
     "aot_compile",
     "precompile_unavailable",
     "stand_in_parameters",
+    "unsaved_in_guards",
     "unserializable_guard_types",
     "accelerate_old_forward",
     "accelerator_state_initialized",

@@ -19,7 +19,8 @@ import linecache
 import re
 import sys
 import types
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,7 +29,9 @@ from torch import nn
 from aotdist._compat._base import attr
 
 __all__ = ["PrecompiledFunction", "aot_compile", "precompile_unavailable",
-           "stand_in_parameters", "unserializable_guard_types"]
+           "stand_in_parameters", "unsaved_in_guards", "unserializable_guard_types"]
+
+_saving = False  # inside aot_compile: see unsaved_in_guards
 
 
 @functools.cache
@@ -60,7 +63,8 @@ def _grads_detached(model: nn.Module):
     """Parameters without ``.grad`` while guards are saved: torch 2.14 and 2.15 pickle a
     parameter's gradient as a placeholder that fails to load ("assigned grad expected
     to be a Tensor or None")."""
-    grads = {p: p.grad for p in model.parameters()}
+    grads = {p: p.grad for p in model.parameters() if p.is_leaf}  # not graph-mode FSDP's
+    # local shards (views of their DTensors)
     for p in grads:
         p.grad = None
     try:
@@ -110,23 +114,47 @@ def _by_name(fn: types.FunctionType) -> Any:
 
 
 @contextlib.contextmanager
-def stand_in_parameters(module: nn.Module, params: dict[str, tuple]):
-    """Inside, each parameter of ``module`` named in ``params`` (``"sub.name"`` ->
-    ``(shape, stride, dtype, device, requires_grad)``) is an empty one with that metadata;
-    the originals are back after. A trace reads metadata, not values: FSDP2's unsharded
-    parameters, gone after a step, are traced this way (torch 2.11, 2.15)."""
+def stand_in_parameters(module: nn.Module, params: dict[str, torch.Tensor]):
+    """Inside, each parameter of ``module`` named in ``params`` (``"sub.name"`` -> an empty
+    tensor with its metadata) is that tensor as a parameter (``requires_grad`` as the
+    tensor's); the originals are back after. A trace reads metadata, not values: FSDP2's
+    unsharded parameters, gone after a step, are traced this way (torch 2.11, 2.15)."""
     swapped = []
-    for name, (shape, stride, dtype, device, grad) in params.items():
+    for name, empty in params.items():
         owner, _, leaf = name.rpartition(".")
         holder = module.get_submodule(owner)
         swapped.append((holder, leaf, holder._parameters[leaf]))
-        holder._parameters[leaf] = nn.Parameter(
-            torch.empty_strided(shape, stride, dtype=dtype, device=device), requires_grad=grad)
+        holder._parameters[leaf] = nn.Parameter(empty.detach(), requires_grad=empty.requires_grad)
     try:
         yield
     finally:
         for holder, leaf, param in swapped:
             holder._parameters[leaf] = param
+
+
+def _unsaved() -> None:
+    return None
+
+
+def unsaved_in_guards(self, protocol: int):
+    """``__reduce_ex__`` of a run-time object that a module holds as a callable attribute
+    (aotdist's compiled-call wrappers): torch's guard pickler saves a module's callable
+    attributes whole, so inside :func:`aot_compile` such objects pickle as ``None`` (no
+    guard reads them; their state, a shared cache's store for one, cannot be pickled).
+    torch 2.14 (2.15 not run yet; 2.11 saves no graph of aotdist's: never called there)."""
+    if _saving:
+        return (_unsaved, ())
+    return object.__reduce_ex__(self, protocol)
+
+
+@contextlib.contextmanager
+def _run_state_unsaved() -> Iterator[None]:
+    global _saving
+    before, _saving = _saving, True
+    try:
+        yield
+    finally:
+        _saving = before
 
 
 _MODULE_REF = re.compile(r"^___module_\w+?_(\d+)_c\d+$")
@@ -145,7 +173,9 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, *, model: nn.Module, ba
     patch = ({"enable_aot_compile": True}
              if hasattr(torch._dynamo.config, "enable_aot_compile") else {})
     with torch._dynamo.config.patch(**patch), _grads_detached(model), \
-            _closures_saved_by_code(fn):
+            _closures_saved_by_code(fn), _run_state_unsaved(), warnings.catch_warnings():
+        # the guard pickler reads .grad of every tensor, graph-mode FSDP's local shards too
+        warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf")
         result = compiled.aot_compile((args, kwargs))
     env = result._artifacts.runtime_env
     missing = (set(getattr(env, "external_refs", ())) - set(env.import_sources)
@@ -157,7 +187,7 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, *, model: nn.Module, ba
         if match is None or int(match.group(1)) not in by_id:
             raise RuntimeError(f"its code reads a global Dynamo made up, {ref}, that cannot be saved")
         modules[ref] = by_id[int(match.group(1))]
-    with _closures_saved_by_code(fn):
+    with _closures_saved_by_code(fn), _run_state_unsaved():
         return type(result).serialize(result).serialized_data, modules
 
 

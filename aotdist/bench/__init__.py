@@ -48,9 +48,9 @@ __all__ = ["ALL_STRATEGIES", "MAIN_JOB", "MAIN_SETTINGS", "QUICK_JOB", "QUICK_SE
 
 
 def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
-    """One measurement; ``aotdist+cache``: a cold run that saves the artifact bundle, then
+    """One measurement; ``*+cache``: a cold run that saves the artifact bundle, then
     a warm run (fresh process, empty Inductor cache) that starts from it."""
-    if case.strategy != "aotdist+cache":
+    if not case.strategy.endswith("+cache"):
         return _measure_once(case, **kwargs)
     from aotdist.bench.strategies import ARTIFACTS_ENV
 
@@ -130,7 +130,7 @@ def _seed_isa_probes(where: str, *, backend: str, device: str,
     """Inductor's CPU vector-ISA probes, built once into ``where`` (a fresh process), or
     ``None`` where they do not apply or fail.
 
-    Every run's empty Inductor cache dir starts from a copy of them (``aotdist+cache``
+    Every run's empty Inductor cache dir starts from a copy of them (the ``+cache``
     cells excepted: their cold and warm runs measure a fresh start), so that no run spends
     the C++ compiles again: they are a one-time cost of a cache dir, not of a strategy,
     and the runner times them apart from the cold step anyway.

@@ -83,7 +83,7 @@ def _isa_line(results: list[dict]) -> str:
     if not values:
         return ""
     return ("Inductor's CPU ISA probes, a one-time cost of an Inductor cache dir, are built "
-            "once per bench and copied into each run's empty cache dir (aotdist+cache cells "
+            "once per bench and copied into each run's empty cache dir (the +cache cells "
             "excepted: their runs measure a fresh start); every run runs and times them "
             f"before the cold step ({min(values):.2f}-{max(values):.2f} s per run here), so "
             "cold compile leaves them out, and the warm/cold first-step ratio (a fresh start) "
@@ -190,19 +190,21 @@ def _markdown(report: dict) -> str:
 
 
 def _warm_lines(results: list[dict]) -> list[str]:
-    """Which path each aotdist+cache warm start took, and what the cold run's save cost."""
+    """Which path each +cache cell's warm start took, and what the cold run's save cost."""
     out = []
     for r in sorted(results, key=lambda r: (group_of(r), r["depth"])):
         if r.get("warm_first_step_s") is None:
             continue
         saved = ("the saved graphs of its region frames (FSDP2 hooks mode)"
                  if r.get("mode") == "frames" else "the saved whole-model graph")
+        if r["strategy"] != "aotdist+cache":
+            saved += f" ({r['strategy']})"
         path = (f"{saved}, untraced" if r.get("warm_precompiled") else
                 f"traced again ({r.get('warm_precompile_reason') or 'no saved graph'})")
         out.append(f"- {group_of(r)}, depth {r['depth']}: warm start (bundle load and first "
                    f"step) {_fig(r, 'warm_first_step_s')} s via {path}; the cold run's save "
                    f"took {r.get('cache_save_s') or 0.0:.2f} s")
-    return ["Warm starts (aotdist+cache):", "", *out, ""] if out else []
+    return ["Warm starts (+cache cells):", "", *out, ""] if out else []
 
 
 def _paired_lines(paired: list[dict], failures: list[str]) -> list[str]:

@@ -208,7 +208,7 @@ ARTIFACTS_ENV = "AOTDIST_BENCH_ARTIFACTS"
 @register_strategy("aotdist+cache", description="aotdist with cache.mode shared: rank 0 "
                    "compiles and shares its artifacts, and a second fresh run starts from "
                    f"the saved bundle (directory from ${ARTIFACTS_ENV})")
-def _aotdist_cache(model: nn.Module, setup: Setup) -> nn.Module:
+def _aotdist_cache(model: nn.Module, setup: Setup, *, graph: bool = False) -> nn.Module:
     import os
 
     import aotdist
@@ -217,9 +217,19 @@ def _aotdist_cache(model: nn.Module, setup: Setup) -> nn.Module:
     if not where:
         raise ConfigError(f"bench strategy aotdist+cache needs ${ARTIFACTS_ENV} (the bundle "
                           "directory); `aotdist bench` sets it. Fix: set it to a directory.")
+    graph = graph and setup.fsdp
     return aotdist.parallelize(model, config={
         "compile": setup.compile_kwargs(),
-        "fsdp": {"enabled": setup.fsdp, "replicate_degree": setup.replicate},
+        "fsdp": {"enabled": setup.fsdp, "replicate_degree": setup.replicate,
+                 "mode": "graph" if graph else "hooks"},
         "float8": {"enabled": setup.float8},
-        "cache": {"mode": "shared", "dir": where},
+        "cache": {"mode": "local" if graph else "shared", "dir": where},
     })
+
+
+@register_strategy("aotdist-graph+cache", description="aotdist-graph with cache.mode local: "
+                   "each rank saves its bundle (with the whole sharded step's saved graph), "
+                   "and a second fresh run starts from it", notes=lambda model: "" if
+                   _graph_sharded(model) else "one process: no sharding, same as aotdist+cache")
+def _aotdist_graph_cache(model: nn.Module, setup: Setup) -> nn.Module:
+    return _aotdist_cache(model, setup, graph=True)

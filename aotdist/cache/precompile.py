@@ -2,14 +2,15 @@
 
 At :func:`~aotdist.cache.save`, a graph-mode model that compiled as one graph is traced
 once more with torch's ``aot_compile`` (same backend and options; Inductor's caches serve
-the kernels), and the result travels in the bundle; under FSDP2 hooks mode, each region's
-frame is, with stand-ins of the unsharded parameters. At :func:`~aotdist.cache.load` they
+the kernels; graph-mode FSDP's with its local shards), and the result travels in the
+bundle; under FSDP2 hooks mode, each region's frame is, with stand-ins of the unsharded
+parameters. At :func:`~aotdist.cache.load` they
 are loaded; each compiled call then checks its guards and runs its graph, with no Dynamo
 trace and no AOTAutograd cache lookup. A call its guards do not cover, or a model whose
 source changed since the save, compiles as usual, with a ``CacheWarning``.
 
 Guards not saved: torch's unserializable kinds (object identities), and the type of each
-region instance, a class each process creates anew (:mod:`aotdist.compile.marking`):
+region instance or graph-mode FSDP gathering module, classes each process creates anew:
 the bundle's key (region plan, parameters, versions) and the source check stand in.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from contextlib import nullcontext
 from typing import Any
 
 from torch import nn
@@ -28,6 +30,7 @@ from aotdist.compile.guard import replay_outcomes
 from aotdist.compile.marking import pickled_with_region_depth
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode
 from aotdist.errors import CacheWarning
+from aotdist.fsdp.graph import local_shards
 from aotdist.log import get_logger
 
 __all__ = ["ENTRY", "Precompiled", "attach", "build", "guard_filter", "unavailable_reason"]
@@ -54,16 +57,22 @@ def guard_filter(entries) -> list[bool]:
     keep = []
     for entry in entries:
         kinds = {entry.guard_type, *entry.derived_guard_types}
-        region = entry.has_value and getattr(type(entry.value), "_aotdist_region", None) is not None
+        made = entry.has_value and _made_per_process(type(entry.value))
         keep.append(not (kinds & bad) and not entry.is_global
-                    and not (region and "TYPE_MATCH" in kinds)
+                    and not (made and "TYPE_MATCH" in kinds)
                     and "['_aotdist_impl']" not in entry.name)
     return keep
 
 
+def _made_per_process(cls: type) -> bool:
+    """A region class, or graph-mode FSDP's gathering class (``fsdp.graph``)."""
+    return (getattr(cls, "_aotdist_region", None) is not None
+            or getattr(cls, "_aotdist_gather_base", None) is not None)
+
+
 def unavailable_reason(model: nn.Module, config) -> str | None:
     """Why ``model`` gets no saved graph with this config and torch, or ``None``."""
-    state, info = vars(model).get(STATE_ATTR), vars(model).get(INFO_ATTR)
+    state = vars(model).get(STATE_ATTR)
     if not config.cache.precompile:
         return "cache.precompile is false"
     if (why := _compat.precompile_unavailable()) is not None:
@@ -73,10 +82,13 @@ def unavailable_reason(model: nn.Module, config) -> str | None:
     frames = state.mode == CompileMode.FRAMES
     if not frames and state.call_fn is None:
         return "compiled without one whole-model call (aotdist.capture)"
-    if not frames and info is not None and info.sharded_fqns:
-        return "graph-mode FSDP (sharded parameters) is not saved yet"
-    if config.cache.mode == "shared" and _world() > 1 and not (frames and _on_cpu(model)):
-        return "shared across ranks: rank 0's graph would be specialized to its own device"
+    if config.cache.mode == "shared" and _world() > 1:
+        if not _on_cpu(model):
+            return "shared across ranks: rank 0's graph would be specialized to its own device"
+        if (uneven := _uneven_shard(model)) is not None:
+            return (f"shared across ranks: graph-mode FSDP shards {uneven} unevenly, so rank "
+                    "0's graph would not fit the other ranks' shards (cache.mode: local "
+                    "saves each rank's own)")
     if getattr(state.backend, "compiler_name", None) != "inductor":
         return f"backend {config.compile.backend!r}: torch saves Inductor's output only"
     if config.compile.mode in _CUDAGRAPH_MODES:
@@ -88,6 +100,15 @@ def _on_cpu(model: nn.Module) -> bool:
     """Every parameter on the CPU: a region frame traced on rank 0 fits every rank (no
     collective is in it, and no device index)."""
     return all(p.device.type == "cpu" for p in model.parameters())
+
+
+def _uneven_shard(model: nn.Module) -> str | None:
+    """A parameter that graph-mode FSDP splits into shards of different sizes, or ``None``."""
+    for fqn, mod in model.named_modules():
+        for name, spec in getattr(type(mod), "_aotdist_gather", {}).items():
+            if spec.shape and spec.shape[0] % spec.world:
+                return f"{fqn + '.' if fqn else ''}{name} (first dim {spec.shape[0]}, {spec.world} ranks)"
+    return None
 
 
 def _world() -> int:
@@ -120,7 +141,7 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
     recorder = RecordingBackend(state.backend.inner, plan=state.plan)
     start = time.perf_counter()
     try:
-        with pickled_with_region_depth(model):
+        with pickled_with_region_depth(model), _as_sharded_call_runs(model):
             data, modules = _compat.aot_compile(state.call_fn, (*state.call_bound, *args), kwargs,
                                                 model=model, backend=recorder,
                                                 dynamic=state.call_dynamic,
@@ -164,7 +185,7 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
             try:
                 args, kwargs = example.inputs()
                 with pickled_with_region_depth(model), \
-                        _compat.stand_in_parameters(example.instance, example.params):
+                        example.stand_in_parameters():
                     data, modules = _compat.aot_compile(
                         state.classes[name]._aotdist_plain_forward,
                         (example.instance, *args), kwargs,
@@ -186,6 +207,13 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
                                    for r in recorder.records]}
     entries[FRAME_RECORDS] = json.dumps(saved).encode()
     return entries
+
+
+def _as_sharded_call_runs(model: nn.Module):
+    """Graph-mode FSDP: its local shards in place, as ``ShardedCall`` runs the graph (not
+    for other DTensor parameters: tensor parallelism's stay as they are)."""
+    info = vars(model).get(INFO_ATTR)
+    return local_shards(model) if info is not None and info.sharded_fqns else nullcontext()
 
 
 def _sorted_sets(d: dict[str, set[str]]) -> dict[str, list[str]]:

@@ -226,10 +226,15 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
     if region_state is not None and (result.status != CacheStatus.LOADED or result.refresh):
         # keep the first call's inputs: the save traces the graph with them
         region_state.keep_example = why_not is None
-    model.__dict__[STATE_ATTR] = {"config": config, "key": key, "load": result,
-                                  "sharing": sharing, "saved": False,
-                                  "load_s": time.perf_counter() - start}
+    model.__dict__[STATE_ATTR] = _RunState(config=config, key=key, load=result, sharing=sharing,
+                                           saved=False, load_s=time.perf_counter() - start)
     return result
+
+
+class _RunState(dict):
+    """The cache's state on a model: a dict subclass, because torch's guard pickler (a
+    saved graph's) leaves out module attributes no guard reads, but never sees a plain
+    dict (pickle saves those itself), and this one can hold a process group's store."""
 
 
 def save(model: nn.Module, *, force: bool = False) -> str | None:

@@ -82,7 +82,7 @@ class FrameExample:
     instance: nn.Module
     args: tuple
     kwargs: dict
-    params: dict[str, tuple]  # "submodule.name" -> (shape, stride, dtype, device, requires_grad)
+    params: dict[str, TensorMeta]  # "submodule.name" -> the parameter's metadata
     subclass: str | None  # a parameter that is a tensor subclass (Float8): not saved
 
     def inputs(self) -> tuple[tuple, dict]:
@@ -90,20 +90,24 @@ class FrameExample:
         return _compat.tree_map(lambda x: x.empty() if isinstance(x, TensorMeta) else x,
                                 (self.args, self.kwargs))
 
+    def stand_in_parameters(self):
+        """Inside, the instance holds empty parameters like those its call saw."""
+        return _compat.stand_in_parameters(
+            self.instance, {name: meta.empty() for name, meta in self.params.items()})
+
 
 def frame_example(instance: nn.Module, args: tuple, kwargs: dict) -> FrameExample:
     """What :class:`FrameExample` keeps of a call."""
     def meta(t):
-        if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, nn.Parameter):
-            return t
         return TensorMeta(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
     params, subclass = {}, None
     for name, p in instance.named_parameters():
         if type(p) not in (torch.Tensor, nn.Parameter):
             subclass = subclass or f"{name} is a {type(p).__name__}"
-        params[name] = (tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad)
-    args, kwargs = _compat.tree_map(meta, (args, kwargs))
+        params[name] = meta(p)
+    args, kwargs = _compat.tree_map(
+        lambda t: meta(t) if type(t) in (torch.Tensor, nn.Parameter) else t, (args, kwargs))
     return FrameExample(instance, args, kwargs, params, subclass)
 
 

@@ -40,6 +40,8 @@ class RegionGuardedCall:
     error that remains with every region demoted propagates, with a note saying so.
     """
 
+    __reduce_ex__ = _compat.unsaved_in_guards  # run state, not in a saved graph's guards
+
     def __init__(self, model: nn.Module, state: RegionState, compiled: Callable, *,
                  backend: Any = None):
         self._model_ref = model

@@ -114,23 +114,36 @@ def _reduce_keeping_depth(self, protocol):
     return (_stand_in_instance, (base, tuple(c.__name__ for c in above)), vars(self).copy())
 
 
+def _remade_instance(make: Callable, args: tuple) -> nn.Module:
+    return object.__new__(make(*args))
+
+
+def _reduce_remade(self, protocol):
+    make, args = type(self)._aotdist_remake
+    return (_remade_instance, (make, args), vars(self).copy())
+
+
 @contextlib.contextmanager
 def pickled_with_region_depth(model: nn.Module) -> Iterator[None]:
     """Inside, region instances of ``model`` pickle as instances of a class as many
     subclasses below their user class as theirs (the region class; FSDP2's ``FSDP<cls>``
     above it), made anew where they are unpickled: Dynamo's saved guards name class
     attributes by position in the class's MRO (``__mro__[2]``), which the user class alone
-    would shift (aotdist.cache.precompile saves such guards)."""
-    classes = {type(m): "__reduce_ex__" in vars(type(m)) for m in model.modules()
-               if getattr(type(m), "_aotdist_region", None) is not None}
+    would shift (aotdist.cache.precompile saves such guards). Instances of another class
+    made per process that says how to make it again (``_aotdist_remake = (make, args)``:
+    graph-mode FSDP's gathering classes) pickle as instances of ``make(*args)``."""
+    classes = {type(m): vars(type(m)).get("__reduce_ex__") for m in model.modules()
+               if getattr(type(m), "_aotdist_region", None) is not None
+               or "_aotdist_remake" in vars(type(m))}
     for cls in classes:
-        cls.__reduce_ex__ = _reduce_keeping_depth
+        remake = "_aotdist_remake" in vars(cls)
+        cls.__reduce_ex__ = _reduce_remade if remake else _reduce_keeping_depth
     try:
         yield
     finally:
         for cls, own in classes.items():
-            if own:
-                cls.__reduce_ex__ = _reduce_as_base
+            if own is not None:
+                cls.__reduce_ex__ = own
             else:  # a class made from a region class (FSDP<cls>): inherits it again
                 del cls.__reduce_ex__
 

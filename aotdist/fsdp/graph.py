@@ -18,6 +18,7 @@ parameters, and why: docs/internals.md.
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import functools
 from dataclasses import dataclass
 
@@ -183,8 +184,6 @@ def _param_property(name: str) -> property:
 
 
 def _reduce_as_base(self, protocol):
-    import copyreg
-
     return (copyreg._reconstructor, (type(self)._aotdist_gather_base, object, None),
             vars(self).copy())
 
@@ -195,6 +194,7 @@ def _gather_class(base: type, specs: tuple[tuple[str, GatherSpec], ...]) -> type
     namespace = {name: _param_property(name) for name, _ in specs}
     namespace.update(
         _aotdist_gather=dict(specs), _aotdist_gather_base=base,
+        _aotdist_remake=(_gather_class, (base, specs)),  # for a saved graph's guards
         __module__=base.__module__, __qualname__=base.__qualname__,
         __reduce_ex__=_reduce_as_base,
     )
@@ -355,6 +355,8 @@ class ShardedCall:
     Runs eagerly, outside the compiled graph, around ``inner`` (the compiled or eager
     ``_call_impl``); the DTensor parameters are back in place when it returns or raises.
     """
+
+    __reduce_ex__ = _compat.unsaved_in_guards  # run state, not in a saved graph's guards
 
     def __init__(self, model: nn.Module, inner, *, param_dtype: torch.dtype | None = None,
                  reshard: bool = True, compiled: bool = True):

@@ -38,7 +38,7 @@ STEPS = 2
 
 
 def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0.0,
-           other_batch: bool = False) -> dict:
+           other_batch: bool = False, shared_reason: bool = False) -> dict:
     import time
 
     import torch.distributed as dist
@@ -68,6 +68,12 @@ def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0
             opt.step()
             opt.zero_grad()
             if step == 0:
+                if shared_reason:  # what shared mode would say of this model's saved graph
+                    from aotdist.cache import precompile
+
+                    shared = {**config, "cache": {**config["cache"], "mode": "shared"}}
+                    tracked["shared_reason"] = precompile.unavailable_reason(
+                        model, aotdist.config.as_config(shared))
                 saved = aotdist.cache.save(model)
                 first = {k: counters["inductor"][k] for k in
                          ("fxgraph_cache_hit", "fxgraph_cache_miss")}
@@ -98,6 +104,12 @@ def _phases(rank: int, world_size: int, root: str) -> dict:
                           ("eager", {**fsdp, "compile": {"enabled": False}})):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
         out[phase] = _train(rank, world_size, config, other_batch=phase == "warm_other_batch")
+    # graph-mode FSDP, cache.mode: local (the bench GPT's 1-row "pos" is sharded unevenly)
+    graph = {"fsdp": {"enabled": True, "mode": "graph"}, "compile": {"backend": "inductor"},
+             "cache": {"mode": "local", "dir": os.path.join(root, "graph")}}
+    for phase in ("graph_cold", "graph_warm"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
+        out[phase] = _train(rank, world_size, graph, shared_reason=phase == "graph_cold")
     # cache.mode: local, no FSDP: each rank its own bundle (artifacts.rank<r>.aotc)
     compile_ = {"compile": {"backend": "inductor"}}
     local = {**compile_, "cache": {"mode": "local", "dir": os.path.join(root, "local")}}
@@ -167,6 +179,27 @@ def test_cached_results_match_uncached(phases):
     assert phases[1]["cold"]["losses"] == cold  # all_reduced: every rank agrees
 
 
+def test_graph_mode_fsdp_warm_restart_runs_its_saved_graph(phases):
+    for rank in (0, 1):
+        cold, warm = phases[rank]["graph_cold"], phases[rank]["graph_warm"]
+        assert cold["load"] == "missing" and warm["load"] == "loaded", (cold, warm)
+        assert warm["losses"] == cold["losses"], (cold["losses"], warm["losses"])
+        assert cold["warnings"] == warm["warnings"] == [], (cold["warnings"], warm["warnings"])
+        assert warm["first"]["fxgraph_cache_miss"] == 0, warm
+        if _compat.precompile_unavailable() is None:  # the whole sharded step, untraced
+            assert warm["precompiled"] and warm["precompile_reason"] == "", warm
+            assert warm["first"]["fxgraph_cache_hit"] == 0, warm
+        else:
+            assert not warm["precompiled"] and "torch" in warm["precompile_reason"], warm
+    # shared mode would save rank 0's graph only: its shard of "pos" is not rank 1's
+    why = phases[0]["graph_cold"]["shared_reason"]
+    if _compat.precompile_unavailable() is None:
+        assert why and "shards pos (first dim 1, 2 ranks) unevenly" in why, why
+    eager = phases[0]["eager"]["losses"]  # hooks mode, eager: the same training
+    torch.testing.assert_close(torch.tensor(phases[0]["graph_cold"]["losses"]),
+                               torch.tensor(eager), rtol=1e-4, atol=1e-5)
+
+
 def test_local_mode_each_rank_its_own_bundle(phases):
     for rank in (0, 1):
         cold, warm = phases[rank]["local_cold"], phases[rank]["local_warm"]
@@ -198,6 +231,11 @@ def test_shared_mode_rank_waits_share_timeout_then_compiles_itself(phases):
     assert rank1["share_misses"] and why in rank1["share_misses"][0], rank1["share_misses"]
     assert any("rank 1 compiles graph 0 itself" in w and why in w for w in rank1["warnings"]), \
         rank1["warnings"]
+    # rank 0 saved the whole-model graph (CPU: it fits every rank), with the sharing's
+    # process group store left out of its guards
+    assert not any("could not be saved" in w for w in rank0["warnings"]), rank0["warnings"]
+    assert rank0["precompile_reason"] == ("" if _compat.precompile_unavailable() is None
+                                          else _compat.precompile_unavailable()), rank0
     assert rank1["first"]["fxgraph_cache_miss"] > 0  # it compiled instead of waiting on
     assert rank0["warnings"] == [] and rank0["share_misses"] == []
     assert rank1["losses"] == rank0["losses"]  # all_reduced: the run went on

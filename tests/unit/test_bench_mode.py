@@ -47,12 +47,14 @@ def test_the_mode_reaches_every_compiling_strategy(monkeypatch, tmp_path):
                         lambda model, **kw: record("accelerate", kw, model))
     monkeypatch.setattr(aotdist, "parallelize",
                         lambda model, config: record("parallelize", config["compile"], model))
-    names = ("full", "accelerate", "aotdist", "aotdist-graph", "aotdist+cache")
+    names = ("full", "accelerate", "aotdist", "aotdist-graph", "aotdist+cache",
+             "aotdist-graph+cache")
     for name in names:
         get_strategy(name).apply(TinyGPT(depth=2), Setup(mode=MODE))
     want = {"backend": "inductor", "mode": MODE}
     assert seen == [("full", want), ("accelerate", want), ("parallelize", want),
-                    ("parallelize", want), ("parallelize", want)]  # one call per strategy
+                    ("parallelize", want), ("parallelize", want),
+                    ("parallelize", want)]  # one call per strategy
     assert Setup().compile_kwargs() == {"backend": "inductor"}  # no mode: torch's default
 
 

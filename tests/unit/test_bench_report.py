@@ -108,7 +108,10 @@ def test_fresh_start_ratios_add_the_isa_probes_back_on_both_sides(tmp_path):
     alone = {**_result("aotdist", 4, 8.0, 0.01, 80, nproc=2), "first_step_s": 8.0,
              "isa_probe_s": 10.0}
     shared = {**cold, "nproc": 2, "first_step_s": 4.0}
-    ratios = compute_ratios([cold, alone, shared])
+    graph = {**shared, "strategy": "aotdist-graph+cache", "warm_first_step_s": 0.5}
+    ratios = compute_ratios([cold, alone, shared, graph])
+    graph_warm = ratios["gpt fsdp2x2: first step warm/cold aotdist-graph+cache @depth4"]
+    assert (graph_warm["numerator"], graph_warm["denominator"]) == (0.5, 14.0)
     warm = ratios["gpt: first step warm/cold aotdist+cache @depth4"]
     assert (warm["numerator"], warm["denominator"]) == (1.5, 15.0)
     share = ratios["gpt fsdp2x2: first step aotdist+cache/aotdist @depth4"]

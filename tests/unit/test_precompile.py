@@ -324,6 +324,47 @@ class _Mixin:
     pass
 
 
+def test_graph_mode_fsdp_gathering_classes_pickle_as_made_again_while_saving():
+    """Graph-mode FSDP's per-process class (a gathering property per parameter): a saved
+    graph's guards read its class attributes, so inside the save it pickles as the class
+    ``_gather_class`` makes from the same specs, and as the user's class otherwise."""
+    import pickle
+
+    from aotdist.fsdp.graph import GatherSpec, _gather_class
+
+    model = build_model("gpt", depth=2)
+    spec = GatherSpec(shape=(32,), group="g", world=2, reshard=True, param_dtype=None,
+                      reduce_dtype=None)
+    norm = model.blocks[0].ln1
+    base, gathering = type(norm), _gather_class(type(norm), (("weight", spec),))
+    norm.__class__ = gathering
+    with marking.pickled_with_region_depth(model):
+        copy = pickle.loads(pickle.dumps(norm))
+        assert type(copy) is gathering and type(copy)._aotdist_gather == {"weight": spec}
+    # its type is made per process: no saved guard checks it, as for region classes
+    assert precompile.guard_filter([_entry("TYPE_MATCH", norm)]) == [False]
+    assert type(pickle.loads(pickle.dumps(norm))) is base  # outside the save, as before
+    assert "__reduce_ex__" in vars(gathering)  # its own reducer is back
+
+
+def test_compiled_call_wrappers_pickle_as_none_only_while_a_graph_is_saved():
+    """torch's guard pickler saves a module's callable attributes whole: aotdist's call
+    wrappers (run state; in shared mode a process group's store) are left out."""
+    import pickle
+
+    from aotdist._compat import precompile as compat_precompile
+    from aotdist.compile.guard import RegionGuardedCall
+    from aotdist.fsdp.graph import ShardedCall
+
+    model = build_model("gpt", depth=2)
+    call = ShardedCall(model, RegionGuardedCall(model, SimpleNamespace(), len), compiled=True)
+    assert isinstance(pickle.loads(pickle.dumps(call)), ShardedCall)
+    with compat_precompile._run_state_unsaved():
+        assert pickle.loads(pickle.dumps(call)) is None
+        assert pickle.loads(pickle.dumps({"inner": call.inner})) == {"inner": None}
+    assert isinstance(pickle.loads(pickle.dumps(call.inner)), RegionGuardedCall)
+
+
 def test_a_region_frame_example_keeps_metadata_not_data_and_stand_ins_restore():
     model = build_model("gpt", depth=2)
     block = model.blocks[0]
@@ -334,11 +375,12 @@ def test_a_region_frame_example_keeps_metadata_not_data_and_stand_ins_restore():
     assert arg.shape == x.shape and arg.stride() == x.stride() and arg.requires_grad
     assert arg.grad_fn is None and kwargs == {"scale": 3}
     name, weight = next(iter(block.named_parameters()))
-    assert example.params[name] == (tuple(weight.shape), weight.stride(), weight.dtype,
-                                    weight.device, True)
+    meta = example.params[name]
+    assert (meta.shape, meta.stride, meta.dtype, meta.device, meta.requires_grad) == (
+        tuple(weight.shape), weight.stride(), weight.dtype, weight.device, True)
     assert example.subclass is None
     before = dict(block.named_parameters())
-    with _compat.stand_in_parameters(block, example.params):
+    with example.stand_in_parameters():
         inside = dict(block.named_parameters())
         assert inside.keys() == before.keys()
         assert all(inside[k] is not before[k] and inside[k].shape == before[k].shape
