@@ -163,7 +163,8 @@ class RegionalCompile(Callback):
             first = self._close_window()
             self._log(trainer, first, first_step=True)
             if first is not None and self.config.compile.enabled and first.frames_compiled == 0 \
-                    and self.applied is not None and self.applied.how == ApplyHow.PARALLELIZE:
+                    and not first.precompiled and self.applied is not None \
+                    and self.applied.how == ApplyHow.PARALLELIZE:  # (a saved graph ran: no trace)
                 rank_zero_warn(
                     f"aotdist: nothing was compiled in the first training step: "
                     f"{self.applied.target_fqn or 'the LightningModule'} did not run through "

@@ -26,7 +26,7 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist.backends.recording import GraphRecord, RecordingBackend, append_record
-from aotdist.compile.guard import replay_outcomes
+from aotdist.compile.guard import compiled_graphs, replay_outcomes
 from aotdist.compile.marking import pickled_with_region_depth
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode
 from aotdist.errors import CacheWarning
@@ -125,15 +125,15 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
     if why is None and state.mode == CompileMode.FRAMES:
         return _build_frames(model, state)
     example = state.example if state is not None else None
-    if state is not None:
-        state.example = None  # the batch is not held any longer, whatever happens here
+    if state is not None:  # the batch is not held any longer, whatever happens here
+        state.example, state.keep_example = None, False
     if why is None:
-        graphs = [r for r in state.backend.records if not r.precompiled]
+        graphs = compiled_graphs(state) - state.example_from
         if example is None:
-            why = "the model was not called before the save"
-        elif len(graphs) != 1:
-            why = (f"the model compiled into {len(graphs)} graphs (graph breaks or recompiles); "
-                   "a saved graph must be the whole model")
+            why = "the model had no training call (grad enabled, train mode) before the save"
+        elif graphs != 1:
+            why = (f"its first training call compiled into {graphs} graphs (graph breaks or "
+                   "recompiles); a saved graph must be the whole model")
     if why is not None:
         _log.info("cache: no saved whole-model graph: %s", why)
         return {SKIPPED: why.encode()}
@@ -169,11 +169,11 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
     entries, saved = {}, {}
     for region in state.plan:
         name, example = region.name, examples.get(region.name)
-        frames = [r for r in state.backend.records if r.standalone == name and not r.precompiled]
+        frames = compiled_graphs(state, name) - (example.compiled_before if example else 0)
         why = (f"region {name!r} is demoted" if name in state.demoted
-               else f"region {name!r} was not called before the save" if example is None
+               else f"region {name!r} had no training call before the save" if example is None
                else f"a parameter is a tensor subclass ({example.subclass})" if example.subclass
-               else f"region {name!r}'s frame compiled {len(frames)} times" if len(frames) != 1
+               else f"region {name!r}'s frame compiled {frames} times in training" if frames != 1
                else None)
         loaded = state.frame_precompiled.get(name)
         if example is None and loaded is not None:  # save(force=True) after a warm start

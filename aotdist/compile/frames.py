@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from aotdist import _compat
-from aotdist.compile.guard import mark_dynamic_inputs
+from aotdist.compile.guard import compiled_graphs, is_training, mark_dynamic_inputs
 from aotdist.compile.reuse import report_reuse
 from aotdist.compile.state import RegionState
 from aotdist.errors import RegionCompileWarning
@@ -49,8 +49,10 @@ def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
                 hit, out = saved.run((self, *args), kwargs, _state.backend)
                 if hit:
                     return out
-            elif _state.keep_example and _name not in _state.frame_examples:
-                _state.frame_examples[_name] = frame_example(self, args, kwargs)
+            elif (_state.keep_example and _name not in _state.frame_examples
+                  and is_training(self)):  # the first training call (not a validation step)
+                _state.frame_examples[_name] = frame_example(
+                    self, args, kwargs, compiled_before=compiled_graphs(_state, _name))
             return _compiled(self, *args, **kwargs)
 
         cls._aotdist_impl = forward
@@ -84,6 +86,7 @@ class FrameExample:
     kwargs: dict
     params: dict[str, TensorMeta]  # "submodule.name" -> the parameter's metadata
     subclass: str | None  # a parameter that is a tensor subclass (Float8): not saved
+    compiled_before: int = 0  # the region's frame graphs compiled before this call
 
     def inputs(self) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with an empty tensor for each :class:`TensorMeta`."""
@@ -96,7 +99,8 @@ class FrameExample:
             self.instance, {name: meta.empty() for name, meta in self.params.items()})
 
 
-def frame_example(instance: nn.Module, args: tuple, kwargs: dict) -> FrameExample:
+def frame_example(instance: nn.Module, args: tuple, kwargs: dict, *,
+                  compiled_before: int = 0) -> FrameExample:
     """What :class:`FrameExample` keeps of a call."""
     def meta(t):
         return TensorMeta(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
@@ -108,7 +112,7 @@ def frame_example(instance: nn.Module, args: tuple, kwargs: dict) -> FrameExampl
         params[name] = meta(p)
     args, kwargs = _compat.tree_map(
         lambda t: meta(t) if type(t) in (torch.Tensor, nn.Parameter) else t, (args, kwargs))
-    return FrameExample(instance, args, kwargs, params, subclass)
+    return FrameExample(instance, args, kwargs, params, subclass, compiled_before)
 
 
 def _watch_first_forward(model: nn.Module, state: RegionState) -> None:

@@ -28,6 +28,17 @@ from aotdist.log import rank_zero_warn
 __all__ = ["RegionGuardedCall", "mark_dynamic_inputs", "replay_outcomes"]
 
 
+def is_training(module: nn.Module) -> bool:
+    """A training call: grad enabled, ``module`` in train mode (a validation step is not)."""
+    return torch.is_grad_enabled() and module.training
+
+
+def compiled_graphs(state: RegionState, frame: str | None = None) -> int:
+    """Graphs the model (or region ``frame``'s frame) compiled so far, none loaded."""
+    return sum(1 for r in state.backend.records
+               if not r.precompiled and (frame is None or r.standalone == frame))
+
+
 class RegionGuardedCall:
     """The compiled ``_call_impl``, with region failures fixed or demoted, never hidden.
 
@@ -57,6 +68,8 @@ class RegionGuardedCall:
         if state.dynamic_inputs:
             mark_dynamic_inputs(args, kwargs)
         first = not state.reuse_checked
+        keep = state.keep_example and state.example is None and is_training(self._model_ref)
+        before = compiled_graphs(state) if keep else 0
         if state.precompiled is not None:  # a graph saved by aotdist.cache: no Dynamo trace
             hit, out = state.precompiled.run((*state.call_bound, *args), kwargs, state.backend)
             if hit:
@@ -74,8 +87,8 @@ class RegionGuardedCall:
             if first:
                 state.reuse_checked = True
                 report_reuse(self._model_ref, state)
-                if state.keep_example:  # aotdist.cache.save traces it again (precompile)
-                    state.example = (args, kwargs)
+            if keep:  # aotdist.cache.save traces it again (precompile)
+                state.example, state.example_from = (args, kwargs), before
             return out
         return self._run(*args, **kwargs)
 

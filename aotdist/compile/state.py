@@ -60,8 +60,11 @@ class RegionState:
     call_fn: Callable | None = None
     call_bound: tuple = ()
     call_dynamic: bool | None = None
-    keep_example: bool = False  # set by aotdist.cache.load: keep the first call's inputs
-    example: tuple | None = None  # (args, kwargs) of the first call, until the cache saves
+    keep_example: bool = False  # set by aotdist.cache.load: keep a training call's inputs
+    # (args, kwargs) of the first training call (grad enabled, train mode: not a validation
+    # step before it), until the cache saves; example_from: graphs compiled before that call
+    example: tuple | None = None
+    example_from: int = 0
     precompiled: Any = None  # aotdist.cache.precompile.Precompiled, loaded from a bundle
     # frames mode: the same per region frame (aotdist.compile.frames.FrameExample kept)
     frame_examples: dict[str, Any] = field(default_factory=dict)

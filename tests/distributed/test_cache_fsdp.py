@@ -3,9 +3,10 @@
 One spawn runs three phases on the same two processes, each rank with an Inductor cache
 directory of its own (as on separate nodes):
 
-* cold: both ranks start without artifacts; rank 0 compiles each graph, rank 1 loads
-  rank 0's artifacts of it instead of compiling (counted by Inductor's FX graph cache
-  hits and misses); rank 0 saves the bundle after the first step;
+* cold: both ranks start without artifacts; a validation call (no grad, eval mode) comes
+  first, as in Lightning; rank 0 compiles each graph, rank 1 loads rank 0's artifacts of
+  it instead of compiling (counted by Inductor's FX graph cache hits and misses); rank 0
+  saves the bundle after the first step (its saved graphs from the training call);
 * warm: a restart (new empty Inductor cache dirs, Dynamo and Inductor in-memory caches
   cleared, the model rebuilt): rank 0 reads the bundle and broadcasts it, no rank compiles
   (torch 2.14+: each region frame runs its saved graph, untraced); once more with a last
@@ -38,7 +39,8 @@ STEPS = 2
 
 
 def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0.0,
-           other_batch: bool = False, shared_reason: bool = False) -> dict:
+           other_batch: bool = False, shared_reason: bool = False,
+           validate_first: bool = False) -> dict:
     import time
 
     import torch.distributed as dist
@@ -57,6 +59,12 @@ def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0
         losses, first = [], None
         if rank == 0:
             time.sleep(rank0_delay_s)  # the other ranks reach their first graph first
+        if validate_first:  # as Lightning's sanity check: the cache keeps a training call
+            (x,), _ = example_inputs(model, 2 * world_size, generator=torch.Generator())
+            with torch.no_grad():
+                model.eval()
+                model(x.chunk(world_size)[rank])
+                model.train()
         for step in range(STEPS):
             (x,), y = example_inputs(model, 2 * world_size, generator=g)
             x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
@@ -103,13 +111,15 @@ def _phases(rank: int, world_size: int, root: str) -> dict:
     for phase, config in (("cold", cache), ("warm", cache), ("warm_other_batch", cache),
                           ("eager", {**fsdp, "compile": {"enabled": False}})):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
-        out[phase] = _train(rank, world_size, config, other_batch=phase == "warm_other_batch")
+        out[phase] = _train(rank, world_size, config, other_batch=phase == "warm_other_batch",
+                            validate_first=phase == "cold")
     # graph-mode FSDP, cache.mode: local (the bench GPT's 1-row "pos" is sharded unevenly)
     graph = {"fsdp": {"enabled": True, "mode": "graph"}, "compile": {"backend": "inductor"},
              "cache": {"mode": "local", "dir": os.path.join(root, "graph")}}
     for phase in ("graph_cold", "graph_warm"):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
-        out[phase] = _train(rank, world_size, graph, shared_reason=phase == "graph_cold")
+        out[phase] = _train(rank, world_size, graph, shared_reason=phase == "graph_cold",
+                            validate_first=phase == "graph_cold")
     # cache.mode: local, no FSDP: each rank its own bundle (artifacts.rank<r>.aotc)
     compile_ = {"compile": {"backend": "inductor"}}
     local = {**compile_, "cache": {"mode": "local", "dir": os.path.join(root, "local")}}

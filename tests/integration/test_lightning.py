@@ -448,6 +448,41 @@ def test_recipe_runs_end_to_end(tmp_path):
     assert "`Trainer.fit` stopped: `max_steps=2` reached" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # two Inductor compiles, about 30 s on a 2-core CPU machine
+@pytest.mark.inductor
+def test_cache_saves_the_training_graph_when_the_sanity_check_validates_first(tmp_path):
+    """Lightning validates before it trains (num_sanity_val_steps=2 by default): the saved
+    graph must be the training call's, and a warm start trains from it untraced."""
+    from aotdist import _compat
+
+    if _compat.precompile_unavailable() is not None:
+        pytest.skip(_compat.precompile_unavailable())
+    config = {"compile": {"backend": "inductor"},
+              "cache": {"mode": "local", "dir": str(tmp_path / "bundle")}}
+    runs = []
+    for phase in ("cold", "warm"):
+        torch._dynamo.reset()
+        module = GPTModule()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=1, max_steps=2, logger=False,
+                callbacks=[RegionalCompile(config)], enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False,
+                default_root_dir=tempfile.mkdtemp(dir=_SCRATCH.name))
+            trainer.fit(module, _loader(), _loader())
+        load = vars(module.model)[aotdist.cache.STATE_ATTR]["load"]
+        runs.append((phase, load, module.losses, [str(w.message) for w in caught]))
+    (_, cold, cold_losses, _), (_, warm, warm_losses, warned) = runs
+    assert cold.status == "missing" and cold.precompile_reason == "", cold
+    assert warm.status == "loaded" and warm.precompiled, warm  # the training graph saved
+    assert warm_losses == cold_losses
+    assert not any("nothing was compiled" in w for w in warned), warned
+    # the sanity check's eval calls are not covered: traced, and said once
+    misses = [w for w in warned if "does not cover this call" in w]
+    assert len(misses) == 1 and "grad_mode" in misses[0], misses
+
+
 def test_recipe_defaults_add_the_callback_once(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "recipes"))
     import train_lightning

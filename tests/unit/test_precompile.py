@@ -96,6 +96,26 @@ class _FakeLoaded:
         return self.ref(*args[1:], **kwargs)
 
 
+def test_the_kept_example_is_the_first_training_call_and_is_dropped_at_the_save(tmp_path):
+    """Lightning validates before it trains: the saved graph must be the training call's."""
+    model = _cached(tmp_path)
+    state = vars(model)[STATE_ATTR]
+    state.keep_example = True  # as with Inductor (aot_eager gets no saved graph)
+    (x,), _ = example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.eval()
+        model(x)
+        model.train()
+    assert state.example is None  # a validation call is not kept
+    model(x).sum().backward()
+    assert state.example is not None and state.example[0][0] is x, state.example
+    assert state.example_from == 1  # the validation graph came before it
+    aotdist.cache.save(model)
+    assert state.example is None and not state.keep_example
+    model(x).sum().backward()
+    assert state.example is None  # no batch held after the save
+
+
 def test_the_compiled_call_runs_a_loaded_graph_and_falls_back_on_a_miss(tmp_path):
     model = _cached(tmp_path)
     ref = build_model("gpt", depth=2)
