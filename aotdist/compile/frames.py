@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from aotdist import _compat
-from aotdist.compile.guard import compiled_graphs, is_training, mark_dynamic_inputs
+from aotdist.compile.guard import CallModes, compiled_graphs, is_training, mark_dynamic_inputs
 from aotdist.compile.reuse import report_reuse
 from aotdist.compile.state import RegionState
 from aotdist.errors import RegionCompileWarning
@@ -49,10 +49,20 @@ def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
                 hit, out = saved.run((self, *args), kwargs, _state.backend)
                 if hit:
                     return out
-            elif (_state.keep_example and _name not in _state.frame_examples
-                  and is_training(self)):  # the first training call (not a validation step)
-                _state.frame_examples[_name] = frame_example(
-                    self, args, kwargs, compiled_before=compiled_graphs(_state, _name))
+            elif _state.keep_example:  # aotdist.cache.save traces them again
+                before = compiled_graphs(_state, _name)
+                if is_training(self):  # the first training call
+                    if _name not in _state.frame_examples:
+                        _state.frame_examples[_name] = frame_example(
+                            self, args, kwargs, compiled_before=before)
+                elif _name not in _state.frame_eval_examples:  # the first eval call
+                    kept = frame_example(self, args, kwargs, compiled_before=before,
+                                         modes=CallModes.of(self))
+                    out = _compiled(self, *args, **kwargs)
+                    kept.graphs = compiled_graphs(_state, _name) - before
+                    if kept.graphs:  # 0: it ran a graph compiled before
+                        _state.frame_eval_examples[_name] = kept
+                    return out
             return _compiled(self, *args, **kwargs)
 
         cls._aotdist_impl = forward
@@ -87,6 +97,8 @@ class FrameExample:
     params: dict[str, TensorMeta]  # "submodule.name" -> the parameter's metadata
     subclass: str | None  # a parameter that is a tensor subclass (Float8): not saved
     compiled_before: int = 0  # the region's frame graphs compiled before this call
+    modes: CallModes | None = None  # an eval call's modes (None: a training call)
+    graphs: int = 0  # an eval call's: the frame graphs compiled during it
 
     def inputs(self) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with an empty tensor for each :class:`TensorMeta`."""
@@ -100,7 +112,7 @@ class FrameExample:
 
 
 def frame_example(instance: nn.Module, args: tuple, kwargs: dict, *,
-                  compiled_before: int = 0) -> FrameExample:
+                  compiled_before: int = 0, modes: CallModes | None = None) -> FrameExample:
     """What :class:`FrameExample` keeps of a call."""
     def meta(t):
         return TensorMeta(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
@@ -112,7 +124,7 @@ def frame_example(instance: nn.Module, args: tuple, kwargs: dict, *,
         params[name] = meta(p)
     args, kwargs = _compat.tree_map(
         lambda t: meta(t) if type(t) in (torch.Tensor, nn.Parameter) else t, (args, kwargs))
-    return FrameExample(instance, args, kwargs, params, subclass, compiled_before)
+    return FrameExample(instance, args, kwargs, params, subclass, compiled_before, modes)
 
 
 def _watch_first_forward(model: nn.Module, state: RegionState) -> None:

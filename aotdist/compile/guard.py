@@ -9,7 +9,9 @@ with a ``RegionCompileWarning`` each time. Parsing torch's error text lives here
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,12 +27,52 @@ from aotdist.errors import exception_chain as _chain
 from aotdist.fsdp import fsdp_modules
 from aotdist.log import rank_zero_warn
 
-__all__ = ["RegionGuardedCall", "mark_dynamic_inputs", "replay_outcomes"]
+__all__ = ["CallModes", "EvalExample", "RegionGuardedCall", "mark_dynamic_inputs",
+           "replay_outcomes"]
 
 
 def is_training(module: nn.Module) -> bool:
     """A training call: grad enabled, ``module`` in train mode (a validation step is not)."""
     return torch.is_grad_enabled() and module.training
+
+
+@dataclass(frozen=True)
+class CallModes:
+    """The modes an eval call ran in: grad, inference mode, each module's training flag."""
+
+    grad: bool
+    inference: bool
+    training: tuple[bool, ...]  # each of the module's modules' flag, in order
+
+    @classmethod
+    def of(cls, module: nn.Module) -> CallModes:
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                   tuple(m.training for m in module.modules()))
+
+    @contextlib.contextmanager
+    def applied(self, module: nn.Module) -> Iterator[None]:
+        """Inside, ``module``'s modules, grad mode and inference mode as at the call."""
+        modules = list(module.modules())
+        before = [m.training for m in modules]
+        for m, flag in zip(modules, self.training, strict=True):
+            m.training = flag
+        try:
+            with torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad):
+                yield
+        finally:
+            for m, flag in zip(modules, before, strict=True):
+                m.training = flag
+
+
+@dataclass
+class EvalExample:
+    """The first eval call (a validation step): ``aotdist.cache`` saves its graph too."""
+
+    args: tuple
+    kwargs: dict
+    modes: CallModes
+    graphs: int  # graphs compiled during the call: a saved graph must be exactly one
+    compiled_before: int  # graphs compiled before the call
 
 
 def compiled_graphs(state: RegionState, frame: str | None = None) -> int:
@@ -68,8 +110,10 @@ class RegionGuardedCall:
         if state.dynamic_inputs:
             mark_dynamic_inputs(args, kwargs)
         first = not state.reuse_checked
-        keep = state.keep_example and state.example is None and is_training(self._model_ref)
-        before = compiled_graphs(state) if keep else 0
+        training = is_training(self._model_ref)
+        keep = state.keep_example and state.example is None and training
+        keep_eval = state.keep_example and state.eval_example is None and not training
+        before = compiled_graphs(state) if keep or keep_eval else 0
         if state.precompiled is not None:  # a graph saved by aotdist.cache: no Dynamo trace
             hit, out = state.precompiled.run((*state.call_bound, *args), kwargs, state.backend)
             if hit:
@@ -89,6 +133,9 @@ class RegionGuardedCall:
                 report_reuse(self._model_ref, state)
             if keep:  # aotdist.cache.save traces it again (precompile)
                 state.example, state.example_from = (args, kwargs), before
+            if keep_eval and (graphs := compiled_graphs(state) - before):  # 0: a hit
+                state.eval_example = EvalExample(args, kwargs, CallModes.of(self._model_ref),
+                                                 graphs, before)
             return out
         return self._run(*args, **kwargs)
 

@@ -26,7 +26,8 @@ from aotdist.compile.state import STATE_ATTR, RegionState
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan, find_regions
 
-__all__ = ["is_compiled", "mark_regions", "pickled_with_region_depth", "unmark_regions"]
+__all__ = ["is_compiled", "made_per_process", "mark_regions", "pickled_with_region_depth",
+           "unmark_regions"]
 
 
 def copy_function(fn: Callable, *, new_code: bool = False) -> types.FunctionType:
@@ -123,6 +124,14 @@ def _reduce_remade(self, protocol):
     return (_remade_instance, (make, args), vars(self).copy())
 
 
+def made_per_process(cls: type) -> bool:
+    """A class aotdist makes in each process: a region class (or one made from it, such
+    as FSDP2's ``FSDP<cls>``), or a class that says how to make it again
+    (``_aotdist_remake``: graph-mode FSDP's gathering classes)."""
+    return (getattr(cls, "_aotdist_region", None) is not None
+            or getattr(cls, "_aotdist_remake", None) is not None)
+
+
 @contextlib.contextmanager
 def pickled_with_region_depth(model: nn.Module) -> Iterator[None]:
     """Inside, region instances of ``model`` pickle as instances of a class as many
@@ -133,10 +142,10 @@ def pickled_with_region_depth(model: nn.Module) -> Iterator[None]:
     made per process that says how to make it again (``_aotdist_remake = (make, args)``:
     graph-mode FSDP's gathering classes) pickle as instances of ``make(*args)``."""
     classes = {type(m): vars(type(m)).get("__reduce_ex__") for m in model.modules()
-               if getattr(type(m), "_aotdist_region", None) is not None
-               or "_aotdist_remake" in vars(type(m))}
+               if made_per_process(type(m))}
     for cls in classes:
-        remake = "_aotdist_remake" in vars(cls)
+        remake = ("_aotdist_remake" in vars(cls)
+                  or getattr(cls, "_aotdist_region", None) is None)
         cls.__reduce_ex__ = _reduce_remade if remake else _reduce_keeping_depth
     try:
         yield

@@ -65,7 +65,11 @@ class RegionState:
     # step before it), until the cache saves; example_from: graphs compiled before that call
     example: tuple | None = None
     example_from: int = 0
+    # the first eval call (grad off, inference mode or the model in eval mode: a validation
+    # step), saved as a second graph: an EvalExample, until the cache saves
+    eval_example: Any = None
     precompiled: Any = None  # aotdist.cache.precompile.Precompiled, loaded from a bundle
     # frames mode: the same per region frame (aotdist.compile.frames.FrameExample kept)
     frame_examples: dict[str, Any] = field(default_factory=dict)
+    frame_eval_examples: dict[str, Any] = field(default_factory=dict)
     frame_precompiled: dict[str, Any] = field(default_factory=dict)

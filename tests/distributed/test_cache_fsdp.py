@@ -6,16 +6,17 @@ directory of its own (as on separate nodes):
 * cold: both ranks start without artifacts; a validation call (no grad, eval mode) comes
   first, as in Lightning; rank 0 compiles each graph, rank 1 loads rank 0's artifacts of
   it instead of compiling (counted by Inductor's FX graph cache hits and misses); rank 0
-  saves the bundle after the first step (its saved graphs from the training call);
+  saves the bundle after the first step (saved graphs of the training and eval calls);
 * warm: a restart (new empty Inductor cache dirs, Dynamo and Inductor in-memory caches
   cleared, the model rebuilt): rank 0 reads the bundle and broadcasts it, no rank compiles
-  (torch 2.14+: each region frame runs its saved graph, untraced); once more with a last
-  batch of another size, which the saved graphs do not cover: it compiles, warned once;
+  (torch 2.14+: each region frame runs its saved graphs, in the validation and in
+  training, untraced); once more with a last batch of another size, which the saved
+  graphs do not cover: it compiles, warned once;
 * eager: the same training without compile, the parity reference.
 
 Then graph-mode FSDP (``fsdp.mode: graph``, ``cache.mode: local``): a cold run that
-validates first and saves, and a warm restart that runs the saved whole-model graph
-(torch 2.14+). Then, on the same processes, without FSDP: ``cache.mode: local`` (each
+validates first and saves, and a warm restart that validates and trains with the saved
+whole-model graphs, the eval call's and the training call's (torch 2.14+). Then, on the same processes, without FSDP: ``cache.mode: local`` (each
 rank saves and loads a bundle of its own; a rank whose key differs ignores its bundle
 with a CacheWarning naming what changed, compiles, and replaces it) and ``shared``
 mode's timeout (rank 0 late: the other rank waits ``cache.share_timeout_s`` at a graph, then
@@ -61,12 +62,14 @@ def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0
         losses, first = [], None
         if rank == 0:
             time.sleep(rank0_delay_s)  # the other ranks reach their first graph first
+        validation = {}
         if validate_first:  # as Lightning's sanity check: the cache keeps a training call
             (x,), _ = example_inputs(model, 2 * world_size, generator=torch.Generator())
-            with torch.no_grad():
+            with torch.no_grad(), aotdist.metrics.track(model) as mv:
                 model.eval()
-                model(x.chunk(world_size)[rank])
+                validation["val"] = model(x.chunk(world_size)[rank]).sum().item()
                 model.train()
+            validation["val_precompiled"] = mv.precompiled
         for step in range(STEPS):
             (x,), y = example_inputs(model, 2 * world_size, generator=g)
             x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
@@ -96,7 +99,7 @@ def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0
             tracked["other_batch_misses"] = m.precompile_misses
     state = vars(model).get(aotdist.cache.STATE_ATTR)
     sharing = state["sharing"] if state else None
-    return {"losses": losses, "first": first, "saved": saved, **tracked,
+    return {"losses": losses, "first": first, "saved": saved, **tracked, **validation,
             "precompile_reason": state["load"].precompile_reason if state else "",
             "load": state["load"].status if state else "off",
             "shared_loaded": sharing.loaded if sharing else 0,
@@ -114,14 +117,14 @@ def _phases(rank: int, world_size: int, root: str) -> dict:
                           ("eager", {**fsdp, "compile": {"enabled": False}})):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
         out[phase] = _train(rank, world_size, config, other_batch=phase == "warm_other_batch",
-                            validate_first=phase == "cold")
+                            validate_first=phase in ("cold", "warm"))
     # graph-mode FSDP, cache.mode: local (the bench GPT's 1-row "pos" is sharded unevenly)
     graph = {"fsdp": {"enabled": True, "mode": "graph"}, "compile": {"backend": "inductor"},
              "cache": {"mode": "local", "dir": os.path.join(root, "graph")}}
     for phase in ("graph_cold", "graph_warm"):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
         out[phase] = _train(rank, world_size, graph, shared_reason=phase == "graph_cold",
-                            validate_first=phase == "graph_cold")
+                            validate_first=True)
     # cache.mode: local, no FSDP: each rank its own bundle (artifacts.rank<r>.aotc)
     compile_ = {"compile": {"backend": "inductor"}}
     local = {**compile_, "cache": {"mode": "local", "dir": os.path.join(root, "local")}}
@@ -163,8 +166,10 @@ def test_warm_restart_compiles_nothing(phases):
         assert warm["load"] == "loaded", warm
         assert warm["first"]["fxgraph_cache_miss"] == 0, (rank, warm)
         assert warm["warnings"] == []
+        assert warm["val"] == phases[rank]["cold"]["val"], (warm, phases[rank]["cold"])
         if _compat.precompile_unavailable() is None:  # each region frame's saved graph ran
             assert warm["precompiled"] and warm["precompile_reason"] == "", warm
+            assert warm["val_precompiled"], warm  # and in the validation, the eval call's
             assert warm["frames"] in (0, None) and warm["first"]["fxgraph_cache_hit"] == 0
         else:  # traced again, every kernel from the bundle
             assert not warm["precompiled"] and "torch" in warm["precompile_reason"], warm
@@ -198,8 +203,11 @@ def test_graph_mode_fsdp_warm_restart_runs_its_saved_graph(phases):
         assert warm["losses"] == cold["losses"], (cold["losses"], warm["losses"])
         assert cold["warnings"] == warm["warnings"] == [], (cold["warnings"], warm["warnings"])
         assert warm["first"]["fxgraph_cache_miss"] == 0, warm
+        assert warm["val"] == cold["val"], (cold["val"], warm["val"])
         if _compat.precompile_unavailable() is None:  # the whole sharded step, untraced
             assert warm["precompiled"] and warm["precompile_reason"] == "", warm
+            # and the validation before it: the eval call's saved graph
+            assert warm["val_precompiled"] and not cold["val_precompiled"], (cold, warm)
             assert warm["first"]["fxgraph_cache_hit"] == 0, warm
         else:
             assert not warm["precompiled"] and "torch" in warm["precompile_reason"], warm

@@ -73,6 +73,7 @@ class GPTModule(pl.LightningModule):
         self.model = build_model("gpt", depth=depth)
         self.short_seq_from_epoch = short_seq_from_epoch
         self.losses: list[float] = []
+        self.val_losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -86,6 +87,7 @@ class GPTModule(pl.LightningModule):
         x, y = batch
         loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
         self.log("val_loss", loss)
+        self.val_losses.append(loss.item())
         return loss
 
     def test_step(self, batch, batch_idx):
@@ -452,14 +454,16 @@ def test_recipe_runs_end_to_end(tmp_path):
 @pytest.mark.inductor
 def test_cache_saves_the_training_graph_when_the_sanity_check_validates_first(tmp_path):
     """Lightning validates before it trains (num_sanity_val_steps=2 by default): the saved
-    graph must be the training call's, and a warm start trains from it untraced."""
+    graph must be the training call's, with the eval call's saved beside it, and a warm
+    start validates and trains from them untraced."""
     from aotdist import _compat
+    from aotdist.compile.state import STATE_ATTR
 
     if _compat.precompile_unavailable() is not None:
         pytest.skip(_compat.precompile_unavailable())
     config = {"compile": {"backend": "inductor"},
               "cache": {"mode": "local", "dir": str(tmp_path / "bundle")}}
-    runs = []
+    runs, cold_val = [], None
     for phase in ("cold", "warm"):
         torch._dynamo.reset()
         module = GPTModule()
@@ -473,14 +477,17 @@ def test_cache_saves_the_training_graph_when_the_sanity_check_validates_first(tm
             trainer.fit(module, _loader(), _loader())
         load = vars(module.model)[aotdist.cache.STATE_ATTR]["load"]
         runs.append((phase, load, module.losses, [str(w.message) for w in caught]))
+        cold_val = module.val_losses if phase == "cold" else cold_val
     (_, cold, cold_losses, _), (_, warm, warm_losses, warned) = runs
     assert cold.status == "missing" and cold.precompile_reason == "", cold
     assert warm.status == "loaded" and warm.precompiled, warm  # the training graph saved
     assert warm_losses == cold_losses
     assert not any("nothing was compiled" in w for w in warned), warned
-    # the sanity check's eval calls are not covered: traced, and said once
-    misses = [w for w in warned if "does not cover this call" in w]
-    assert len(misses) == 1 and "grad_mode" in misses[0], misses
+    # the sanity check's eval calls ran the eval call's saved graph: nothing was traced
+    assert not any("does not cover this call" in w for w in warned), warned
+    saved = vars(module.model)[STATE_ATTR].precompiled
+    assert [ran for _, _, ran in saved.graphs] == [True, True], saved.graphs
+    assert module.val_losses == cold_val, (module.val_losses, cold_val)
 
 
 def test_recipe_defaults_add_the_callback_once(monkeypatch):

@@ -106,14 +106,29 @@ def test_the_kept_example_is_the_first_training_call_and_is_dropped_at_the_save(
         model.eval()
         model(x)
         model.train()
-    assert state.example is None  # a validation call is not kept
+    assert state.example is None  # a validation call is not kept as the training call
+    # but as the eval call, with its modes, saved as a second graph
+    ev = state.eval_example
+    assert ev is not None and ev.args[0] is x and ev.graphs == 1, ev
+    assert (ev.modes.grad, ev.modes.inference) == (False, False), ev
+    assert not any(ev.modes.training), ev
+    with ev.modes.applied(model):  # the save re-enters them
+        assert not torch.is_grad_enabled() and not any(m.training for m in model.modules())
+    assert torch.is_grad_enabled() and all(m.training for m in model.modules())
     model(x).sum().backward()
     assert state.example is not None and state.example[0][0] is x, state.example
     assert state.example_from == 1  # the validation graph came before it
+    with torch.no_grad():
+        model.eval()
+        model(x)  # a later eval call: the first one stays kept
+        model.train()
+    assert state.eval_example is ev
     aotdist.cache.save(model)
-    assert state.example is None and not state.keep_example
+    assert state.example is None and state.eval_example is None and not state.keep_example
     model(x).sum().backward()
-    assert state.example is None  # no batch held after the save
+    with torch.inference_mode():
+        model(x)
+    assert state.example is None and state.eval_example is None  # no batch held after the save
 
 
 def test_the_compiled_call_runs_a_loaded_graph_and_falls_back_on_a_miss(tmp_path):
