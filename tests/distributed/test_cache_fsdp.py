@@ -16,11 +16,12 @@ directory of its own (as on separate nodes):
 
 Then graph-mode FSDP (``fsdp.mode: graph``, ``cache.mode: local``): a cold run that
 validates first and saves, and a warm restart that validates and trains with the saved
-whole-model graphs, the eval call's and the training call's (torch 2.14+). Then, on the same processes, without FSDP: ``cache.mode: local`` (each
-rank saves and loads a bundle of its own; a rank whose key differs ignores its bundle
-with a CacheWarning naming what changed, compiles, and replaces it) and ``shared``
-mode's timeout (rank 0 late: the other rank waits ``cache.share_timeout_s`` at a graph, then
-compiles it itself with a CacheWarning saying so).
+whole-model graphs, the eval call's and the training call's (torch 2.14+). Then, on the
+same processes, without FSDP: ``cache.mode: local`` (each rank saves and loads a bundle
+of its own; a rank whose key differs ignores its bundle with a CacheWarning naming what
+changed, compiles, and replaces it) and ``shared`` mode's timeout (rank 0 late: the other
+rank waits ``cache.share_timeout_s`` at a graph, then compiles it itself with a
+CacheWarning saying so).
 """
 
 from __future__ import annotations
