@@ -22,6 +22,7 @@ __all__ = [
     "RegionCompileWarning",
     "TorchFeatureUnavailable",
     "exception_chain",
+    "first_line",
 ]
 
 
@@ -120,6 +121,12 @@ def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
         yield exc
         exc = exc.__cause__ or exc.__context__
         seen += 1
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """``"Type: first line of the message"`` (the type alone when there is no message)."""
+    lines = str(exc).strip().splitlines()
+    return (f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)[:limit]
 
 
 class MissingDependencyError(AOTDistError, ImportError):

@@ -30,7 +30,7 @@ from aotdist.backends.recording import GraphRecord, RecordingBackend, append_rec
 from aotdist.compile.guard import compiled_graphs, replay_outcomes
 from aotdist.compile.marking import made_per_process, pickled_with_region_depth
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode
-from aotdist.errors import CacheWarning
+from aotdist.errors import CacheWarning, first_line
 from aotdist.fsdp.graph import local_shards
 from aotdist.log import get_logger
 
@@ -140,7 +140,7 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
     try:
         data, saved = _save_call(model, state, *example)
     except Exception as exc:  # the bundle is still saved without it
-        why = f"aot_compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        why = f"aot_compile failed: {first_line(exc)}"
         warnings.warn(f"aotdist cache: the whole-model graph could not be saved ({why}); the "
                       "next run loads the compiled kernels but traces the model again.",
                       CacheWarning, stacklevel=3)
@@ -156,7 +156,7 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
                 entries[EVAL_ENTRY], saved["eval"] = _save_call(
                     model, state, eval_example.args, eval_example.kwargs)
         except Exception as exc:  # the training graph is still saved
-            why = f"aot_compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            why = f"aot_compile failed: {first_line(exc)}"
             warnings.warn(f"aotdist cache: the eval call's graph could not be saved ({why}); "
                           "the next run traces its eval calls again (the compiled kernels "
                           "still load).", CacheWarning, stacklevel=3)
@@ -207,7 +207,7 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
             try:
                 data, saved[name] = _save_frame(model, state, name, example)
             except Exception as exc:  # the bundle is still saved without it
-                why = f"aot_compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                why = f"aot_compile failed: {first_line(exc)}"
                 warnings.warn(f"aotdist cache: region {name!r}'s compiled frame could not be "
                               f"saved ({why}); the next run loads its compiled kernels but "
                               "traces it again.", CacheWarning, stacklevel=4)
@@ -222,7 +222,7 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
                     entries[_frame_entry(name, "eval")], saved[name]["eval"] = _save_frame(
                         model, state, name, ev)
             except Exception as exc:  # the training call's graph is still saved
-                why = f"aot_compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                why = f"aot_compile failed: {first_line(exc)}"
                 warnings.warn(f"aotdist cache: region {name!r}'s eval call could not be saved "
                               f"({why}); the next run traces its eval calls again (the "
                               "compiled kernels still load).", CacheWarning, stacklevel=4)
@@ -335,7 +335,7 @@ def _load(data: bytes, modules: dict[str, str]) -> tuple[Any, str]:
             fn = _compat.PrecompiledFunction(data, modules)
         changed = fn.changed_source()
     except Exception as exc:  # noqa: BLE001 - a bad entry must not stop the job
-        return None, f"it could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
+        return None, f"it could not be loaded ({first_line(exc)})"
     if changed is not None:
         return None, f"the model's source changed since the save ({changed})"
     return fn, ""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from aotdist.check.families import FAMILIES, Family, hf_family, torchvision_family
+from aotdist.errors import first_line
 
 __all__ = ["FAILING", "CheckResult", "check_family", "check_fsdp", "resolve"]
 
@@ -118,11 +119,6 @@ def _step(family: Family, model: nn.Module, inputs: dict[str, Any]) -> torch.Ten
     return loss.detach()
 
 
-def _first_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return text.splitlines()[0][:400] if text else type(exc).__name__
-
-
 def _grad_diff(model: nn.Module, reference: nn.Module, *, rtol: float) -> tuple[float, bool]:
     """Largest gradient difference scaled by the gradient's size, and whether every
     parameter's gradient is within ``rtol`` of the reference's."""
@@ -216,7 +212,7 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
     except Exception as exc:  # noqa: BLE001 - the tiny build itself fails: not aotdist's
         if family.source == "user":
             raise
-        result.status, result.error = "not built", _first_line(exc)
+        result.status, result.error = "not built", first_line(exc, 400)
         result.seconds = time.perf_counter() - start
         return result
 
@@ -229,7 +225,7 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
                 loss = _step(family, model, inputs)
         except Exception as exc:  # noqa: BLE001 - classified below against torch.compile
             crashed = exc
-            result.error = _first_line(exc)
+            result.error = first_line(exc, 400)
     result.warnings = _region_warnings(caught)
     if whole_model:
         try:
@@ -237,7 +233,7 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
             result.whole_model = "trains"
             result.whole_model_grad_diff, _ = _grad_diff(whole, reference, rtol=1.0)
         except Exception as exc:  # noqa: BLE001 - reported, not raised
-            result.whole_model = f"fails: {_first_line(exc)}"
+            result.whole_model = f"fails: {first_line(exc, 400)}"
     if crashed is not None:
         result.status = ("torch.compile fails too" if result.whole_model.startswith("fails")
                          else "crash")

@@ -447,3 +447,13 @@ def test_a_decorated_functions_wrapped_original_is_saved_by_code_while_saving():
         assert "<locals>" in original.__qualname__  # torch's pickler: code and closure
         assert _decorated.__qualname__ == "_decorated"  # found by its name: as it is
     assert original.__qualname__ == "_decorated" and _decorated(1) == 2
+
+
+def test_a_failure_reason_is_the_first_line_and_survives_an_empty_message():
+    """A save that fails with a bare exception still names it (the reason once indexed
+    ``str(exc).splitlines()[0]``, an IndexError inside the handler for ``RuntimeError()``)."""
+    from aotdist.errors import first_line
+
+    assert first_line(RuntimeError()) == "RuntimeError"
+    assert first_line(ValueError("bad shape\nmore detail")) == "ValueError: bad shape"
+    assert len(first_line(ValueError("x" * 1000))) == 300
