@@ -25,6 +25,7 @@ from aotdist.callbacks._common import Applied, ApplyHow, apply_aotdist, merge_co
 from torch import nn
 
 from aotdist import _compat, cache, metrics
+from aotdist.cache import store
 from aotdist.compile import compile_callable, restore
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, OrderingError
@@ -360,10 +361,19 @@ def _mixed_precision(cfg: AOTDistConfig, accelerator: Any) -> AOTDistConfig:
 
 
 def _save_cache_after_first_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """``aotdist.cache.save(model)`` once, after the first real optimizer step."""
+    """``aotdist.cache.save(model)`` after the first real optimizer step, and once more
+    after the first step that follows the first eval call compiled after that save (an
+    eval loop: its kernels and saved graph join the bundle); then the hook goes."""
+    holders: list[nn.Module] = []
+
     def hook(*_):
-        handle.remove()
-        cache.save(model)
+        if not holders:  # the first step
+            holders.extend(store.holders(model) or [model])
+            cache.save(model)
+        elif any(store.pending(h) for h in holders):
+            cache.save(model)
+        if not any(store.watching(h) for h in holders):
+            handle.remove()
 
     handle = optimizer.register_step_post_hook(hook)
 

@@ -174,6 +174,11 @@ class RegionalCompile(Callback):
             self._open_window()
 
     @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._cache_saved:  # the first validation after the save: its graph joins the bundle
+            cache.save(pl_module)  # no-op unless that validation compiled
+
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._first_batch_done:
             return

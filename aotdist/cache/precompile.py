@@ -26,7 +26,8 @@ from typing import Any
 from torch import nn
 
 from aotdist import _compat
-from aotdist.backends.recording import GraphRecord, RecordingBackend, append_record
+from aotdist.backends.recording import RecordingBackend
+from aotdist.cache.loaded import Precompiled
 from aotdist.compile.guard import compiled_graphs, replay_outcomes
 from aotdist.compile.marking import made_per_process, pickled_with_region_depth
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode
@@ -125,6 +126,7 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
     eval_example = state.eval_example if state is not None else None
     if state is not None:  # the batches are not held any longer, whatever happens here
         state.example, state.eval_example, state.keep_example = None, None, False
+        state.keep_eval = eval_example is None  # the first eval call after the save is kept
     if why is None:
         graphs = compiled_graphs(state) - state.example_from
         if eval_example is not None and eval_example.compiled_before >= state.example_from:
@@ -147,21 +149,48 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
         return {SKIPPED: why.encode()}
     saved.update(fixes=state.fixes, demoted=state.demoted)
     entries = {ENTRY: data}
-    if eval_example is not None and eval_example.graphs != 1:
-        saved["eval"] = {"skipped": f"its first eval call compiled into {eval_example.graphs} "
-                                    "graphs (graph breaks)"}
-    elif eval_example is not None:  # a validation step's graph, in its own modes
-        try:
-            with eval_example.modes.applied(model):
-                entries[EVAL_ENTRY], saved["eval"] = _save_call(
-                    model, state, eval_example.args, eval_example.kwargs)
-        except Exception as exc:  # the training graph is still saved
-            why = f"aot_compile failed: {first_line(exc)}"
-            warnings.warn(f"aotdist cache: the eval call's graph could not be saved ({why}); "
-                          "the next run traces its eval calls again (the compiled kernels "
-                          "still load).", CacheWarning, stacklevel=3)
-            saved["eval"] = {"skipped": why}
+    if eval_example is not None:  # a validation step's graph, in its own modes
+        _add_eval(model, state, eval_example, entries, saved)
     entries[RECORDS] = json.dumps(saved).encode()
+    return entries
+
+
+def _add_eval(model: nn.Module, state, example, entries: dict, saved: dict) -> None:
+    """The first eval call's saved graph into ``entries`` (its records into ``saved``)."""
+    if example.graphs != 1:
+        saved["eval"] = {"skipped": f"its first eval call compiled into {example.graphs} "
+                                    "graphs (graph breaks)"}
+        return
+    try:
+        with example.modes.applied(model):
+            entries[EVAL_ENTRY], saved["eval"] = _save_call(model, state, example.args,
+                                                            example.kwargs)
+    except Exception as exc:  # the training graph is still saved
+        why = f"aot_compile failed: {first_line(exc)}"
+        warnings.warn(f"aotdist cache: the eval call's graph could not be saved ({why}); "
+                      "the next run traces its eval calls again (the compiled kernels "
+                      "still load).", CacheWarning, stacklevel=4)
+        saved["eval"] = {"skipped": why}
+
+
+def add_eval(model: nn.Module, entries: dict[str, bytes]) -> dict[str, bytes]:
+    """``entries`` (the bundle's, from :func:`build`) with the graph of the first eval call
+    compiled after that save, whole model or per region frame, when a saved graph is
+    there to go with it; the kept call is dropped, and no later eval call is watched."""
+    state = vars(model)[STATE_ATTR]
+    example, frames = state.eval_example, state.frame_eval_examples
+    state.release_examples()
+    entries = dict(entries)
+    if ENTRY in entries and example is not None:
+        saved = json.loads(entries[RECORDS])
+        _add_eval(model, state, example, entries, saved)
+        entries[RECORDS] = json.dumps(saved).encode()
+    elif FRAME_RECORDS in entries and frames:
+        saved = json.loads(entries[FRAME_RECORDS])
+        for name, ev in frames.items():
+            if _frame_entry(name) in entries and ev.graphs == 1:
+                _add_frame_eval(model, state, name, ev, entries, saved[name])
+        entries[FRAME_RECORDS] = json.dumps(saved).encode()
     return entries
 
 
@@ -216,18 +245,31 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
             saved[name] = {"skipped": why}
             continue
         entries[_frame_entry(name)] = data
-        if (ev := evals.get(name)) is not None and ev.graphs == 1:  # a validation step's
-            try:
-                with ev.modes.applied(ev.instance):
-                    entries[_frame_entry(name, "eval")], saved[name]["eval"] = _save_frame(
-                        model, state, name, ev)
-            except Exception as exc:  # the training call's graph is still saved
-                why = f"aot_compile failed: {first_line(exc)}"
-                warnings.warn(f"aotdist cache: region {name!r}'s eval call could not be saved "
-                              f"({why}); the next run traces its eval calls again (the "
-                              "compiled kernels still load).", CacheWarning, stacklevel=4)
+        if (ev := evals.get(name)) is not None:  # a validation step's
+            _add_frame_eval(model, state, name, ev, entries, saved[name])
+    state.keep_eval = not evals  # no eval call yet: the first one after the save is kept
     entries[FRAME_RECORDS] = json.dumps(saved).encode()
     return entries
+
+
+def _add_frame_eval(model: nn.Module, state, name: str, example, entries: dict,
+                    saved: dict) -> None:
+    """Region ``name``'s first eval call's saved graph into ``entries`` (its records
+    into ``saved``, the region's)."""
+    if example.graphs != 1:
+        saved["eval"] = {"skipped": f"its first eval call compiled {example.graphs} frame "
+                                    "graphs"}
+        return
+    try:
+        with example.modes.applied(example.instance):
+            entries[_frame_entry(name, "eval")], saved["eval"] = _save_frame(
+                model, state, name, example)
+    except Exception as exc:  # the training call's graph is still saved
+        why = f"aot_compile failed: {first_line(exc)}"
+        warnings.warn(f"aotdist cache: region {name!r}'s eval call could not be saved "
+                      f"({why}); the next run traces its eval calls again (the compiled "
+                      "kernels still load).", CacheWarning, stacklevel=5)
+        saved["eval"] = {"skipped": why}
 
 
 def _save_frame(model: nn.Module, state, name: str, example) -> tuple[bytes, dict]:
@@ -307,7 +349,7 @@ def _attach_frames(model: nn.Module, entries: dict[str, bytes]) -> tuple[bool, s
             loaded = state.frame_precompiled[region.name] = Precompiled(
                 model, fn, info["records"], label=f"region {region.name!r}'s saved graph",
                 saved=(own, info))
-            if "eval" in info:  # its first eval call's graph (a validation step)
+            if _frame_entry(region.name, "eval") in entries:  # its first eval call's graph
                 _also_eval(loaded, entries[_frame_entry(region.name, "eval")], info["eval"])
             continue
         refresh = refresh or why.startswith("the model's source changed")
@@ -339,57 +381,3 @@ def _load(data: bytes, modules: dict[str, str]) -> tuple[Any, str]:
     if changed is not None:
         return None, f"the model's source changed since the save ({changed})"
     return fn, ""
-
-
-class Precompiled:
-    """The loaded graphs on a model: runs a call one covers, else says why not."""
-
-    def __init__(self, model: nn.Module, fn: Any, records: list[dict], *,
-                 label: str = "the saved whole-model graph", saved: tuple | None = None):
-        self.model_id, self.label = id(model), label
-        self.saved = saved  # ({entry: bytes}, records entry): a forced save keeps them
-        self.calls, self.misses = 0, []
-        self.graphs = [[fn, records, False]]  # [function, records, ran once], tried in order
-
-    def also(self, fn: Any, records: list[dict]) -> None:
-        """Another saved graph of the same call (the eval call's), tried after the first."""
-        self.graphs.append([fn, records, False])
-
-    def run(self, args: tuple, kwargs: dict, backend: RecordingBackend) -> tuple[bool, Any]:
-        """``(True, output)``, or ``(False, None)`` when every saved graph's guards fail
-        (then warned once)."""
-        whys = []
-        for graph in self.graphs:
-            try:
-                hit, why = graph[0].check(args, kwargs), ""
-            except Exception as exc:  # noqa: BLE001 - a guard that cannot be evaluated misses
-                hit, why = False, f"the guard check failed: {type(exc).__name__}: {exc}"[:300]
-            if hit:
-                return True, self._run(graph, args, kwargs, backend)
-            whys.append(why or graph[0].why(args, kwargs))
-        if len(self.misses) < 20:
-            self.misses.append("; the eval call's graph: ".join(whys))
-        if len(self.misses) == 1:
-            warnings.warn(
-                f"aotdist cache: {self.label} does not cover this call "
-                f"(guard failed: {self.misses[0]}); it is compiled as usual (kernels the "
-                "bundle holds still load). Expected for a last, smaller batch or an eval "
-                "step; if every call misses, delete the bundle so that this run's inputs "
-                "save a new one.", CacheWarning, stacklevel=4)
-        return False, None
-
-    def _run(self, graph: list, args: tuple, kwargs: dict, backend: RecordingBackend) -> Any:
-        fn, records, ran = graph
-        if not ran:  # metrics see the graph the saved one is
-            graph[2] = True
-            for rec in records:
-                record = GraphRecord(
-                    index=0, model_id=self.model_id, num_ops=rec["num_ops"], backend_seconds=0.0,
-                    call_sites=rec["call_sites"], precompiled=True,
-                    standalone=rec.get("standalone"),
-                    subgraphs={k: set(v) for k, v in rec["subgraphs"].items()},
-                    inlined={k: set(v) for k, v in rec["inlined"].items()})
-                backend.records.append(record)
-                append_record(record)
-        self.calls += 1
-        return fn(args, kwargs)

@@ -227,7 +227,8 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
         # keep the first call's inputs: the save traces the graph with them
         region_state.keep_example = why_not is None
     model.__dict__[STATE_ATTR] = _RunState(config=config, key=key, load=result, sharing=sharing,
-                                           saved=False, load_s=time.perf_counter() - start)
+                                           saved=False, load_s=time.perf_counter() - start,
+                                           entries=None)
     return result
 
 
@@ -241,7 +242,11 @@ def save(model: nn.Module, *, force: bool = False) -> str | None:
     """Saves the compile artifacts after the first training step (forward and backward).
 
     Call it on every rank (``shared`` mode: rank 0 writes, the others stop sharing).
-    The Lightning and Accelerate callbacks call it after the first optimizer step.
+    The Lightning and Accelerate callbacks call it after the first optimizer step. When
+    the run had not validated before that save, a call after its first eval call (a
+    validation loop) saves the bundle again with that call's kernels and saved graph; the
+    callbacks do this after the validation loop (Lightning) or the next optimizer step
+    (Accelerate).
 
     Args:
         model: A model parallelized with ``cache.mode`` ``local`` or ``shared``, or a
@@ -251,26 +256,57 @@ def save(model: nn.Module, *, force: bool = False) -> str | None:
     Returns:
         The path written, or ``None`` (not this rank's job, nothing new, or cache off).
     """
-    written = [_save_one(m, force=force) for m in model.modules() if STATE_ATTR in vars(m)]
+    written = [_save_one(m, force=force) for m in holders(model)]
     return next((p for p in written if p is not None), None)
+
+
+def holders(model: nn.Module) -> list[nn.Module]:
+    """``model``'s modules that hold a bundle's state (what :func:`save` saves)."""
+    return [m for m in model.modules() if STATE_ATTR in vars(m)]
+
+
+def pending(holder: nn.Module) -> bool:
+    """Whether :func:`save` would write ``holder``'s bundle again: an eval call compiled
+    after the first save (see :func:`watching`)."""
+    state, regions = vars(holder).get(STATE_ATTR), vars(holder).get(REGION_STATE_ATTR)
+    return state is not None and regions is not None and state["saved"] \
+        and state["entries"] is not None and regions.eval_pending()
+
+
+def watching(holder: nn.Module) -> bool:
+    """Whether a first eval call after the save can still make :func:`pending` true."""
+    state, regions = vars(holder).get(STATE_ATTR), vars(holder).get(REGION_STATE_ATTR)
+    return state is not None and regions is not None and state["entries"] is not None \
+        and regions.watches_eval()
 
 
 def _save_one(model: nn.Module, *, force: bool) -> str | None:
     state = vars(model).get(STATE_ATTR)
-    if state is None or (state["saved"] and not force):
+    if state is None:
+        return None
+    again = state["saved"] and not force  # the first eval call after the save, if any
+    if again and not pending(model):
         return None
     state["saved"] = True
     if state["sharing"] is not None:
-        state["sharing"].stop()
+        state["sharing"].stop()  # (once: a second stop does nothing)
     cfg: CacheConfig = state["config"].cache
     rank, world = _rank_world()
-    if cfg.mode == "shared" and rank != 0:
+    if (cfg.mode == "shared" and rank != 0) or (
+            state["load"].status == CacheStatus.LOADED and not (force or state["load"].refresh)):
+        if (regions := vars(model).get(REGION_STATE_ATTR)) is not None:
+            regions.release_examples()  # rank 0's job; or the bundle it started from has it
         return None
-    if state["load"].status == CacheStatus.LOADED and not (force or state["load"].refresh):
-        return None  # the bundle it started from holds everything this run compiled
     path = _bundle_path(cfg, rank, world)
     try:
-        data = pack(state["key"], precompile.build(model, state["config"]))
+        if again:
+            entries = precompile.add_eval(model, state["entries"])
+        else:
+            entries = precompile.build(model, state["config"])
+        # kept while a later eval call can add to them (the bundle is written whole)
+        regions = vars(model).get(REGION_STATE_ATTR)
+        state["entries"] = entries if regions is not None and regions.watches_eval() else None
+        data = pack(state["key"], entries)
         if data is None:
             return None
         os.makedirs(cfg.dir, mode=0o755, exist_ok=True)  # not group-writable under umask 002

@@ -49,18 +49,20 @@ def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
                 hit, out = saved.run((self, *args), kwargs, _state.backend)
                 if hit:
                     return out
-            elif _state.keep_example:  # aotdist.cache.save traces them again
-                before = compiled_graphs(_state, _name)
+            elif _state.keep_example or _state.keep_eval:  # aotdist.cache.save traces them
                 if is_training(self):  # the first training call
-                    if _name not in _state.frame_examples:
+                    if _state.keep_example and _name not in _state.frame_examples:
                         _state.frame_examples[_name] = frame_example(
-                            self, args, kwargs, compiled_before=before)
+                            self, args, kwargs, compiled_before=compiled_graphs(_state, _name))
                 elif _name not in _state.frame_eval_examples:  # the first eval call
+                    before = compiled_graphs(_state, _name)
                     kept = frame_example(self, args, kwargs, compiled_before=before,
                                          modes=CallModes.of(self))
                     out = _compiled(self, *args, **kwargs)
                     kept.graphs = compiled_graphs(_state, _name) - before
-                    if kept.graphs:  # 0: it ran a graph compiled before
+                    # 0: it ran a graph compiled before (after the save: kept, so that
+                    # this region's later eval calls are not watched)
+                    if kept.graphs or _state.keep_eval:
                         _state.frame_eval_examples[_name] = kept
                     return out
             return _compiled(self, *args, **kwargs)

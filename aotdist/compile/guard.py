@@ -112,7 +112,8 @@ class RegionGuardedCall:
         first = not state.reuse_checked
         training = is_training(self._model_ref)
         keep = state.keep_example and state.example is None and training
-        keep_eval = state.keep_example and state.eval_example is None and not training
+        keep_eval = ((state.keep_example or state.keep_eval) and state.eval_example is None
+                     and not training)
         before = compiled_graphs(state) if keep or keep_eval else 0
         if state.precompiled is not None:  # a graph saved by aotdist.cache: no Dynamo trace
             hit, out = state.precompiled.run((*state.call_bound, *args), kwargs, state.backend)
@@ -136,6 +137,8 @@ class RegionGuardedCall:
             if keep_eval and (graphs := compiled_graphs(state) - before):  # 0: a hit
                 state.eval_example = EvalExample(args, kwargs, CallModes.of(self._model_ref),
                                                  graphs, before)
+            elif keep_eval and state.keep_eval:  # after the save, it compiled nothing new
+                state.keep_eval = False
             return out
         return self._run(*args, **kwargs)
 

@@ -61,6 +61,9 @@ class RegionState:
     call_bound: tuple = ()
     call_dynamic: bool | None = None
     keep_example: bool = False  # set by aotdist.cache.load: keep a training call's inputs
+    # set by aotdist.cache.save when no eval call came before it: keep the first eval call
+    # after the save (when it compiled), for a second save that adds its graph and kernels
+    keep_eval: bool = False
     # (args, kwargs) of the first training call (grad enabled, train mode: not a validation
     # step before it), until the cache saves; example_from: graphs compiled before that call
     example: tuple | None = None
@@ -73,3 +76,24 @@ class RegionState:
     frame_examples: dict[str, Any] = field(default_factory=dict)
     frame_eval_examples: dict[str, Any] = field(default_factory=dict)
     frame_precompiled: dict[str, Any] = field(default_factory=dict)
+
+    def watches_eval(self) -> bool:
+        """After the cache's save (``keep_eval``): whether a first eval call can still
+        make :meth:`eval_pending` true."""
+        if not self.keep_eval:
+            return False
+        evals = self.frame_eval_examples  # frames mode: has every region's first eval call
+        return self.mode != CompileMode.FRAMES or len(evals) < len(self.plan) or any(  # come?
+            e.graphs for e in evals.values())
+
+    def eval_pending(self) -> bool:
+        """Whether an eval call compiled after the cache's save: a second save adds its
+        graph and kernels (``aotdist.cache.precompile.add_eval``)."""
+        return self.keep_eval and (self.eval_example is not None or any(
+            e.graphs for e in self.frame_eval_examples.values()))
+
+    def release_examples(self) -> None:
+        """Drops the calls kept for the cache's save and stops keeping them."""
+        self.example = self.eval_example = None
+        self.frame_examples, self.frame_eval_examples = {}, {}
+        self.keep_example = self.keep_eval = False

@@ -1,6 +1,6 @@
 """``cache.mode: shared`` on 2 CPU ranks (gloo, FSDP2, Inductor).
 
-One spawn runs three phases on the same two processes, each rank with an Inductor cache
+One spawn runs these phases on the same two processes, each rank with an Inductor cache
 directory of its own (as on separate nodes):
 
 * cold: both ranks start without artifacts; a validation call (no grad, eval mode) comes
@@ -12,7 +12,10 @@ directory of its own (as on separate nodes):
   (torch 2.14+: each region frame runs its saved graphs, in the validation and in
   training, untraced); once more with a last batch of another size, which the saved
   graphs do not cover: it compiles, warned once;
-* eager: the same training without compile, the parity reference.
+* eager: the same training without compile, the parity reference;
+* after_cold, after_warm: as cold and warm, but the validation comes after the save (an
+  eval loop after training): a second save adds its kernels and, per region frame, its
+  saved graph; the warm restart validates from them, untraced (torch 2.14+).
 
 Then graph-mode FSDP (``fsdp.mode: graph``, ``cache.mode: local``): a cold run that
 validates first and saves, and a warm restart that validates and trains with the saved
@@ -44,7 +47,7 @@ STEPS = 2
 
 def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0.0,
            other_batch: bool = False, shared_reason: bool = False,
-           validate_first: bool = False) -> dict:
+           validate_first: bool = False, validate_after: bool = False) -> dict:
     import time
 
     import torch.distributed as dist
@@ -64,13 +67,17 @@ def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0
         if rank == 0:
             time.sleep(rank0_delay_s)  # the other ranks reach their first graph first
         validation = {}
-        if validate_first:  # as Lightning's sanity check: the cache keeps a training call
+
+        def validate():
             (x,), _ = example_inputs(model, 2 * world_size, generator=torch.Generator())
             with torch.no_grad(), aotdist.metrics.track(model) as mv:
                 model.eval()
                 validation["val"] = model(x.chunk(world_size)[rank]).sum().item()
                 model.train()
             validation["val_precompiled"] = mv.precompiled
+
+        if validate_first:  # as Lightning's sanity check: the cache keeps a training call
+            validate()
         for step in range(STEPS):
             (x,), y = example_inputs(model, 2 * world_size, generator=g)
             x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
@@ -98,6 +105,11 @@ def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0
             with aotdist.metrics.track(model) as m:
                 F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
             tracked["other_batch_misses"] = m.precompile_misses
+        if validate_after:  # after the save, as an eval loop after training; the callbacks
+            validate()      # then save again (the eval call's kernels and saved graphs)
+            tracked["saved_again"] = aotdist.cache.save(model)
+            tracked["fx_after"] = {k: counters["inductor"][k] for k in
+                                   ("fxgraph_cache_hit", "fxgraph_cache_miss")}
     state = vars(model).get(aotdist.cache.STATE_ATTR)
     sharing = state["sharing"] if state else None
     return {"losses": losses, "first": first, "saved": saved, **tracked, **validation,
@@ -114,11 +126,14 @@ def _phases(rank: int, world_size: int, root: str) -> dict:
     cache = {**fsdp, "compile": {"backend": "inductor"},
              "cache": {"mode": "shared", "dir": os.path.join(root, "bundle")}}
     out = {}
+    after = {**cache, "cache": {**cache["cache"], "dir": os.path.join(root, "after")}}
     for phase, config in (("cold", cache), ("warm", cache), ("warm_other_batch", cache),
-                          ("eager", {**fsdp, "compile": {"enabled": False}})):
+                          ("eager", {**fsdp, "compile": {"enabled": False}}),
+                          ("after_cold", after), ("after_warm", after)):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
         out[phase] = _train(rank, world_size, config, other_batch=phase == "warm_other_batch",
-                            validate_first=phase in ("cold", "warm"))
+                            validate_first=phase in ("cold", "warm"),
+                            validate_after=phase.startswith("after"))
     # graph-mode FSDP, cache.mode: local (the bench GPT's 1-row "pos" is sharded unevenly)
     graph = {"fsdp": {"enabled": True, "mode": "graph"}, "compile": {"backend": "inductor"},
              "cache": {"mode": "local", "dir": os.path.join(root, "graph")}}
@@ -175,6 +190,24 @@ def test_warm_restart_compiles_nothing(phases):
         else:  # traced again, every kernel from the bundle
             assert not warm["precompiled"] and "torch" in warm["precompile_reason"], warm
             assert warm["first"]["fxgraph_cache_hit"] > 0
+
+
+def test_an_eval_loop_after_the_save_is_saved_again_and_warm_starts_untraced(phases):
+    """An eval loop that first runs after the save (Accelerate's usual loop): the second
+    save adds its kernels (and, per region frame, its saved graph) to the bundle."""
+    for rank in (0, 1):
+        cold, warm = phases[rank]["after_cold"], phases[rank]["after_warm"]
+        assert cold["warnings"] == warm["warnings"] == [], (cold, warm)
+        assert cold["saved_again"] == (cold["saved"] if rank == 0 else None), cold
+        assert warm["load"] == "loaded" and warm["val"] == cold["val"], (cold, warm)
+        assert warm["losses"] == cold["losses"], (cold, warm)
+        assert warm["fx_after"]["fxgraph_cache_miss"] == 0, warm  # nothing compiled
+        assert warm["saved_again"] is None, warm  # loaded: nothing new
+        if _compat.precompile_unavailable() is None:  # the eval call's saved frame graph
+            assert warm["val_precompiled"] and not cold["val_precompiled"], (cold, warm)
+            assert warm["fx_after"]["fxgraph_cache_hit"] == 0, warm
+        else:  # traced, its kernels from the bundle
+            assert warm["fx_after"]["fxgraph_cache_hit"] > 0, warm
 
 
 @pytest.mark.skipif(_compat.precompile_unavailable() is not None,

@@ -452,10 +452,13 @@ def test_recipe_runs_end_to_end(tmp_path):
 
 @pytest.mark.slow  # two Inductor compiles, about 30 s on a 2-core CPU machine
 @pytest.mark.inductor
-def test_cache_saves_the_training_graph_when_the_sanity_check_validates_first(tmp_path):
+@pytest.mark.parametrize("sanity", [2, 0], ids=["sanity_check", "validation_after_a_step"])
+def test_cache_saves_the_training_and_eval_graphs_whichever_comes_first(tmp_path, sanity):
     """Lightning validates before it trains (num_sanity_val_steps=2 by default): the saved
-    graph must be the training call's, with the eval call's saved beside it, and a warm
-    start validates and trains from them untraced."""
+    graph must be the training call's, with the eval call's saved beside it. Without the
+    sanity check the first validation comes after the save (here after the first step):
+    the callback saves again after it. Either way a warm start validates and trains from
+    the saved graphs untraced."""
     from aotdist import _compat
     from aotdist.compile.state import STATE_ATTR
 
@@ -473,6 +476,7 @@ def test_cache_saves_the_training_graph_when_the_sanity_check_validates_first(tm
                 accelerator="cpu", devices=1, max_steps=2, logger=False,
                 callbacks=[RegionalCompile(config)], enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False,
+                num_sanity_val_steps=sanity, val_check_interval=None if sanity else 1,
                 default_root_dir=tempfile.mkdtemp(dir=_SCRATCH.name))
             trainer.fit(module, _loader(), _loader())
         load = vars(module.model)[aotdist.cache.STATE_ATTR]["load"]
@@ -488,6 +492,7 @@ def test_cache_saves_the_training_graph_when_the_sanity_check_validates_first(tm
     saved = vars(module.model)[STATE_ATTR].precompiled
     assert [ran for _, _, ran in saved.graphs] == [True, True], saved.graphs
     assert module.val_losses == cold_val, (module.val_losses, cold_val)
+    assert len(cold_val) == (sanity if sanity else 2 * 4)  # the validations ran (2 steps)
 
 
 def test_recipe_defaults_add_the_callback_once(monkeypatch):

@@ -131,6 +131,85 @@ def test_the_kept_example_is_the_first_training_call_and_is_dropped_at_the_save(
     assert state.example is None and state.eval_example is None  # no batch held after the save
 
 
+def _eval_call(model, x):
+    with torch.no_grad():
+        model.eval()
+        model(x)
+        model.train()
+
+
+def test_the_first_eval_call_after_the_save_is_kept_for_a_second_save(tmp_path, monkeypatch):
+    """An eval loop that first runs after the save (Accelerate's loop; Lightning without
+    a sanity check): its call is kept, the next save writes the bundle again with it, and
+    then nothing more is watched or held."""
+    from aotdist.cache import store
+
+    packed = []
+    monkeypatch.setattr(store, "pack", lambda key, entries: packed.append(entries) or b"x")
+    model = _cached(tmp_path)
+    state = vars(model)[STATE_ATTR]
+    (x,), _ = example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
+    model(x).sum().backward()
+    assert aotdist.cache.save(model) is not None and len(packed) == 1
+    assert store.watching(model) and not store.pending(model)
+    assert aotdist.cache.save(model) is None and len(packed) == 1  # nothing new yet
+    model(x).sum().backward()  # training calls are not kept any more
+    assert state.example is None and not store.pending(model)
+    _eval_call(model, x)
+    assert state.eval_example is not None and state.eval_example.args[0] is x
+    assert store.pending(model) and state.eval_example.graphs == 1
+    (x3,), _ = example_inputs(model, 3)
+    _eval_call(model, x3)  # a later eval call (it compiles too): the first stays kept
+    assert state.eval_example.args[0] is x
+    assert aotdist.cache.save(model) is not None and len(packed) == 2
+    assert packed[1] == packed[0]  # aot_eager: no saved graph to add; the kernels are new
+    assert state.eval_example is None and not store.watching(model)
+    (x5,), _ = example_inputs(model, 5)
+    _eval_call(model, x5)  # compiles, but nothing is watched or held any more
+    assert state.eval_example is None and not store.pending(model)
+    assert aotdist.cache.save(model) is None and len(packed) == 2
+    assert vars(model)[aotdist.cache.STATE_ATTR]["entries"] is None
+
+
+def test_an_eval_call_after_the_save_that_compiles_nothing_ends_the_watch(tmp_path, monkeypatch):
+    """The run validated before the save without a kept call (no saved graph possible):
+    the first eval call after the save compiles nothing, so nothing is saved again."""
+    from aotdist.cache import store
+
+    monkeypatch.setattr(store, "pack", lambda key, entries: b"x")
+    model = _cached(tmp_path)
+    (x,), _ = example_inputs(model, 2)
+    _eval_call(model, x)
+    model(x).sum().backward()
+    aotdist.cache.save(model)
+    assert store.watching(model)  # the eval call before it was not kept (aot_eager)
+    _eval_call(model, x)  # a hit: nothing new to save
+    assert not store.watching(model) and not store.pending(model)
+    assert vars(model)[STATE_ATTR].eval_example is None
+
+
+def test_the_accelerate_hook_saves_after_the_first_step_and_after_the_first_eval(
+        tmp_path, monkeypatch):
+    from aotdist.callbacks import accelerate as acc
+
+    from aotdist.cache import store
+
+    calls = []
+    monkeypatch.setattr(store, "pack", lambda key, entries: calls.append(len(calls)) or b"x")
+    model = _cached(tmp_path)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc._save_cache_after_first_step(opt, model)
+    (x,), _ = example_inputs(model, 2)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+    assert len(calls) == 1 and opt._optimizer_step_post_hooks  # still watching
+    _eval_call(model, x)
+    model(x).sum().backward()
+    opt.step()  # the step after the eval loop saves again, and the hook goes
+    assert len(calls) == 2 and not opt._optimizer_step_post_hooks
+
+
 def test_the_compiled_call_runs_a_loaded_graph_and_falls_back_on_a_miss(tmp_path):
     model = _cached(tmp_path)
     ref = build_model("gpt", depth=2)
