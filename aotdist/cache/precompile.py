@@ -1,14 +1,14 @@
 """Saved compiled graphs: a warm start that runs without Dynamo (``cache.precompile``).
 
-At :func:`~aotdist.cache.save`, a graph-mode model's first training call (and its first
-eval call, a validation step, when one came before) is traced once more with torch's
+At :func:`~aotdist.cache.save`, a graph-mode model's first training call and first eval
+call (one after the save is added by the next save) are traced again with torch's
 ``aot_compile`` (same backend and options; Inductor's caches serve the kernels; under
 graph-mode FSDP with the local shards), and each graph travels in the bundle; under FSDP2
 hooks mode, each region's frame does, with stand-ins of the unsharded parameters. At
-:func:`~aotdist.cache.load` they are loaded; each compiled call then checks their guards
-and runs the graph that covers it, with no Dynamo trace and no AOTAutograd cache lookup.
-A call no guards cover, or a model whose source changed since the save, compiles as
-usual, with a ``CacheWarning``.
+:func:`~aotdist.cache.load` they are loaded; each compiled call then runs the graph whose
+guards cover it, with no Dynamo trace and no AOTAutograd cache lookup. A call no guards
+cover, or a model whose source changed since the save, compiles as usual, with a
+``CacheWarning``.
 
 Guards not saved: torch's unserializable kinds (object identities), and the type of each
 region instance or graph-mode FSDP gathering module, classes each process creates anew:
