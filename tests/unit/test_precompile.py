@@ -188,6 +188,22 @@ def test_an_eval_call_after_the_save_that_compiles_nothing_ends_the_watch(tmp_pa
     assert vars(model)[STATE_ATTR].eval_example is None
 
 
+def test_a_frames_mode_watch_ends_when_every_region_s_first_eval_call_compiled_nothing():
+    from aotdist.compile.state import CompileMode, RegionState
+
+    plan = [SimpleNamespace(name="A"), SimpleNamespace(name="B")]
+    state = RegionState(plan=plan, mode=CompileMode.FRAMES, keep_eval=True)
+    assert state.watches_eval() and not state.eval_pending()
+    state.frame_eval_examples["A"] = SimpleNamespace(graphs=0)
+    assert state.watches_eval() and not state.eval_pending()  # B's may still compile
+    state.frame_eval_examples["B"] = SimpleNamespace(graphs=1)
+    assert state.watches_eval() and state.eval_pending()
+    state.frame_eval_examples["B"] = SimpleNamespace(graphs=0)
+    assert not state.watches_eval() and not state.eval_pending()  # nothing can come
+    state.release_examples()
+    assert not state.keep_eval and state.frame_eval_examples == {}
+
+
 def test_the_accelerate_hook_saves_after_the_first_step_and_after_the_first_eval(
         tmp_path, monkeypatch):
     from aotdist.callbacks import accelerate as acc
