@@ -188,7 +188,7 @@ def add_eval(model: nn.Module, entries: dict[str, bytes]) -> dict[str, bytes]:
     elif FRAME_RECORDS in entries and frames:
         saved = json.loads(entries[FRAME_RECORDS])
         for name, ev in frames.items():
-            if _frame_entry(name) in entries and ev.graphs == 1:
+            if _frame_entry(name) in entries and ev.graphs:  # (more than 1: says why not)
                 _add_frame_eval(model, state, name, ev, entries, saved[name])
         entries[FRAME_RECORDS] = json.dumps(saved).encode()
     return entries
