@@ -162,7 +162,7 @@ def test_the_first_eval_call_after_the_save_is_kept_for_a_second_save(tmp_path, 
     _eval_call(model, x3)  # a later eval call (it compiles too): the first stays kept
     assert state.eval_example.args[0] is x
     assert aotdist.cache.save(model) is not None and len(packed) == 2
-    assert packed[1] == packed[0]  # aot_eager: no saved graph to add; the kernels are new
+    assert packed[1] == packed[0]  # aot_eager: no graph to add; Inductor's new kernels would be
     assert state.eval_example is None and not store.watching(model)
     (x5,), _ = example_inputs(model, 5)
     _eval_call(model, x5)  # compiles, but nothing is watched or held any more
