@@ -123,6 +123,11 @@ def _run_fn(
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
+        # No rank runs fn until every rank has finished joining: gloo's init returns on
+        # one rank before its peer's side of the connection is up, and a rank whose fn
+        # returns at once could leave and fail the peer's init ("connectFullMesh failed:
+        # Connection closed by peer"; seen on a loaded 2-core machine, 3 of 60 runs).
+        dist.barrier()
         result = fn(rank, world_size, *args, **kwargs)
     except BaseException:
         return ("error", rank, traceback.format_exc())

@@ -64,8 +64,9 @@ def run_distributed(
     Each rank is a fresh process (``spawn`` start method) with ``MASTER_ADDR``,
     ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set, and
     ``OMP_NUM_THREADS=1`` unless the caller set it. It initializes the default process
-    group with ``backend`` (for ``"nccl"`` it first selects ``cuda:<rank>``), runs
-    ``fn``, reports the result, and destroys the process group.
+    group with ``backend`` (for ``"nccl"`` it first selects ``cuda:<rank>``), waits at a
+    barrier until every rank has joined, runs ``fn``, reports the result, and destroys
+    the process group.
 
     The first failure seen ends the run: a rank that raised, or one that exited without
     reporting (``os._exit``, a segfault, the OOM killer). The other ranks are then
