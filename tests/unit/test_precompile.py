@@ -204,6 +204,31 @@ def test_a_frames_mode_watch_ends_when_every_region_s_first_eval_call_compiled_n
     assert not state.keep_eval and state.frame_eval_examples == {}
 
 
+def test_a_frames_mode_eval_call_after_the_save_in_several_graphs_says_why_it_is_not_saved():
+    from aotdist.compile.state import CompileMode, RegionState
+
+    plan = [SimpleNamespace(name="A"), SimpleNamespace(name="B")]
+    state = RegionState(plan=plan, mode=CompileMode.FRAMES, keep_eval=True)
+    state.frame_eval_examples.update(A=SimpleNamespace(graphs=2), B=SimpleNamespace(graphs=0))
+    model = torch.nn.Linear(2, 2)
+    vars(model)[STATE_ATTR] = state
+    frame_a, frame_b = precompile._frame_entry("A"), precompile._frame_entry("B")
+    records = {"A": {"seconds": 1.0}, "B": {"seconds": 2.0}}
+    entries = {frame_a: b"a", frame_b: b"b",
+               precompile.FRAME_RECORDS: json.dumps(records).encode()}
+
+    out = precompile.add_eval(model, entries)
+
+    saved = json.loads(out[precompile.FRAME_RECORDS])
+    assert saved["A"] == {"seconds": 1.0,
+                          "eval": {"skipped": "its first eval call compiled 2 frame graphs"}}
+    assert saved["B"] == {"seconds": 2.0}  # compiled nothing: nothing to say
+    assert out[frame_a] == b"a" and out[frame_b] == b"b"
+    assert precompile._frame_entry("A", "eval") not in out
+    assert json.loads(entries[precompile.FRAME_RECORDS]) == records  # the input is not changed
+    assert not state.watches_eval() and state.frame_eval_examples == {}
+
+
 def test_the_accelerate_hook_saves_after_the_first_step_and_after_the_first_eval(
         tmp_path, monkeypatch):
     from aotdist.callbacks import accelerate as acc
