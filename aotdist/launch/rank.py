@@ -127,7 +127,7 @@ def _run_fn(
         # one rank before its peer's side of the connection is up, and a rank whose fn
         # returns at once could leave and fail the peer's init ("connectFullMesh failed:
         # Connection closed by peer"; seen on a loaded 2-core machine, 3 of 60 runs).
-        dist.barrier()
+        dist.barrier(device_ids=[rank] if backend == "nccl" else None)
         result = fn(rank, world_size, *args, **kwargs)
     except BaseException:
         return ("error", rank, traceback.format_exc())
