@@ -95,11 +95,16 @@ class DistributedTestError(AOTDistError, RuntimeError):
     Attributes:
         rank: The rank whose failure is reported (the first one seen), or ``None`` when
             the error is about several ranks at once (a timeout).
+        exit_code: That rank's process exit code when it exited without a result or
+            crashed while shutting down (negative: killed by that signal, as
+            ``multiprocessing`` reports it); ``None`` when it raised or was stopped.
     """
 
-    def __init__(self, message: str, rank: int | None = None):
+    def __init__(self, message: str, rank: int | None = None,
+                 exit_code: int | None = None):
         super().__init__(message)
         self.rank = rank
+        self.exit_code = exit_code
 
 
 class DistributedTimeoutError(DistributedTestError):

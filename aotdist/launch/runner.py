@@ -290,7 +290,7 @@ class _Run:
         message = primary
         if others:
             message += "\nOther ranks also failed before they were stopped: " + "; ".join(others)
-        raise DistributedTestError(message, rank=rank)
+        raise DistributedTestError(message, rank=rank, exit_code=deaths.get(rank))
 
     def _raise_timeout(self) -> None:
         self._drain()
@@ -358,7 +358,7 @@ class _Run:
                 raise DistributedTestError(
                     f"rank {rank} of {self.world_size} returned a result from {self.name} but "
                     f"then {_exit_text(proc.exitcode)} while shutting down",
-                    rank=rank,
+                    rank=rank, exit_code=proc.exitcode,
                 )
 
 

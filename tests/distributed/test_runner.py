@@ -156,7 +156,7 @@ def test_error_on_one_rank_is_raised_and_stops_the_waiting_rank(tmp_path):
     assert "rank 1" in message
     assert "ValueError: boom" in message
     assert "_raise_on_rank1" in message  # the traceback
-    assert info.value.rank == 1
+    assert info.value.rank == 1 and info.value.exit_code is None  # it raised
     assert isinstance(info.value, AOTDistError) and isinstance(info.value, RuntimeError)
     assert not isinstance(info.value, DistributedTimeoutError)
     assert elapsed < 30, f"took {elapsed:.1f} s: the waiting rank was not stopped promptly"
@@ -171,7 +171,7 @@ def test_rank_that_exits_without_reporting_is_named_with_its_exit_code():
     message = str(info.value)
     assert "rank 1" in message
     assert "exit code 3" in message
-    assert info.value.rank == 1
+    assert info.value.rank == 1 and info.value.exit_code == 3
     assert multiprocessing.active_children() == []
 
 
@@ -236,6 +236,7 @@ def test_a_rank_that_crashes_in_teardown_after_reporting_fails_the_run():
         with pytest.raises(DistributedTestError, match="while shutting down") as info:
             run_distributed(_crash_in_teardown_on_rank1, 2, how, timeout=60)
         assert info.value.rank == 1 and "rank 1 of 2" in str(info.value), how
+        assert info.value.exit_code == (3 if how == "exit" else -11)
         assert code in str(info.value), (how, str(info.value))
     # Opt-in, for a known torch teardown crash: ranks leave with os._exit(0) after reporting.
     assert run_distributed(_crash_in_teardown_on_rank1, 2, "exit", skip_teardown=True,
