@@ -163,6 +163,8 @@ class RecordingBackend:
             backend_seconds=0.0, gm=gm if self.keep_graphs else None,
         )
         node_regions = self._analyse(gm, record)
+        if complex_regions := _complex_regions(gm, node_regions):
+            raise RegionCaptureError(complex_regions, _COMPLEX)
         _warn_autograd_function_splits(gm, node_regions)
         record.standalone = self.region_frame or self._standalone_region()
         start = time.perf_counter()
@@ -252,6 +254,38 @@ class RecordingBackend:
             if fqn in self._fqn_to_region:
                 return self._fqn_to_region[fqn]
         return None
+
+
+_COMPLEX = ("it handles complex tensors, which invoke_subgraph cannot run: its backward "
+            "fails with \"could not find kernel for invoke_subgraph at dispatch key "
+            "Conjugate\" (torch). Fix: keep the complex math outside the region (pass real "
+            "views, torch.view_as_real), or accept it compiled inline")
+
+
+def _complex_regions(gm: torch.fx.GraphModule, node_regions: dict[str, str]) -> list[str]:
+    """Regions whose ``invoke_subgraph`` call takes, returns or computes a complex tensor
+    (e.g. Llama 4's complex rotary embedding); their backward call would fail at run time,
+    after the forward ran, where no retry can demote them."""
+    found: list[str] = []
+    for node in gm.graph.nodes:
+        region = node_regions.get(node.name)
+        if region is None or region in found or region == "<unknown>":
+            continue
+        nodes = [node, *(a for a in node.args[2:] if isinstance(a, torch.fx.Node))]
+        body = node.args[0]
+        if isinstance(body, torch.fx.Node) and body.op == "get_attr":
+            sub = getattr(gm, str(body.target), None)
+            if isinstance(sub, torch.fx.GraphModule):
+                nodes += list(sub.graph.nodes)
+        if any(_has_complex(n.meta.get("example_value", n.meta.get("val"))) for n in nodes):
+            found.append(region)
+    return found
+
+
+def _has_complex(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_complex()
+    return isinstance(value, (list, tuple)) and any(_has_complex(v) for v in value)
 
 
 def _regions_named_in(exc: BaseException, node_regions: dict[str, str]) -> list[str]:

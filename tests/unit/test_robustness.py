@@ -104,6 +104,44 @@ def test_a_failure_that_does_not_name_invoke_subgraph_is_isolated_by_bisection()
     assert m.regions["Plain"].call_sites == 2 and m.regions["Plain"].subgraphs == 1
 
 
+class Rotary(nn.Module):
+    """Llama 4's rotary embedding: the queries rotated as complex numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, freqs):
+        q = torch.view_as_complex(self.q(x).reshape(*x.shape[:-1], 4, 2))
+        return x + torch.view_as_real(q * freqs).flatten(-2)
+
+
+class RotaryNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Rotary() for _ in range(3)])
+
+    def forward(self, x):
+        angles = torch.arange(4, dtype=torch.float32) / 4
+        freqs = torch.polar(torch.ones_like(angles), angles)  # complex, as freqs_cis
+        for block in self.blocks:
+            x = block(x, freqs)
+        return x
+
+
+def test_a_region_with_complex_tensors_is_demoted_before_its_backward_can_fail():
+    # invoke_subgraph has no kernel for the Conjugate dispatch key: the forward ran and
+    # loss.backward() then failed (transformers' Llama 4), where no retry could help.
+    model, eager = _pair(RotaryNet())
+    aotdist.compile_regions(model, backend="aot_eager")
+    x = torch.randn(3, 8)
+    with metrics.track(model) as m:
+        _, caught = _warnings(lambda: _assert_same_training(model, eager, x))
+    assert list(m.demoted) == ["Rotary"], m.summary()
+    assert "complex tensors" in m.demoted["Rotary"] and "view_as_real" in m.demoted["Rotary"]
+    assert any("'Rotary' cannot be a reusable subgraph" in w for w in caught), caught
+
+
 class Raises(nn.Module):
     def __init__(self):
         super().__init__()
