@@ -54,6 +54,17 @@ def _warnings(fn):
                                                                 aotdist.RegionCompileWarning)]
 
 
+def _train_like_eager(net):
+    """One aot_eager training step of ``net`` (blocks with different weights) that must
+    match eager; returns its metrics and RegionCompileWarning texts."""
+    model, eager = _pair(net)
+    aotdist.compile_regions(model, backend="aot_eager")
+    x = torch.randn(3, 8)
+    with metrics.track(model) as m:
+        _, caught = _warnings(lambda: _assert_same_training(model, eager, x))
+    return m, caught
+
+
 # -------------------------------------------------------------- failure isolation
 
 
@@ -93,11 +104,7 @@ class Mixed(nn.Module):
 
 
 def test_a_failure_that_does_not_name_invoke_subgraph_is_isolated_by_bisection():
-    model, eager = _pair(Mixed())
-    aotdist.compile_regions(model, backend="aot_eager")
-    x = torch.randn(3, 8)
-    with metrics.track(model) as m:
-        _, caught = _warnings(lambda: _assert_same_training(model, eager, x))
+    m, caught = _train_like_eager(Mixed())
     assert list(m.demoted) == ["Writer"], m.summary()
     assert m.demoted["Writer"].startswith("InternalTorchDynamoError")  # torch's own words
     assert any("'Writer' cannot be a reusable subgraph" in w for w in caught), caught
@@ -132,11 +139,7 @@ class RotaryNet(nn.Module):
 def test_a_region_with_complex_tensors_is_demoted_before_its_backward_can_fail():
     # invoke_subgraph has no kernel for the Conjugate dispatch key: the forward ran and
     # loss.backward() then failed (transformers' Llama 4), where no retry could help.
-    model, eager = _pair(RotaryNet())
-    aotdist.compile_regions(model, backend="aot_eager")
-    x = torch.randn(3, 8)
-    with metrics.track(model) as m:
-        _, caught = _warnings(lambda: _assert_same_training(model, eager, x))
+    m, caught = _train_like_eager(RotaryNet())
     assert list(m.demoted) == ["Rotary"], m.summary()
     assert "complex tensors" in m.demoted["Rotary"] and "view_as_real" in m.demoted["Rotary"]
     assert any("'Rotary' cannot be a reusable subgraph" in w for w in caught), caught
