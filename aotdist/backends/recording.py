@@ -34,7 +34,7 @@ from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_c
 from aotdist.log import rank_zero_warn
 
 __all__ = ["DryRunDone", "GraphRecord", "RecordingBackend", "append_record", "graph_log_cursor",
-           "module_path_to_fqn", "records_since"]
+           "module_path_to_fqn", "records_since", "stack_fqns"]
 
 # Every RecordingBackend appends here, so track() can see graphs compiled in its window;
 # readers hold a cursor (graph_log_cursor) and ask for the records since (records_since).
@@ -120,9 +120,21 @@ def _nodes_outside_regions(gm: torch.fx.GraphModule, invoke) -> Iterator[torch.f
                         yield from _nodes_outside_regions(body, invoke)
 
 
-def _stack_fqns(node: torch.fx.Node) -> list[str]:
-    stack = node.meta.get("nn_module_stack") or {}
-    return [module_path_to_fqn(v[0]) for v in stack.values() if isinstance(v, tuple)]
+def stack_fqns(node: torch.fx.Node, prefix: str = "") -> list[str]:
+    """The model fqns of ``node``'s module stack; ``prefix``: the fqn of the frame's own
+    module, which its ``L['self']`` paths are relative to."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    fqns = []
+    for v in stack.values():
+        if isinstance(v, tuple):
+            fqn = module_path_to_fqn(v[0])
+            if prefix and _SELF_PATH.match(v[0].strip()):
+                fqn = f"{prefix}.{fqn}" if fqn else prefix
+            fqns.append(fqn)
+    return fqns
+
+
+_SELF_PATH = re.compile(r"^L\[['\"]self['\"]\]")
 
 
 class RecordingBackend:
@@ -210,12 +222,13 @@ class RecordingBackend:
         """Fills ``record``; returns invoke_subgraph node name -> region name."""
         invoke = torch.ops.higher_order.invoke_subgraph
         node_regions: dict[str, str] = {}
+        prefix = self.frame_prefix()
         for node in _nodes_outside_regions(gm, invoke):
             if node.op != "call_function":
                 continue
             if node.target is operator.getitem and getattr(node.args[0], "target", None) is invoke:
                 continue  # unpacking a region's outputs is not an inlined op
-            fqns = [f for f in _stack_fqns(node) if f in self._fqn_to_region]
+            fqns = [f for f in stack_fqns(node, prefix) if f in self._fqn_to_region]
             if node.target is invoke:
                 ident = str(node.args[1])
                 fqn = fqns[-1] if fqns else None
@@ -231,6 +244,14 @@ class RecordingBackend:
         return node_regions
 
 
+    def frame_prefix(self) -> str:
+        """The fqn that the module paths of the frame being compiled are relative to:
+        after a graph break in the root's forward, Dynamo compiles a submodule's forward
+        (BigBird's) as a frame of its own, whose ``L['self']`` is that submodule. Empty
+        for the root and for a region's own frame."""
+        frame = None if self.region_frame else self._frame_fqn()
+        return frame if frame and frame not in self._fqn_to_region else ""
+
     def _standalone_region(self) -> str | None:
         """The region whose instance is the frame being compiled, if it is one.
 
@@ -238,6 +259,12 @@ class RecordingBackend:
         compiles each block call as a frame of its own: no invoke_subgraph, but the frame's
         code is compiled once and reused by every instance.
         """
+        fqn = self._frame_fqn()
+        return self._fqn_to_region.get(fqn) if fqn is not None else None
+
+    def _frame_fqn(self) -> str | None:
+        """The fqn in the model of the module whose forward Dynamo is compiling now (its
+        ``self``, or the first argument of a ``Module.__call__`` frame), if any."""
         model = self._model_ref() if self._model_ref is not None else None
         if model is None:
             return None
@@ -252,8 +279,8 @@ class RecordingBackend:
         for obj in candidates:
             fqn = by_id.get(id(obj))
             if fqn in self._fqn_to_region:
-                return self._fqn_to_region[fqn]
-        return None
+                return fqn
+        return next((by_id[id(o)] for o in candidates if id(o) in by_id), None)
 
 
 _COMPLEX = ("it handles complex tensors, which invoke_subgraph cannot run: its backward "

@@ -17,7 +17,7 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist.backends.aot import storage_resized_inputs
-from aotdist.backends.recording import RecordingBackend, module_path_to_fqn
+from aotdist.backends.recording import RecordingBackend, module_path_to_fqn, stack_fqns
 from aotdist.capture.graphs import GraphCapture, analyse_graph, tensor_info
 from aotdist.capture.report import Capture
 from aotdist.fsdp import fsdp_params
@@ -31,6 +31,7 @@ class _DynamoGraph:
     names: dict[int, tuple[str, str]]
     examples: list[Any]
     region: str | None = None  # frames mode: the region this graph is the forward of
+    prefix: str = ""  # the fqn the frame's module paths are relative to (frame_prefix)
     fw_metadata: Any = None
     forward: GraphCapture | None = None
 
@@ -82,6 +83,7 @@ class Recorder:
         entry = _DynamoGraph(index=len(self.dynamo), names={}, examples=[])
         if self.recording is not None:
             entry.region = self.recording._standalone_region()
+            entry.prefix = self.recording.frame_prefix()
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for i, node in enumerate(placeholders):
             grapharg = node.meta.get("grapharg")
@@ -179,9 +181,7 @@ class Recorder:
             if invoke is None or node.target is not invoke:
                 continue
             sub = getattr(gm, str(node.args[0].target), None)
-            stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-            fqns = [module_path_to_fqn(v[0]) for v in stack.values() if isinstance(v, tuple)]
-            fqns = [f for f in fqns if f in self.fqn_to_region]
+            fqns = [f for f in stack_fqns(node, entry.prefix) if f in self.fqn_to_region]
             region = self.report.regions.get(self.fqn_to_region[fqns[-1]]) if fqns else None
             if region is None or not isinstance(sub, torch.fx.GraphModule):
                 continue

@@ -119,15 +119,24 @@ def _step(family: Family, model: nn.Module, inputs: dict[str, Any]) -> torch.Ten
     return loss.detach()
 
 
-def _grad_diff(model: nn.Module, reference: nn.Module, *, rtol: float) -> tuple[float, bool]:
-    """Largest gradient difference scaled by the gradient's size, and whether every
-    parameter's gradient is within ``rtol`` of the reference's."""
-    worst, ok = 0.0, True
+def _grad_diff(model: nn.Module, reference: nn.Module, *,
+               rtol: float) -> tuple[float, bool, list[str]]:
+    """Largest gradient difference scaled by the gradient's size, whether every
+    parameter's gradient is within ``rtol`` of the reference's, and the parameters whose
+    gradient is all zeros where the reference's is ``None`` (counted as equal: a compiled
+    graph's backward gives zeros to the parameters of an output the loss does not use,
+    where eager leaves them ``None``)."""
+    worst, ok, zeros = 0.0, True, []
     ref = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         r = ref.get(name)
-        if r is None or (p.grad is None) != (r.grad is None):
-            return float("inf"), False
+        if r is None:
+            return float("inf"), False, zeros
+        if (p.grad is None) != (r.grad is None):
+            if r.grad is None and not _full(p.grad).any():
+                zeros.append(name)
+                continue
+            return float("inf"), False, zeros
         if p.grad is None:
             continue
         g, rg = _full(p.grad), _full(r.grad)
@@ -135,7 +144,7 @@ def _grad_diff(model: nn.Module, reference: nn.Module, *, rtol: float) -> tuple[
         diff = (g - rg).abs().max().item() / scale
         worst = max(worst, diff)
         ok &= diff <= rtol
-    return worst, ok
+    return worst, ok, zeros
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -183,8 +192,15 @@ def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, referen
     """Status from the metrics, then ``eager!`` (``frames``: a kept region with fewer
     compiled call sites than instances) or ``parity`` (loss or a gradient off eager)."""
     result.loss_aotdist = loss.item()
-    result.max_grad_diff, grads_ok = _grad_diff(model, reference, rtol=_tolerance(backend))
+    result.max_grad_diff, grads_ok, zeros = _grad_diff(model, reference,
+                                                       rtol=_tolerance(backend))
     _classify(result, m, result.warnings)
+    if zeros:
+        result.notes["gradients"] = (
+            f"{len(zeros)} parameter(s) ({', '.join(zeros[:3])}"
+            f"{', ...' if len(zeros) > 3 else ''}) get zero gradients where eager leaves "
+            "them None: they feed only an output the loss does not use, and a compiled "
+            "backward gives such parameters zeros")
     for name, st in m.regions.items() if frames else ():
         if name not in m.demoted and name not in m.eager and st.call_sites < st.instances:
             result.notes.setdefault(name, f"{st.call_sites} of {st.instances} instances "
@@ -231,7 +247,7 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
         try:
             _step(family, torch.compile(whole, backend=backend), inputs)
             result.whole_model = "trains"
-            result.whole_model_grad_diff, _ = _grad_diff(whole, reference, rtol=1.0)
+            result.whole_model_grad_diff, _, _ = _grad_diff(whole, reference, rtol=1.0)
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             result.whole_model = f"fails: {first_line(exc, 400)}"
     if crashed is not None:

@@ -34,7 +34,8 @@ def test_families_train_with_parity_and_account_for_every_region():
         else:
             assert result.status in ("reused", "partly reused"), result.line()
             if result.status == "partly reused":  # what is not kept is named
-                assert result.notes and set(result.notes) <= set(result.regions), result.line()
+                assert result.notes and set(result.notes) - {"gradients"} <= set(result.regions), \
+                    result.line()
     assert len(seen) >= 12
 
 
@@ -56,3 +57,16 @@ def test_llama4_s_complex_rotary_blocks_train_inline_not_crash():
     assert result.status == "demoted", result.line() + "\n" + result.error
     assert result.max_grad_diff is not None and result.max_grad_diff < 1e-4, result.line()
     assert result.notes and all("complex tensors" in n for n in result.notes.values()), result.notes
+
+
+@pytest.mark.timeout(300)
+def test_big_bird_s_blocks_are_named_in_its_body_s_own_frame_and_its_unused_pooler_is_parity():
+    # A graph break in its forward makes Dynamo compile BigBirdModel's forward as a frame
+    # of its own: its layers read "<unknown>" then, and the pooler, whose output the loss
+    # does not use, gets zero gradients compiled where eager leaves None ("parity inf").
+    result = check_family("hf:big_bird", whole_model=False)
+    assert result.status == "reused", result.line() + "\n" + result.error
+    assert list(result.regions) == ["BigBirdLayer"], result.line()
+    assert result.regions["BigBirdLayer"]["call_sites"] == 3, result.regions
+    assert result.max_grad_diff < 1e-4, result.line()
+    assert "bert.pooler.weight" in result.notes["gradients"], result.notes

@@ -8,6 +8,7 @@ from torch import nn
 
 import aotdist
 from aotdist.check import FAMILIES, CheckResult, check_family, family, render, resolve
+from aotdist.check.families import Family
 from aotdist.check.runner import _classify
 from aotdist.cli import main
 from aotdist.metrics import CompileMetrics, RegionStats
@@ -125,3 +126,30 @@ def test_the_table_counts_and_explains():
     assert "1 of 2 families keep every region" in text and "1 check(s) fail" in text
     assert "| a (FSDP2, 2 ranks) |" in text and "RuntimeError: x" in text
     assert "B: demoted: aliasing" in text
+
+
+class _Pooled(nn.Module):
+    """TinyGPT plus a pooler whose output the loss does not use, as in BERT-style heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = TinyGPT(vocab=64, dim=32, depth=3, heads=4, seq_len=16)
+        self.pooler = nn.Linear(64, 8)
+
+    def forward(self, idx):
+        logits = self.gpt(idx)
+        return logits, self.pooler(logits[:, 0])
+
+
+@pytest.mark.timeout(120)
+def test_zero_gradients_where_eager_has_none_are_parity_and_named():
+    def build(seed):
+        torch.manual_seed(seed)
+        return _Pooled(), {"*": (torch.randint(0, 64, (2, 16)),)}
+
+    fam = Family("pooled", "dense", build, "user", loss=lambda out: out[0].square().mean())
+    result = check_family(fam)
+    assert result.status == "reused", result
+    assert result.max_grad_diff < 1e-4
+    assert "pooler.weight" in result.notes["gradients"], result.notes
+

@@ -145,6 +145,42 @@ def test_a_region_with_complex_tensors_is_demoted_before_its_backward_can_fail()
     assert any("'Rotary' cannot be a reusable subgraph" in w for w in caught), caught
 
 
+def _breaking(net_class):
+    """``net_class`` with a graph break before its blocks."""
+
+    class Breaking(net_class):
+        def forward(self, x):
+            torch._dynamo.graph_break()
+            return super().forward(x)
+
+    return Breaking()
+
+
+class Breaks(nn.Module):
+    """A root that calls a body that breaks the graph: Dynamo compiles the body's forward
+    as a frame of its own (transformers' BigBird)."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body, self.head = body, nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_regions_under_a_submodule_compiled_as_its_own_frame_keep_their_names():
+    # The frame's module paths start at the body, not at the root: without the frame's
+    # own fqn the regions read "<unknown>", and a complex one could not be demoted.
+    m, caught = _train_like_eager(Breaks(_breaking(RotaryNet)))
+    assert "<unknown>" not in m.regions, m.summary()
+    assert list(m.demoted) == ["Rotary"], m.summary()
+    m, _ = _train_like_eager(Breaks(_breaking(Mixed)))
+    assert "<unknown>" not in m.regions, m.summary()
+    assert m.regions["Plain"].call_sites == 2 and m.regions["Plain"].subgraphs == 1
+    report = aotdist.capture(Breaks(_breaking(Mixed)), torch.randn(3, 8))
+    assert report.regions["Plain"].call_sites == ["body.blocks.1", "body.blocks.3"]
+
+
 class Raises(nn.Module):
     def __init__(self):
         super().__init__()
