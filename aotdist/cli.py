@@ -123,6 +123,7 @@ def _cmd_check(args) -> int:
     import json
 
     from aotdist.check import check_family, check_fsdp, resolve
+    from aotdist.check.zoo import limit_memory
 
     if sum(x is not None for x in (args.model, args.hf, args.torchvision)) != 1:
         print("aotdist check: give one model: a family name or module:factory, --hf TYPE "
@@ -134,6 +135,7 @@ def _cmd_check(args) -> int:
     except ValueError as exc:
         print(f"aotdist check: {exc}", file=sys.stderr)
         return 2
+    limit_memory(args.memory_limit)
     if args.fsdp and args.fsdp > 1:
         result = check_fsdp(spec, args.fsdp, backend=args.backend, timeout=args.timeout)
     else:
@@ -157,7 +159,8 @@ def _cmd_zoo(args) -> int:
 
     results = run_zoo(args.families, backend=args.backend,
                       fsdp_names=FSDP_FAMILIES if args.fsdp_families is None
-                      else args.fsdp_families, fsdp_ranks=args.fsdp, timeout=args.timeout)
+                      else args.fsdp_families, fsdp_ranks=args.fsdp, timeout=args.timeout,
+                      memory_gb=args.memory_limit)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -242,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--backend", default="aot_eager")
     c.add_argument("--timeout", type=float, default=600.0, help="seconds, with --fsdp")
     c.add_argument("--json", default=None, help="also write the result to this file")
+    c.add_argument("--memory-limit", type=float, default=0.0, metavar="GB",
+                   help="cap the address space of the check (and its ranks) at GB GiB, so "
+                   "that a build too big for the machine fails instead of being killed")
     c.set_defaults(func=_cmd_check)
 
     z = sub.add_parser("zoo", help="check every model family (tiny transformers and "
@@ -252,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     z.add_argument("--fsdp", type=int, default=2, help="ranks for those (1: none)")
     z.add_argument("--backend", default="aot_eager")
     z.add_argument("--timeout", type=float, default=600.0, help="seconds per family")
+    z.add_argument("--memory-limit", type=float, default=None, metavar="GB",
+                   help="address space per check process (default: half the physical "
+                   "memory; 0: none)")
     z.add_argument("--out", default="docs/models.md", help="the table ('' to skip)")
     z.set_defaults(func=_cmd_zoo)
 

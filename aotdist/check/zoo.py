@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from aotdist.check.families import FAMILIES, causal_lm_types
 from aotdist.check.runner import FAILING, CheckResult
 
-__all__ = ["render", "run_zoo"]
+__all__ = ["default_memory_limit_gb", "limit_memory", "render", "run_zoo"]
 
 # Families the zoo also checks under FSDP2 hooks mode on 2 ranks: dense, MoE, encoder.
 FSDP_FAMILIES = ("llama", "qwen3_moe", "bert")
@@ -31,13 +31,43 @@ STATUS_MEANING = {
 }
 
 
-def _one(spec: str, *, backend: str, fsdp: int, timeout: float) -> CheckResult:
+def default_memory_limit_gb() -> float:
+    """Half this machine's physical memory: a tiny config that asks for more (some
+    multimodal ones ask for 16-24 GB) fails its build and reads "not built" instead of
+    taking the machine down with it."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def limit_memory(gb: float) -> None:
+    """Caps this process's address space at ``gb`` GiB (``aotdist check --memory-limit``;
+    0: no cap). The checks run on CPU, which reserves no large address ranges as CUDA
+    does. A no-op where ``resource`` is missing (not a POSIX system)."""
+    try:
+        import resource
+    except ImportError:
+        return
+    if gb > 0:
+        limit = int(gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+_OUT_OF_MEMORY = ("MemoryError", "can't allocate memory", "std::bad_alloc",
+                  "Cannot allocate memory")
+
+
+def _one(spec: str, *, backend: str, fsdp: int, timeout: float,
+         memory_gb: float = 0.0) -> CheckResult:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "aotdist.cli", "check", spec, "--backend", backend,
                "--json", out]
         if fsdp:
             cmd += ["--fsdp", str(fsdp)]
+        if memory_gb > 0:
+            cmd += ["--memory-limit", str(memory_gb)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -45,8 +75,13 @@ def _one(spec: str, *, backend: str, fsdp: int, timeout: float) -> CheckResult:
                                error=f"timed out after {timeout:.0f} s")
         if not os.path.exists(out):
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
-            return CheckResult(spec, status="crash", fsdp=fsdp,
-                               error=f"exit {proc.returncode}: " + "\n".join(tail))
+            error = f"exit {proc.returncode}: " + "\n".join(tail)
+            if proc.returncode == -9 or any(m in error for m in _OUT_OF_MEMORY):
+                cap = (f"capped at {memory_gb:.1f} GiB of address space" if memory_gb > 0
+                       else "no cap")
+                error = (f"out of memory ({cap}; set one with --memory-limit GB; exit -9: "
+                         "killed by the system): " + error)
+            return CheckResult(spec, status="crash", fsdp=fsdp, error=error)
         with open(out) as f:
             data = json.load(f)
     fields = set(CheckResult.__dataclass_fields__)
@@ -55,10 +90,13 @@ def _one(spec: str, *, backend: str, fsdp: int, timeout: float) -> CheckResult:
 
 def run_zoo(names: Sequence[str] | None = None, *, backend: str = "aot_eager",
             fsdp_names: Sequence[str] = FSDP_FAMILIES, fsdp_ranks: int = 2,
-            timeout: float = 600.0,
+            timeout: float = 600.0, memory_gb: float | None = None,
             progress: Callable[[str], None] | None = print) -> list[CheckResult]:
     """Checks each family (all of :data:`FAMILIES` when ``names`` is ``None``) in a fresh
-    process, then ``fsdp_names`` under FSDP2 on ``fsdp_ranks`` gloo ranks."""
+    process, then ``fsdp_names`` under FSDP2 on ``fsdp_ranks`` gloo ranks. Each process's
+    address space is capped at ``memory_gb`` GiB (default: half the physical memory; 0:
+    no cap), so a tiny config whose build asks for more reads "not built"."""
+    memory_gb = default_memory_limit_gb() if memory_gb is None else memory_gb
     names = [f.name for f in FAMILIES] if names is None else list(names)
     if "all" in names:  # the listed families and every causal LM of the installed transformers
         listed = [f.name for f in FAMILIES]
@@ -66,7 +104,7 @@ def run_zoo(names: Sequence[str] | None = None, *, backend: str = "aot_eager",
     jobs = [(n, 0) for n in names] + [(n, fsdp_ranks) for n in fsdp_names if fsdp_ranks > 1]
     results = []
     for i, (name, ranks) in enumerate(jobs, 1):
-        result = _one(name, backend=backend, fsdp=ranks, timeout=timeout)
+        result = _one(name, backend=backend, fsdp=ranks, timeout=timeout, memory_gb=memory_gb)
         results.append(result)
         if progress is not None:
             progress(f"[{i}/{len(jobs)}] {result.line()}")

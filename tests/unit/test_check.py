@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -153,3 +156,22 @@ def test_zero_gradients_where_eager_has_none_are_parity_and_named():
     assert result.max_grad_diff < 1e-4
     assert "pooler.weight" in result.notes["gradients"], result.notes
 
+
+def hungry():
+    """A factory that reserves 8 GiB (not touched: it succeeds without a cap)."""
+    hungry.reserved = torch.empty(8 * 2**30, dtype=torch.uint8)
+    return toy()
+
+
+@pytest.mark.timeout(180)
+def test_a_build_past_the_memory_cap_fails_in_its_own_process_and_says_so(monkeypatch):
+    from aotdist.check.zoo import _one
+
+    # The check's process imports this module by name, as `aotdist check` would.
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    capped = _one(f"{__name__}:hungry", backend="aot_eager", fsdp=0, timeout=150, memory_gb=7)
+    assert capped.status == "crash" and "out of memory (capped at 7.0 GiB" in capped.error, \
+        capped.error
+    free = _one(f"{__name__}:hungry", backend="aot_eager", fsdp=0, timeout=150, memory_gb=0)
+    assert free.status == "reused", free.error
