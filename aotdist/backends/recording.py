@@ -241,6 +241,12 @@ class RecordingBackend:
             elif fqns:
                 region = self._fqn_to_region[fqns[-1]]
                 record.inlined.setdefault(region, set()).add(fqns[-1])
+        for region, fqns in list(record.inlined.items()):
+            # An instance that is also a call site ran as the subgraph: its nodes outside
+            # are the call's glue (aotdist's de-aliasing clones), not an inlined body.
+            fqns.difference_update(record.call_sites.get(region, ()))
+            if not fqns:
+                del record.inlined[region]
         return node_regions
 
 

@@ -87,6 +87,7 @@ def hf_config(model_type: str, **overrides: Any):
     for key, value in {**TINY, **overrides}.items():
         if key in overrides or hasattr(config, key):
             setattr(config, key, value)
+    _consistent(config, overrides)
     for key, value in config.to_dict().items():  # dropout off: the step is deterministic
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and key not in overrides:
             setattr(config, key, 0.0)
@@ -98,6 +99,37 @@ def hf_config(model_type: str, **overrides: Any):
                 value is None or value >= config.vocab_size):
             setattr(config, key, min(i, 2))
     return config
+
+
+def _consistent(config, overrides: dict[str, Any]) -> None:
+    """Sizes that must agree with the tiny ones :data:`TINY` set: MLA's rank and rotary
+    head sizes (and its key/value heads, one per query head), a partial rotary dimension,
+    and Mamba-2 heads that fill the expanded width."""
+    width = getattr(config, "hidden_size", None)
+
+    def put(key: str, value: Any) -> None:
+        if key not in overrides and getattr(config, key, None) is not None:
+            setattr(config, key, value)
+
+    if getattr(config, "qk_rope_head_dim", None) is not None:  # multi-head latent attention
+        for key, value in (("q_lora_rank", 32), ("kv_lora_rank", 16), ("qk_rope_head_dim", 8),
+                           ("qk_nope_head_dim", 8), ("v_head_dim", 16), ("qk_head_dim", 16),
+                           ("head_dim", 8), ("index_head_dim", 16), ("index_n_heads", 4)):
+            put(key, value)
+        put("num_key_value_heads", getattr(config, "num_attention_heads", None))
+    put("rotary_dim", 8)
+    if isinstance(width, int):
+        for heads, head_dim, expand in (("num_heads", "head_dim", "expand"),
+                                        ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+                                        ("n_mamba_heads", "mamba_headdim", "mamba_expand")):
+            if getattr(config, expand, None) and getattr(config, heads, None):
+                put(head_dim, 16)
+                put(heads, config.__dict__.get(expand, 2) * width // 16)
+        put("attention_head_dim", 2 * width // 4)  # Zamba2: attention over [h, embeddings]
+        put("adapter_rank", 8)
+        put("linear_num_heads", 4)
+        put("linear_head_dim", 16)
+        put("mamba_d_state", 16)
 
 
 def hf_family(model_type: str, kind: str, *, auto: str = "AutoModelForCausalLM",

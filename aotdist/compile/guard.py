@@ -219,9 +219,10 @@ def _fix(model: nn.Module, state: RegionState, name: str, reason: str, *,
         apply_region_class(model, state, name, clone_aliases=True)
     state.fixes[name] = "clone_aliasing_outputs"
     rank_zero_warn(
-        f"aotdist region {name!r}: an output aliases an input ({reason}). Fixed by cloning "
-        "the aliasing outputs inside the region; it still compiles once as a reusable "
-        "subgraph.", RegionCompileWarning, stacklevel=5,
+        f"aotdist region {name!r}: an output aliases an input, or inputs share storage "
+        f"({reason}). Fixed by cloning the aliasing outputs inside the region and the "
+        "aliasing inputs before it; it still compiles once as a reusable subgraph.",
+        RegionCompileWarning, stacklevel=5,
     )
 
 

@@ -74,6 +74,31 @@ def _clone_aliasing_outputs(fn: Callable) -> Callable:
     return forward
 
 
+def _dealiased_inputs(fn: Callable) -> Callable:
+    """Wraps a region call so that no two tensor inputs share storage (invoke_subgraph
+    forbids it): a later input that is, or views the same base as, an earlier one is
+    cloned before the call, outside the region (GPT-J's ``sin, cos``, two halves of one
+    tensor). Not ``functools.wraps``: that would copy the region marker of ``fn``'s
+    ``__dict__`` and make this wrapper the region."""
+
+    def forward(self, *args, **kwargs):
+        seen: list[torch.Tensor] = []
+
+        def dealias(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            root = t if t._base is None else t._base
+            if any(root is s for s in seen):
+                return t.clone()
+            seen.append(root)
+            return t
+
+        args, kwargs = _compat.tree_map(dealias, (args, kwargs))
+        return fn(self, *args, **kwargs)
+
+    return forward
+
+
 def _checkpointed(fn: Callable) -> Callable:
     """Wraps a forward in non-reentrant activation checkpointing.
 
@@ -202,6 +227,8 @@ def _region_class(base: type, region: str, *, count: int = 2, clone_aliases: boo
         fwd = _compat.unique_code_function(_detach_no_grad_outputs(fwd), region)
         marked = torch.compiler.nested_compile_region(
             fwd, **_compat.region_options(max(8, 2 * count)))
+        if clone_aliases:
+            marked = _dealiased_inputs(marked)
     else:
         marked = fwd
     # For frames mode: the same forward without invoke_subgraph, with a code object of its own.

@@ -70,3 +70,23 @@ def test_big_bird_s_blocks_are_named_in_its_body_s_own_frame_and_its_unused_pool
     assert result.regions["BigBirdLayer"]["call_sites"] == 3, result.regions
     assert result.max_grad_diff < 1e-4, result.line()
     assert "bert.pooler.weight" in result.notes["gradients"], result.notes
+
+
+# Built since their tiny configs keep MLA's, partial rotary's and Mamba-2's sizes
+# consistent: each trains with eager's result, its regions reused or named.
+MORE = {"gptj": "reused", "codegen": "reused", "minicpm3": "reused", "glm4_moe_lite": "reused",
+        "mamba2": "reused", "bamba": "reused", "deepseek_v2": "demoted"}
+
+
+@pytest.mark.timeout(900)
+def test_mla_partial_rotary_and_mamba2_families_build_and_train_like_eager():
+    results = {}
+    for name, status in MORE.items():
+        result = results[name] = check_family(f"hf:{name}", whole_model=False)
+        assert result.status == status, result.line() + "\n" + result.error
+        assert result.max_grad_diff is not None and result.max_grad_diff < 1e-4, result.line()
+    # GPT-J's sin and cos are halves of one tensor: cloned before the region, not demoted;
+    # DeepSeek-V2's rotary embedding is complex: named.
+    assert any("inputs share storage" in w for w in results["gptj"].warnings), results["gptj"]
+    notes = results["deepseek_v2"].notes
+    assert "complex tensors" in notes["DeepseekV2DecoderLayer"], notes

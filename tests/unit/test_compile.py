@@ -231,6 +231,48 @@ def test_aliasing_output_is_fixed_with_a_warning():
     assert m.regions["AliasingBlock"].call_sites == 3 and m.regions["AliasingBlock"].subgraphs == 1
 
 
+class _Rotated(nn.Module):
+    """GPT-J's attention in miniature: ``sin`` and ``cos`` are two halves of one tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, sin, cos):
+        return x + torch.tanh(self.lin(x * cos + x.flip(-1) * sin))
+
+
+class _RotatedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(16))
+        self.blocks = nn.ModuleList([_Rotated() for _ in range(3)])
+
+    def forward(self, x):
+        sin, cos = torch.split(torch.sin(self.pos).expand(x.shape[0], 16), 8, dim=-1)
+        for block in self.blocks:
+            x = block(x, sin, cos)
+        return x
+
+
+def test_inputs_that_share_storage_are_cloned_before_the_region_and_keep_reuse():
+    # invoke_subgraph rejects inputs that alias each other; before the clone the region
+    # was demoted (transformers' GPT-J and CodeGen).
+    torch.manual_seed(0)
+    model, reference = _pair(_RotatedNet())
+    aotdist.compile_regions(model, backend="aot_eager")
+    x = torch.randn(4, 8, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with metrics.track(model) as m:
+            assert_parity(model, reference, (x,), rtol=0, atol=0)
+    texts = [str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)]
+    assert m.fixes == {"_Rotated": "clone_aliasing_outputs"} and not m.demoted, m.summary()
+    assert m.regions["_Rotated"].call_sites == 3 and m.regions["_Rotated"].subgraphs == 1
+    assert not m.regions["_Rotated"].inlined and not m.reuse, m.summary()
+    assert len(texts) == 1 and "inputs share storage" in texts[0], texts
+
+
 class _Breaking(nn.Module):
     def __init__(self, dim):
         super().__init__()
