@@ -86,7 +86,11 @@ def hf_config(model_type: str, **overrides: Any):
     config = transformers.AutoConfig.for_model(model_type)
     for key, value in {**TINY, **overrides}.items():
         if key in overrides or hasattr(config, key):
-            setattr(config, key, value)
+            try:
+                setattr(config, key, value)
+            except AttributeError:  # a derived, read-only size (Falcon's head_dim)
+                if key in overrides:
+                    raise
     _consistent(config, overrides)
     for key, value in config.to_dict().items():  # dropout off: the step is deterministic
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and key not in overrides:
