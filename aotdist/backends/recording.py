@@ -249,7 +249,6 @@ class RecordingBackend:
                 del record.inlined[region]
         return node_regions
 
-
     def frame_prefix(self) -> str:
         """The fqn that the module paths of the frame being compiled are relative to:
         after a graph break in the root's forward, Dynamo compiles a submodule's forward

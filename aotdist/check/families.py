@@ -128,7 +128,7 @@ def _consistent(config, overrides: dict[str, Any]) -> None:
                                         ("n_mamba_heads", "mamba_headdim", "mamba_expand")):
             if getattr(config, expand, None) and getattr(config, heads, None):
                 put(head_dim, 16)
-                put(heads, config.__dict__.get(expand, 2) * width // 16)
+                put(heads, getattr(config, expand) * width // 16)
         put("attention_head_dim", 2 * width // 4)  # Zamba2: attention over [h, embeddings]
         put("adapter_rank", 8)
         put("linear_num_heads", 4)
