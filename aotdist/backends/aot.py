@@ -6,7 +6,9 @@ partitioning (the capture pipeline records them there) and can repair them befor
 real compiler runs. The repair, :func:`fix_storage_resizes`, moves the final
 ``resize_storage_bytes_(copy, 0)`` of the FSDP storage-resize pattern onto the input
 itself and drops the copy-back that would crash, as eager does. Backends aotdist cannot
-rebuild run such graphs eagerly. Details: docs/internals.md.
+rebuild run such graphs eagerly. :func:`resolve_conjugate_inputs` materializes a complex
+tensor's lazy conjugate (or negative) view before it enters a region call, which
+``invoke_subgraph`` has no kernel for. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 from aotdist import _compat
 from aotdist.backends.named import add_joint_pass, inductor_options
 
-__all__ = ["aot_backend", "fix_storage_resizes", "storage_resized_inputs"]
+__all__ = ["aot_backend", "fix_storage_resizes", "resolve_conjugate_inputs",
+           "storage_resized_inputs"]
 
 # on_graph(gm, kind) with kind "forward", "backward" or "inference"
 GraphHook = Callable[[torch.fx.GraphModule, str], None]
@@ -92,6 +95,48 @@ def fix_storage_resizes(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[str]:
     return fixed
 
 
+_RESOLVE = (("is_conj", torch.ops.aten.resolve_conj.default),
+            ("is_neg", torch.ops.aten.resolve_neg.default))
+
+
+def resolve_conjugate_inputs(gm: torch.fx.GraphModule) -> list[str]:
+    """Materializes each ``invoke_subgraph`` operand that is a lazy conjugate (or negative)
+    view, as ``torch.resolve_conj`` does, in a partitioned forward or backward graph.
+
+    Complex math saves such views for its backward (``mul``'s gradient takes
+    ``other.conj()``), and the partitioner passes them from a region's forward subgraph
+    to its backward one; ``invoke_subgraph`` has no kernel for the ``Conjugate`` dispatch
+    key, so the backward failed (transformers' Llama 4, DeepSeek-V2). The values are the
+    same; only the lazy bit is resolved, outside the subgraph, at each call.
+
+    Returns:
+        The names of the operands resolved (none: ``gm`` is unchanged).
+    """
+    invoke = torch.ops.higher_order.invoke_subgraph
+    graph, fixed = gm.graph, []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not invoke:
+            continue
+        args = list(node.args)
+        for i, arg in enumerate(args[2:], start=2):
+            val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+            for check, resolve in _RESOLVE:
+                if not (isinstance(val, torch.Tensor) and getattr(val, check)()):
+                    continue
+                with graph.inserting_before(node):
+                    arg = graph.call_function(resolve, (arg,))
+                mode = getattr(val, "fake_mode", None)
+                with mode if mode is not None else contextlib.nullcontext():
+                    val = arg.meta["val"] = resolve(val)
+                fixed.append(args[i].name)
+            args[i] = arg
+        node.args = tuple(args)
+    if fixed:
+        graph.lint()
+        gm.recompile()
+    return fixed
+
+
 def _joint_pass():
     """:func:`fix_storage_resizes` as an Inductor joint-graph pass (before its no-op
     removal, which would otherwise turn the functional copy into the source tensor)."""
@@ -111,6 +156,7 @@ def _hooked(compiler: Callable, kind: str | None, on_graph: GraphHook | None) ->
         fixed = fix_storage_resizes(gm)
         if fixed:
             gm.meta["aotdist_fixed_resizes"] = fixed
+        resolve_conjugate_inputs(gm)
         if on_graph is not None:
             which = kind
             if which is None:  # inductor's inner compile says which graph it is

@@ -6,9 +6,10 @@ every FX graph Dynamo hands over it records which region instances call an
 instances were inlined instead (:class:`GraphRecord`, read by :mod:`aotdist.metrics`).
 It also decides three things about how a graph compiles:
 
-- a graph that resizes an input's storage (the FSDP pattern) is compiled by aotdist's
-  repaired AOTAutograd backend (:mod:`aotdist.backends.aot`), or run eagerly with a
-  warning when the backend cannot be rebuilt;
+- a graph that resizes an input's storage (the FSDP pattern) or calls a region with
+  complex tensors is compiled by aotdist's repaired AOTAutograd backend
+  (:mod:`aotdist.backends.aot`); when the backend cannot be rebuilt, the first runs
+  eagerly and the region of the second is demoted, each with a warning;
 - a backend failure on a region's ``invoke_subgraph`` becomes a ``RegionCaptureError``
   naming the regions, so :mod:`aotdist.compile.guard` can fix or demote exactly those;
 - a graph holding regions is partitioned with reductions recomputable (docs/internals.md).
@@ -175,7 +176,9 @@ class RecordingBackend:
             backend_seconds=0.0, gm=gm if self.keep_graphs else None,
         )
         node_regions = self._analyse(gm, record)
-        if complex_regions := _complex_regions(gm, node_regions):
+        # complex regions need the conjugate views resolved before their calls
+        complex_regions = _complex_regions(gm, node_regions)
+        if complex_regions and not self._rebuilds():
             raise RegionCaptureError(complex_regions, _COMPLEX)
         _warn_autograd_function_splits(gm, node_regions)
         record.standalone = self.region_frame or self._standalone_region()
@@ -188,7 +191,7 @@ class RecordingBackend:
             # Triton kernels from a cache entry find their autotuning under this cache dir.
             with (_compat.recomputable_reductions() if regions else contextlib.nullcontext(),
                   _compat.remembered_isa_loads(), _compat.rerooted_autotune_lookups()):
-                compiled = self._compile(gm, example_inputs)
+                compiled = self._compile(gm, example_inputs, rebuild=bool(complex_regions))
         except Exception as exc:
             failing = _regions_named_in(exc, node_regions)
             if failing:
@@ -199,13 +202,22 @@ class RecordingBackend:
         _append(record)
         return compiled
 
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs):
-        """The inner backend, unless ``gm`` resizes an input's storage (the FSDP pattern):
-        torch 2.15 then segfaults, so aotdist's repaired AOTAutograd pipeline compiles it,
-        or, for a backend aotdist cannot rebuild, the graph runs eagerly (with a warning)."""
-        resized = ([] if getattr(self.inner, "_aotdist_fixes_resizes", False)
-                   else storage_resized_inputs(gm))
-        if not resized:
+    def _rebuilds(self) -> bool:
+        """Whether graphs can compile through aotdist's AOTAutograd pipeline, with its
+        graph repairs (a named ``aot_eager`` or ``inductor``, or one that has them)."""
+        return (getattr(self.inner, "_aotdist_fixes_resizes", False)
+                or aot_backend(self.inner) is not None)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs, *, rebuild: bool = False):
+        """The inner backend, unless ``gm`` resizes an input's storage (the FSDP pattern)
+        or ``rebuild`` (a region with complex tensors): aotdist's repaired AOTAutograd
+        pipeline compiles it then (torch 2.15 would segfault on the resize; a complex
+        region's backward would fail on a conjugate view), or, for a resize and a backend
+        aotdist cannot rebuild, the graph runs eagerly (with a warning)."""
+        if getattr(self.inner, "_aotdist_fixes_resizes", False):
+            return self.inner(gm, example_inputs)
+        resized = storage_resized_inputs(gm)
+        if not resized and not rebuild:
             return self.inner(gm, example_inputs)
         repaired = aot_backend(self.inner)
         if repaired is not None:
@@ -288,16 +300,19 @@ class RecordingBackend:
         return next((by_id[id(o)] for o in candidates if id(o) in by_id), None)
 
 
-_COMPLEX = ("it handles complex tensors, which invoke_subgraph cannot run: its backward "
-            "fails with \"could not find kernel for invoke_subgraph at dispatch key "
-            "Conjugate\" (torch). Fix: keep the complex math outside the region (pass real "
-            "views, torch.view_as_real), or accept it compiled inline")
+_COMPLEX = ("it handles complex tensors, and its backend is not one aotdist rebuilds: "
+            "invoke_subgraph's backward would fail with \"could not find kernel for "
+            "invoke_subgraph at dispatch key Conjugate\" (torch). Fix: compile with "
+            "backend='aot_eager' or 'inductor' (aotdist resolves the conjugate views before "
+            "each region call), keep the complex math outside the region (pass real views, "
+            "torch.view_as_real), or accept it compiled inline")
 
 
 def _complex_regions(gm: torch.fx.GraphModule, node_regions: dict[str, str]) -> list[str]:
     """Regions whose ``invoke_subgraph`` call takes, returns or computes a complex tensor
-    (e.g. Llama 4's complex rotary embedding); their backward call would fail at run time,
-    after the forward ran, where no retry can demote them."""
+    (e.g. Llama 4's complex rotary embedding). Their backward call fails at run time, after
+    the forward ran, where no retry can demote them, unless aotdist's rebuilt backend
+    resolves the conjugate views first; under any other backend they are demoted here."""
     found: list[str] = []
     for node in gm.graph.nodes:
         region = node_regions.get(node.name)
