@@ -188,9 +188,10 @@ def _region_warnings(caught) -> list[str]:
 
 
 def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, reference: nn.Module,
-           backend: str, *, frames: bool = False) -> None:
+           backend: str, *, frames: bool = False, whole_zeros: list[str] | None = None) -> None:
     """Status from the metrics, then ``eager!`` (``frames``: a kept region with fewer
-    compiled call sites than instances) or ``parity`` (loss or a gradient off eager)."""
+    compiled call sites than instances) or ``parity`` (loss or a gradient off eager).
+    ``whole_zeros``: the zero-for-``None`` gradients of whole-model compile, if it ran."""
     result.loss_aotdist = loss.item()
     result.max_grad_diff, grads_ok, zeros = _grad_diff(model, reference,
                                                        rtol=_tolerance(backend))
@@ -201,6 +202,11 @@ def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, referen
             f"{', ...' if len(zeros) > 3 else ''}) get zero gradients where eager leaves "
             "them None: they feed only an output the loss does not use, and a compiled "
             "backward gives such parameters zeros")
+        if whole_zeros is not None:
+            differ = [n for n in zeros if n not in whole_zeros]
+            result.notes["gradients"] += (
+                f"; whole-model compile leaves {len(differ)} of them None ({differ[0]}...)"
+                if differ else " (whole-model compile too)")
     for name, st in m.regions.items() if frames else ():
         if name not in m.demoted and name not in m.eager and st.call_sites < st.instances:
             result.notes.setdefault(name, f"{st.call_sites} of {st.instances} instances "
@@ -243,11 +249,12 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
             crashed = exc
             result.error = first_line(exc, 400)
     result.warnings = _region_warnings(caught)
+    whole_zeros = None
     if whole_model:
         try:
             _step(family, torch.compile(whole, backend=backend), inputs)
             result.whole_model = "trains"
-            result.whole_model_grad_diff, _, _ = _grad_diff(whole, reference, rtol=1.0)
+            result.whole_model_grad_diff, _, whole_zeros = _grad_diff(whole, reference, rtol=1.0)
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             result.whole_model = f"fails: {first_line(exc, 400)}"
     if crashed is not None:
@@ -256,7 +263,7 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
         if result.status == "crash":
             result.error = "".join(traceback.format_exception(crashed))[-3000:]
     else:
-        _judge(result, m, loss, model, reference, backend)
+        _judge(result, m, loss, model, reference, backend, whole_zeros=whole_zeros)
     result.seconds = time.perf_counter() - start
     return result
 

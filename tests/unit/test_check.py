@@ -12,7 +12,7 @@ from torch import nn
 import aotdist
 from aotdist.check import FAMILIES, CheckResult, check_family, family, render, resolve
 from aotdist.check.families import Family
-from aotdist.check.runner import _classify
+from aotdist.check.runner import _classify, _judge
 from aotdist.cli import main
 from aotdist.metrics import CompileMetrics, RegionStats
 from aotdist.testing.models import TinyGPT
@@ -155,6 +155,17 @@ def test_zero_gradients_where_eager_has_none_are_parity_and_named():
     assert result.status == "reused", result
     assert result.max_grad_diff < 1e-4
     assert "pooler.weight" in result.notes["gradients"], result.notes
+    assert result.notes["gradients"].endswith("(whole-model compile too)"), result.notes
+
+
+def test_zero_gradients_that_whole_model_compile_leaves_none_are_named_as_aotdist_s_own():
+    model, reference = _Pooled(), _Pooled()
+    model.pooler.weight.grad = torch.zeros_like(model.pooler.weight)  # reference: None
+    result = CheckResult("pooled", "dense", loss_eager=1.0)
+    _judge(result, CompileMetrics(), torch.tensor(1.0), model, reference, "aot_eager",
+           whole_zeros=[])
+    assert "whole-model compile leaves 1 of them None (pooler.weight...)" in \
+        result.notes["gradients"], result.notes
 
 
 def hungry():
