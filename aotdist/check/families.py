@@ -84,6 +84,17 @@ def hf_config(model_type: str, **overrides: Any):
     import transformers
 
     config = transformers.AutoConfig.for_model(model_type)
+    sizes = {k: v for k, v in {**TINY, **overrides}.items() if k in overrides or hasattr(config, k)}
+    # Made again from the tiny sizes, so that the sizes it derives from them agree (Zamba's
+    # attention width), with its layer lists cut where it checks their length; a config that
+    # refuses them (Falcon's read-only head_dim, a check _consistent would satisfy) is the
+    # default one, its sizes set one by one.
+    for made in (sizes, {**_layer_lists(config, sizes.get("num_hidden_layers")), **sizes}):
+        try:
+            config = transformers.AutoConfig.for_model(model_type, **made)
+            break
+        except Exception:  # noqa: BLE001 - a config's own checks raise what they like
+            pass
     for key, value in {**TINY, **overrides}.items():
         if key in overrides or hasattr(config, key):
             try:
@@ -105,10 +116,23 @@ def hf_config(model_type: str, **overrides: Any):
     return config
 
 
+def _layer_lists(config, layers: int | None) -> dict[str, list]:
+    """The config's per-layer kind lists (``layer_types``, Zamba-2's ``layers_block_type``) cut
+    to ``layers``, the last layers taking the kinds the first ones lack."""
+    lists = {}
+    for key, kinds in config.to_dict().items():
+        if (key.endswith("layer_types") or key == "layers_block_type") and isinstance(
+                kinds, list) and layers and len(kinds) != layers:
+            missing = [k for k in dict.fromkeys(kinds) if k not in kinds[:layers]][:layers - 1]
+            lists[key] = kinds[:layers - len(missing)] + missing
+    return lists
+
+
 def _consistent(config, overrides: dict[str, Any]) -> None:
     """Sizes that must agree with the tiny ones :data:`TINY` set: MLA's rank and rotary
     head sizes (and its key/value heads, one per query head), a partial rotary dimension,
-    and Mamba-2 heads that fill the expanded width."""
+    one group of experts, Mamba-2 heads that fill the expanded width, and what a default
+    config leaves out (Dots1's shared experts, LFM2-MoE's layer kinds)."""
     width = getattr(config, "hidden_size", None)
 
     def put(key: str, value: Any) -> None:
@@ -122,6 +146,13 @@ def _consistent(config, overrides: dict[str, Any]) -> None:
             put(key, value)
         put("num_key_value_heads", getattr(config, "num_attention_heads", None))
     put("rotary_dim", 8)
+    put("n_group", 1)  # expert groups for the group-limited top-k: 4 experts make one group
+    put("topk_group", 1)
+    if getattr(config, "n_shared_experts", 0) is None and "n_shared_experts" not in overrides:
+        config.n_shared_experts = 1  # Dots1's default, None, builds no shared expert
+    if config.model_type == "lfm2_moe" and config.layer_types is None:  # its checkpoints name them
+        config.layer_types = [("conv", "full_attention")[i % 2]
+                              for i in range(config.num_hidden_layers)]
     if isinstance(width, int):
         for heads, head_dim, expand in (("num_heads", "head_dim", "expand"),
                                         ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
@@ -129,6 +160,7 @@ def _consistent(config, overrides: dict[str, Any]) -> None:
             if getattr(config, expand, None) and getattr(config, heads, None):
                 put(head_dim, 16)
                 put(heads, getattr(config, expand) * width // 16)
+                put("mamba_d_ssm", getattr(config, expand) * width)  # Falcon-H1's own width
         put("attention_head_dim", 2 * width // 4)  # Zamba2: attention over [h, embeddings]
         put("adapter_rank", 8)
         put("linear_num_heads", 4)

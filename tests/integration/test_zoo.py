@@ -74,14 +74,18 @@ def test_big_bird_s_blocks_are_named_in_its_body_s_own_frame_and_its_unused_pool
 
 
 # Built since their tiny configs keep MLA's, partial rotary's and Mamba-2's sizes
-# consistent and skip read-only sizes (Falcon's head_dim): each trains with eager's
-# result, its regions reused or named.
+# consistent, skip read-only sizes (Falcon's head_dim), are made again from the tiny sizes
+# (what Zamba-2 and xLSTM derive from them) and fill what a default config leaves out
+# (Dots1's shared experts, LFM2-MoE's layer kinds): each trains with eager's result, its
+# regions reused or named.
 MORE = {"gptj": "reused", "codegen": "reused", "minicpm3": "reused", "glm4_moe_lite": "reused",
-        "mamba2": "reused", "bamba": "reused", "falcon": "reused", "deepseek_v2": "reused"}
+        "mamba2": "reused", "bamba": "reused", "falcon": "reused", "deepseek_v2": "reused",
+        "zamba2": "partly reused", "dots1": "reused", "lfm2_moe": "reused",
+        "falcon_h1": "reused"}
 
 
-@pytest.mark.timeout(900)
-def test_mla_partial_rotary_and_mamba2_families_build_and_train_like_eager():
+@pytest.mark.timeout(1200)
+def test_more_transformers_types_build_from_consistent_tiny_configs_and_train_like_eager():
     results = {}
     for name, status in MORE.items():
         result = results[name] = check_family(f"hf:{name}", whole_model=False)
@@ -90,3 +94,5 @@ def test_mla_partial_rotary_and_mamba2_families_build_and_train_like_eager():
     # GPT-J's sin and cos are halves of one tensor: cloned before the region, not demoted;
     # DeepSeek-V2's rotary embedding is complex: its conjugate views resolved, as Llama 4's.
     assert any("inputs share storage" in w for w in results["gptj"].warnings), results["gptj"]
+    # Zamba-2's hybrid layer runs a shared attention block its Mamba-only layers do not
+    assert "layer_type" in results["zamba2"].notes["Zamba2MambaDecoderLayer"], results["zamba2"]
