@@ -32,6 +32,7 @@ TINY = {
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
     "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
     "use_cache": False, "tie_word_embeddings": False,
+    "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16,  # Gemma 3n/4
 }
 
 
@@ -84,7 +85,7 @@ def hf_config(model_type: str, **overrides: Any):
     import transformers
 
     config = transformers.AutoConfig.for_model(model_type)
-    sizes = {k: v for k, v in {**TINY, **overrides}.items() if k in overrides or hasattr(config, k)}
+    sizes = {k: v for k, v in {**TINY, **overrides}.items() if k in overrides or _has(config, k)}
     # Made again from the tiny sizes, so that the sizes it derives from them agree (Zamba's
     # attention width), with its layer lists cut where it checks their length; a config that
     # refuses them (Falcon's read-only head_dim, a check _consistent would satisfy) is the
@@ -96,7 +97,7 @@ def hf_config(model_type: str, **overrides: Any):
         except Exception:  # noqa: BLE001 - a config's own checks raise what they like
             pass
     for key, value in {**TINY, **overrides}.items():
-        if key in overrides or hasattr(config, key):
+        if key in overrides or _has(config, key):
             try:
                 setattr(config, key, value)
             except AttributeError:  # a derived, read-only size (Falcon's head_dim)
@@ -114,6 +115,13 @@ def hf_config(model_type: str, **overrides: Any):
                 value is None or value >= config.vocab_size):
             setattr(config, key, min(i, 2))
     return config
+
+
+def _has(config, key: str) -> bool:
+    try:
+        return hasattr(config, key)
+    except Exception:  # noqa: BLE001 - a per-layer size refuses a global read (Gemma 4's head_dim)
+        return True
 
 
 def _layer_lists(config, layers: int | None) -> dict[str, list]:

@@ -54,7 +54,10 @@ def report_reuse(model: nn.Module, state: RegionState) -> None:
             shown = "; ".join(f"{path} ({kind}: {values})" for path, kind, values in differ[:4])
             cause = f"its instances differ in Python constants the forward may read: {shown}"
             fix = ("make such a value a tensor buffer, or pass it as an input, so that one "
-                   "subgraph serves every instance; exclude the region if it must differ")
+                   "subgraph serves every instance; exclude the region if it must differ. "
+                   "TORCH_LOGS=+hierarchical_compile shows torch's own reason: 'unsupported "
+                   "input VT types' is an argument it cannot compare between calls instead, "
+                   "such as a dict subclass made in the forward (Gemma 4's shared_kv_states)")
         else:
             cause = ("the region's inputs differ between call sites (an input's strides, "
                      "dtype, shape or requires_grad: e.g. a transposed layout from the block "
