@@ -57,7 +57,8 @@ def report_reuse(model: nn.Module, state: RegionState) -> None:
                    "subgraph serves every instance; exclude the region if it must differ. "
                    "TORCH_LOGS=+hierarchical_compile shows torch's own reason: 'unsupported "
                    "input VT types' is an argument it cannot compare between calls instead, "
-                   "such as a dict subclass made in the forward (Gemma 4's shared_kv_states)")
+                   "such as a dict subclass made in the forward (Gemma 4's "
+                   "shared_kv_states): make it outside the compiled call and pass it in")
         else:
             cause = ("the region's inputs differ between call sites (an input's strides, "
                      "dtype, shape or requires_grad: e.g. a transposed layout from the block "
