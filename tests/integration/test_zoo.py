@@ -75,10 +75,9 @@ def test_big_bird_s_blocks_are_named_in_its_body_s_own_frame_and_its_unused_pool
 
 # Built since their tiny configs keep MLA's, partial rotary's and Mamba-2's sizes
 # consistent, skip read-only sizes (Falcon's head_dim), are made again from the tiny sizes
-# (what Zamba-2 and xLSTM derive from them) and fill what a default config leaves out
-# (Dots1's shared experts, LFM2-MoE's layer kinds), and Gemma 4, whose per-layer sizes
-# refuse a global read: each trains with eager's result, its
-# regions reused or named.
+# (what Zamba-2 and xLSTM derive from them), fill what a default config leaves out (Dots1's
+# shared experts, LFM2-MoE's layer kinds) and read per-layer sizes (Gemma 4): each trains
+# with eager's result, its regions reused or named.
 MORE = {"gptj": "reused", "codegen": "reused", "minicpm3": "reused", "glm4_moe_lite": "reused",
         "mamba2": "reused", "bamba": "reused", "falcon": "reused", "deepseek_v2": "reused",
         "zamba2": "partly reused", "dots1": "reused", "lfm2_moe": "reused",
