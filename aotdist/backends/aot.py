@@ -181,7 +181,8 @@ def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None
 
     Args:
         backend: ``"aot_eager"``, ``"inductor"``, or ``torch.compile``'s wrapper of either
-            (an Inductor wrapper keeps its mode and options).
+            (an Inductor wrapper keeps its mode and options; graph-mode FSDP's bucketing
+            ``aot_eager`` keeps its bucketing).
         on_graph: Called with each forward/backward/inference graph before it is compiled
             (with Inductor, AOTAutograd's cache is off for these compiles so that it is).
 
@@ -191,9 +192,11 @@ def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None
     name = backend_name(backend)
     if name == "aot_eager":
         aot_eager, boxed_nop = _compat.aot_eager_parts()
+        # the graph compiler of aotdist's own aot_eager (fsdp.bucket_mb's bucketing) stays
+        inner = getattr(backend, "aotdist_graph_compiler", boxed_nop)
         return functools.partial(
-            aot_eager, fw_compiler=_hooked(boxed_nop, "forward", on_graph),
-            bw_compiler=_hooked(boxed_nop, "backward", on_graph),
+            aot_eager, fw_compiler=_hooked(inner, "forward", on_graph),
+            bw_compiler=_hooked(inner, "backward", on_graph),
         )
     if name == "inductor":
         compile_fx, compile_fx_inner = _compat.inductor_compile_fx()

@@ -137,6 +137,7 @@ def bucketing_aot_eager(bucket_mb: float) -> Callable:
     backend = functools.partial(aot_eager, fw_compiler=compile_graph, bw_compiler=compile_graph)
     backend.compiler_name = "aot_eager"  # what aotdist's backend naming reads
     backend.aotdist_bucket_mb = bucket_mb
+    backend.aotdist_graph_compiler = compile_graph  # kept when aot_backend rebuilds it
     return backend
 
 

@@ -449,6 +449,26 @@ def test_graph_fsdp_options_reach_inductor():
                               device_type="cpu") == ("aot_eager", None)
 
 
+def test_aotdist_s_rebuilt_pipeline_keeps_graph_mode_bucketing(monkeypatch):
+    """Graph-mode FSDP with aot_eager buckets its collectives in its own graph compiler.
+    A graph that aotdist sends through its rebuilt AOTAutograd pipeline (a region with
+    complex tensors, a resized storage, aotdist inspect's capture) kept the plain
+    aot_eager, so its collectives went unbucketed without a word."""
+    from aotdist.backends import bucketing
+    from aotdist.backends.aot import aot_backend
+
+    seen = []
+
+    def counting(gm, bucket_mb, **kwargs):
+        seen.append(bucket_mb)
+
+    monkeypatch.setattr(bucketing, "bucket_collectives", counting)
+    rebuilt = aot_backend(bucketing.bucketing_aot_eager(3.0))
+    x = torch.randn(4, requires_grad=True)
+    torch.compile(lambda t: (t.sin() * 2).sum(), backend=rebuilt, fullgraph=True)(x).backward()
+    assert seen == [3.0, 3.0]  # the forward graph and the backward graph
+
+
 def _compat_wrapper(options):
     from aotdist import _compat
 
