@@ -137,7 +137,8 @@ def _cmd_check(args) -> int:
         return 2
     limit_memory(args.memory_limit)
     if args.fsdp and args.fsdp > 1:
-        result = check_fsdp(spec, args.fsdp, backend=args.backend, timeout=args.timeout)
+        result = check_fsdp(spec, args.fsdp, backend=args.backend, timeout=args.timeout,
+                            mode=args.fsdp_mode)
     else:
         result = check_family(spec, backend=args.backend)
     print(result.line())
@@ -240,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
                    "returning (model, inputs), inputs a dict of keyword arguments or a tuple")
     c.add_argument("--hf", default=None, help="a transformers model type (tiny config)")
     c.add_argument("--torchvision", default=None, help="a torchvision.models constructor")
-    c.add_argument("--fsdp", type=int, default=0, help="ranks: shard with FSDP2 hooks mode "
+    c.add_argument("--fsdp", type=int, default=0, help="ranks: shard with FSDP2 "
                    "(aotdist.parallelize, gloo) and compare with single-process eager")
+    c.add_argument("--fsdp-mode", default="hooks", choices=("hooks", "graph"),
+                   help="with --fsdp: FSDP2 units (hooks) or graph-mode FSDP (collectives in "
+                   "the compiled graph)")
     c.add_argument("--backend", default="aot_eager")
     c.add_argument("--timeout", type=float, default=600.0, help="seconds, with --fsdp")
     c.add_argument("--json", default=None, help="also write the result to this file")

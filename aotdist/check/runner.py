@@ -44,6 +44,7 @@ class CheckResult:
     source: str = ""
     status: str = ""
     fsdp: int = 0  # ranks; 0 without FSDP
+    fsdp_mode: str = ""  # "hooks" or "graph" with FSDP
     regions: dict[str, dict[str, int]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # region -> demotion/reuse/eager cause
     whole_model: str = ""  # "trains" or "fails: <error>"
@@ -70,7 +71,8 @@ class CheckResult:
                 f"{self.max_grad_diff:.1e}")
         if self.whole_model_grad_diff is not None:
             diff += f" (whole-model compile {self.whole_model_grad_diff:.1e})"
-        where = f" (FSDP x{self.fsdp})" if self.fsdp else ""
+        mode = ", graph mode" if self.fsdp_mode == "graph" else ""
+        where = f" (FSDP x{self.fsdp}{mode})" if self.fsdp else ""
         text = f"{self.name}{where}: {self.status} | {regions}{diff} | {self.seconds:.0f} s"
         return text + (f" | {self.error.splitlines()[0][:160]}" if self.error else "")
 
@@ -268,21 +270,23 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
     return result
 
 
-def _fsdp_rank(rank: int, world_size: int, spec: str, backend: str, seed: int) -> dict:
+def _fsdp_rank(rank: int, world_size: int, spec: str, backend: str, seed: int,
+               mode: str = "hooks") -> dict:
     """One rank of :func:`check_fsdp`: every rank trains on the whole batch, so the
     averaged sharded gradients equal the single-process eager ones."""
     import aotdist
 
     family = resolve(spec)
     start = time.perf_counter()
-    result = CheckResult(family.name, family.kind, family.source, fsdp=world_size)
+    result = CheckResult(family.name, family.kind, family.source, fsdp=world_size,
+                         fsdp_mode=mode)
     model, inputs = family.build(seed)
     reference = copy.deepcopy(model)
     result.loss_eager = _step(family, reference, inputs).item()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            aotdist.parallelize(model, config={"fsdp": {"enabled": True},
+            aotdist.parallelize(model, config={"fsdp": {"enabled": True, "mode": mode},
                                                "compile": {"backend": backend}})
             with aotdist.metrics.track(model) as m:
                 loss = _step(family, model, inputs)
@@ -291,20 +295,30 @@ def _fsdp_rank(rank: int, world_size: int, spec: str, backend: str, seed: int) -
             result.error = "".join(traceback.format_exception(exc))[-3000:]
     result.warnings = _region_warnings(caught)
     if result.status != "crash":
-        # Per-region frames: every instance of a kept region is a compiled frame call.
-        _judge(result, m, loss, model, reference, backend, frames=True)
+        # Hooks mode compiles per-region frames: every instance of a kept region is a
+        # compiled frame call. Graph mode compiles the model as one graph of region calls.
+        _judge(result, m, loss, model, reference, backend, frames=mode == "hooks")
     result.seconds = time.perf_counter() - start
     return result.to_dict()
 
 
 def check_fsdp(family: Family | str, world_size: int, *, backend: str = "aot_eager",
-               seed: int = 0, timeout: float = 600.0) -> CheckResult:
-    """One training step under FSDP2 hooks mode (``aotdist.parallelize``) on
-    ``world_size`` gloo ranks against single-process eager; the worst rank's result."""
+               seed: int = 0, timeout: float = 600.0, mode: str = "hooks") -> CheckResult:
+    """One training step under FSDP2 (``aotdist.parallelize``, ``fsdp.mode`` ``mode``:
+    ``"hooks"`` or ``"graph"``) on ``world_size`` gloo ranks against single-process
+    eager; the worst rank's result.
+
+    Raises:
+        ValueError: ``mode`` is neither ``"hooks"`` nor ``"graph"``.
+    """
     from aotdist.launch import run_distributed
 
+    if mode not in ("hooks", "graph"):
+        raise ValueError(f"check_fsdp(mode={mode!r}): FSDP modes are 'hooks' (FSDP2's "
+                         "units) and 'graph' (collectives in the compiled graph)")
     spec = family if isinstance(family, str) else family.name
-    outs = run_distributed(_fsdp_rank, world_size, spec, backend, seed, timeout=timeout)
+    outs = run_distributed(_fsdp_rank, world_size, spec, backend, seed, mode,
+                           timeout=timeout)
     fields = set(CheckResult.__dataclass_fields__)
     results = [CheckResult(**{k: v for k, v in o.items() if k in fields}) for o in outs]
     return next((r for r in results if not r.ok), results[0])

@@ -170,7 +170,8 @@ def render(results: Sequence[CheckResult], *, backend: str = "aot_eager") -> str
         grad = "-" if r.max_grad_diff is None else f"{r.max_grad_diff:.0e}"
         if r.whole_model_grad_diff is not None:
             grad += f" ({r.whole_model_grad_diff:.0e})"
-        name = f"{r.name} (FSDP2, {r.fsdp} ranks)" if r.fsdp else r.name
+        mode = " graph mode" if r.fsdp_mode == "graph" else ""
+        name = f"{r.name} (FSDP2{mode}, {r.fsdp} ranks)" if r.fsdp else r.name
         whole = r.whole_model or ("-" if r.fsdp else "")
         notes = "; ".join(f"{n}: {_short(why)}" for n, why in r.notes.items())
         if r.status in FAILING and r.error:

@@ -1,6 +1,7 @@
 """The model families people train, built from their configs (tiny, random weights): one
 training step each, aotdist against eager, in one process (so each model's compile must
-also leave the next one's alone), and three of them under FSDP2 hooks mode on 2 ranks."""
+also leave the next one's alone), and some of them under FSDP2 on 2 ranks, in hooks mode
+and in graph mode."""
 
 from __future__ import annotations
 
@@ -46,6 +47,20 @@ def test_families_under_fsdp_hooks_run_every_instance_compiled(name):
     assert result.status == "reused", result.line() + "\n" + result.error
     for region, stats in result.regions.items():
         assert stats["call_sites"] == stats["instances"], (region, result.line())
+    assert result.max_grad_diff < 1e-4, result.line()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["qwen3_moe", "hf:llama4_text"])
+def test_families_under_graph_mode_fsdp_stay_one_reused_subgraph_and_train_like_eager(name):
+    # graph mode: the collectives in the one compiled graph (bucketed by default); Llama 4's
+    # complex rotary blocks compile through aotdist's own AOTAutograd pipeline there
+    result = check_fsdp(name, 2, timeout=600, mode="graph")
+    assert result.status == "reused", result.line() + "\n" + result.error
+    assert "graph mode" in result.line() and result.fsdp_mode == "graph"
+    for region, stats in result.regions.items():
+        assert stats["call_sites"] == stats["instances"] and stats["subgraphs"] == 1, \
+            (region, result.line())
     assert result.max_grad_diff < 1e-4, result.line()
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import aotdist
-from aotdist.check import FAMILIES, CheckResult, check_family, family, render, resolve
+from aotdist.check import FAMILIES, CheckResult, check_family, check_fsdp, family, render, resolve
 from aotdist.check.families import Family
 from aotdist.check.runner import _classify, _judge
 from aotdist.cli import main
@@ -115,6 +115,8 @@ def test_bad_input_is_named(capsys):
     assert "unknown model 'nonexistent'" in capsys.readouterr().err
     with pytest.raises(TypeError, match=r"must return \(model, inputs\)"):
         check_family(f"{__name__}:not_a_pair")
+    with pytest.raises(ValueError, match="FSDP modes are 'hooks'"):
+        check_fsdp("llama", 2, mode="graphs")
 
 
 def test_the_table_counts_and_explains():
@@ -124,8 +126,10 @@ def test_the_table_counts_and_explains():
         CheckResult("b", "MoE", status="partly reused", notes={"B": "demoted: aliasing"},
                     whole_model="trains"),
         CheckResult("a", "dense", status="crash", fsdp=2, error="Traceback\nRuntimeError: x"),
+        CheckResult("a", "dense", status="reused", fsdp=2, fsdp_mode="graph"),
     ]
     text = render(results)
+    assert "| a (FSDP2 graph mode, 2 ranks) |" in text
     assert "1 of 2 families keep every region" in text and "1 check(s) fail" in text
     assert "| a (FSDP2, 2 ranks) |" in text and "RuntimeError: x" in text
     assert "B: demoted: aliasing" in text
