@@ -22,8 +22,8 @@ import torch
 from aotdist import _compat
 from aotdist.backends.named import add_joint_pass, inductor_options
 
-__all__ = ["aot_backend", "fix_storage_resizes", "resolve_conjugate_inputs",
-           "storage_resized_inputs"]
+__all__ = ["REBUILT", "aot_backend", "backend_name", "fix_storage_resizes",
+           "resolve_conjugate_inputs", "storage_resized_inputs"]
 
 # on_graph(gm, kind) with kind "forward", "backward" or "inference"
 GraphHook = Callable[[torch.fx.GraphModule, str], None]
@@ -166,6 +166,9 @@ def _hooked(compiler: Callable, kind: str | None, on_graph: GraphHook | None) ->
         return compiler(gm, example_inputs, *args, **kwargs)
 
     return compile_graph
+
+
+REBUILT = ("aot_eager", "inductor")  # the backends aot_backend rebuilds
 
 
 def backend_name(backend: str | Callable) -> str | None:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from aotdist import _compat
-from aotdist.backends.aot import aot_backend, storage_resized_inputs
+from aotdist.backends.aot import REBUILT, aot_backend, backend_name, storage_resized_inputs
 from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_chain
 from aotdist.log import rank_zero_warn
 
@@ -206,7 +206,7 @@ class RecordingBackend:
         """Whether graphs can compile through aotdist's AOTAutograd pipeline, with its
         graph repairs (a named ``aot_eager`` or ``inductor``, or one that has them)."""
         return (getattr(self.inner, "_aotdist_fixes_resizes", False)
-                or aot_backend(self.inner) is not None)
+                or backend_name(self.inner) in REBUILT)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs, *, rebuild: bool = False):
         """The inner backend, unless ``gm`` resizes an input's storage (the FSDP pattern)
