@@ -38,8 +38,10 @@ from aotdist._compat.caches import (
 )
 from aotdist._compat.codes import (
     dynamo_error_types,
+    is_region_code,
     maybe_mark_dynamic,
     region_options,
+    reuse_refusals,
     unique_code_function,
 )
 from aotdist._compat.compiler import (
@@ -94,6 +96,8 @@ from aotdist._compat.subgraphs import (
 
 __all__ = [
     "unique_code_function",
+    "is_region_code",
+    "reuse_refusals",
     "region_options",
     "maybe_mark_dynamic",
     "dynamo_error_types",

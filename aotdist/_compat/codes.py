@@ -1,17 +1,22 @@
-"""Code objects of aotdist's own: Dynamo's per-code state kept per model and per region."""
+"""Code objects of aotdist's own: Dynamo's per-code state kept per model and per region,
+and torch's own reasons for not reusing a region's subgraph, recorded by code name."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
+import re
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from aotdist._compat._base import attr, unavailable
 
-__all__ = ["dynamo_error_types", "maybe_mark_dynamic", "region_options", "unique_code_function"]
+__all__ = ["dynamo_error_types", "is_region_code", "maybe_mark_dynamic", "region_options",
+           "reuse_refusals", "unique_code_function"]
 
 _CODE_SERIAL = itertools.count()
 
@@ -70,3 +75,67 @@ def dynamo_error_types() -> tuple[type, ...]:
     while tracing or compiling (torch 2.11, 2.15), before any of the frame ran."""
     cls = attr("torch._dynamo.exc", "TorchDynamoException")
     return (cls,) if cls is not None else ()
+
+
+def is_region_code(co_name: str, label: str) -> bool:
+    """Whether ``co_name`` names a code object :func:`unique_code_function` made for
+    ``label`` (not one made for another label, such as ``<label>_frame``). aotdist's own
+    naming: the same on torch 2.11 to 2.15."""
+    return re.fullmatch(rf".+__{re.escape(_identifier(label))}_\d+", co_name) is not None
+
+
+# Dynamo's log of subgraph reuse (checked on torch 2.14.1; torch 2.11 logs no such reason)
+_REUSE_LOG = "torch._dynamo.variables.invoke_subgraph.__hierarchical_compile"
+_REFUSED = ("subgraph_reuse: not eligible -- ", "subgraph_reuse: mutated sources detected")
+
+
+class _Refusals(logging.Handler):
+    def __init__(self, sink: dict[str, str]) -> None:
+        super().__init__(logging.DEBUG)
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if not text.startswith(_REFUSED):
+                return
+            frame = sys._getframe(1)
+            while frame is not None and "fn_var" not in frame.f_locals:
+                frame = frame.f_back  # up to the region call being traced
+            fn = getattr(frame.f_locals["fn_var"], "fn", None) if frame is not None else None
+            code = getattr(fn, "__code__", None)
+            if code is not None:
+                first = text.removeprefix("subgraph_reuse: ").split("\n", 1)[0]
+                self.sink.setdefault(code.co_name, first)  # not the side effect's stack
+        except Exception:  # noqa: BLE001 - a diagnosis only: never fail the compile
+            pass
+
+
+@contextlib.contextmanager
+def reuse_refusals(sink: dict[str, str]) -> Iterator[None]:
+    """Within: each reason Dynamo gives for not reusing a traced region body (torch's
+    ``TORCH_LOGS=+hierarchical_compile`` lines: "not eligible -- unsupported input VT
+    types", "... subgraph has side effects", ...) goes into ``sink``, keyed by the region
+    function's code name. Only this handler receives them unless the user enabled that
+    log; the logger's level is restored on exit. Checked on torch 2.14.1, and on torch
+    2.11, where it is a no-op (no such log); not run on 2.15 (not installable here)."""
+    try:
+        import torch._dynamo.variables.invoke_subgraph  # noqa: F401
+        logs = True
+    except ImportError:
+        logs = False
+    if not logs:  # not yielded inside the except block: a compile error would chain to it
+        yield
+        return
+    log = logging.getLogger(_REUSE_LOG)
+    handler, level, propagate = _Refusals(sink), log.level, log.propagate
+    log.addHandler(handler)
+    if not log.isEnabledFor(logging.DEBUG):  # the user's log is off: ours alone
+        log.setLevel(logging.DEBUG)
+        log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate

@@ -143,7 +143,10 @@ class RegionGuardedCall:
         return self._run(*args, **kwargs)
 
     def _run(self, *args, **kwargs):
-        with _compat.tolerant_subgraph_dedup(), _compat.cached_subgraph_schemas():
+        # until reuse is reported: torch's own reasons for not reusing a region's subgraph
+        why = (_compat.reuse_refusals(self._state.refusals) if not self._state.reuse_checked
+               else contextlib.nullcontext())
+        with _compat.tolerant_subgraph_dedup(), _compat.cached_subgraph_schemas(), why:
             return self._compiled(*args, **kwargs)  # dedup: reuse, not a crash (2.11)
 
     def handle(self, exc: Exception, run: Callable[[], Any]) -> bool:

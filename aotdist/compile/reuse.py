@@ -3,14 +3,17 @@
 Dynamo specializes a region's subgraph on the Python constants its forward reads (a
 per-layer index, a layer name, a stochastic-depth probability): instances whose values
 differ cannot share one subgraph. After the first compiled call, a region with more
-distinct subgraphs than one is reported with the attributes that differ between its
-instances, and the fix, in a ``RegionCompileWarning`` and in ``metrics`` (``reuse``).
+distinct subgraphs than one is reported with torch's own reason where it logged one
+(torch 2.14+: an argument it cannot compare between calls), else with the attributes that
+differ between its instances, and the fix, in a ``RegionCompileWarning`` and in
+``metrics`` (``reuse``).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from aotdist import _compat
 from aotdist.compile.state import RegionState
 from aotdist.errors import RegionCompileWarning
 from aotdist.log import rank_zero_warn
@@ -43,7 +46,17 @@ def report_reuse(model: nn.Module, state: RegionState) -> None:
         instances = [model.get_submodule(f) for f in region.fqns]
         differ = differing_attributes(instances)
         meshes = distinct_meshes(instances)
-        if meshes:
+        refused = next((why for code, why in state.refusals.items()
+                        if _compat.is_region_code(code, region.name)), None)
+        # torch's own reason (torch 2.14+) for skipping its reuse check: the cause when its
+        # fallback, comparing each traced body, also merged none (Gemma 4); where it merged
+        # some, what differs between the rest is something else
+        if refused is not None and n >= region.count:
+            cause, fix = _refused(refused)
+            if differ:
+                cause += ("; its instances also differ in Python constants the forward may "
+                          f"read: {'; '.join(f'{p} ({k}: {v})' for p, k, v in differ[:2])}")
+        elif meshes:
             cause = (f"its instances hold {meshes[1]} distinct DeviceMesh objects where "
                      f"one is expected (at {meshes[0]}), and torch.compile guards on the "
                      "object: tensor parallelism applied with the mesh sliced anew for each "
@@ -69,6 +82,41 @@ def report_reuse(model: nn.Module, state: RegionState) -> None:
         state.reuse[region.name] = why
         rank_zero_warn(f"aotdist region {region.name!r} is compiled {n} times, not once: "
                        f"{why}. Fix: {fix}.", RegionCompileWarning, stacklevel=4)
+
+
+# torch's reasons for not reusing a traced region body -> (what it means, the fix)
+_REFUSALS = {
+    "unsupported input VT types": (
+        "torch cannot compare one of its arguments between calls, so it cannot reuse the "
+        "subgraph: a Python object that is not a tensor, number, string or module, "
+        "typically one made inside the compiled forward (Gemma 4's shared_kv_states, a "
+        "dict subclass)",
+        "make that object outside the compiled call and pass it in (a model argument), or "
+        "hand the region tensors and numbers instead"),
+    "subgraph has side effects": (
+        "its forward has a side effect torch must replay (it mutates a Python object or "
+        "attribute), so torch does not reuse the subgraph",
+        "move the mutation out of the region's forward, or return the value instead"),
+    "output contains non-tensor types": (
+        "it returns values that are not tensors, so torch does not reuse the subgraph",
+        "return tensors only (a tensor or a tuple of tensors)"),
+    "is not tensor or tuple/list": (
+        "it returns a value that is not a tensor or a tuple of tensors, so torch does not "
+        "reuse the subgraph",
+        "return tensors only (a tensor or a tuple of tensors)"),
+    "mutated sources detected": (
+        "a Python value its forward reads is changed during the step, so torch cannot "
+        "trust guards taken before it changed and does not reuse the subgraph",
+        "keep the values the region reads fixed during the step, or pass them as inputs"),
+}
+
+
+def _refused(why: str) -> tuple[str, str]:
+    for key, (cause, fix) in _REFUSALS.items():
+        if key in why:
+            return f"{cause} (torch: {why})", fix
+    return (f"torch does not reuse its subgraph (torch: {why})",
+            "TORCH_LOGS=+hierarchical_compile shows torch's reasoning")
 
 
 def differing_attributes(instances: list[nn.Module]) -> list[tuple[str, str, str]]:

@@ -53,6 +53,8 @@ class RegionState:
     dynamic_inputs: bool = False  # dynamic=True: inputs' dims marked dynamic at each call
     eager: dict[str, str] = field(default_factory=dict)  # region -> why it ran uncompiled
     reuse: dict[str, str] = field(default_factory=dict)  # region -> why it has >1 subgraph
+    # region code name -> torch's reason for not reusing its subgraph (first compile)
+    refusals: dict[str, str] = field(default_factory=dict)
     frames_checked: bool = False  # frames mode: the first forward's eager check ran
     reuse_checked: bool = False  # whole-model compile: reuse reported after the first call
     # graph mode: the function compiled, called as call_fn(*call_bound, *args, **kwargs),

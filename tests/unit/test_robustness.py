@@ -9,6 +9,8 @@ weights differ (``aot_eager``: bitwise).
 from __future__ import annotations
 
 import copy
+import importlib.util
+import logging
 import warnings
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 
 import aotdist
-from aotdist import metrics
+from aotdist import _compat, metrics
 from aotdist.testing.models import TinyGPT, example_inputs
 
 _TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2])
@@ -354,3 +356,66 @@ def test_one_models_shapes_do_not_make_another_compile_dynamic():
     aotdist.compile_regions(b, backend=_symbolic_backend(second))
     b(x.repeat(2, 1))
     assert second == [False], "model B compiled dynamic on its first call"
+
+
+# ------------------------------------------------- arguments torch cannot compare
+
+
+class Shared(dict):
+    """A dict subclass handed to every block, as Gemma 4's shared_kv_states."""
+
+
+class Reader(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, shared):
+        return self.lin(x) + len(shared)
+
+
+class SharedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([Reader() for _ in range(3)])
+
+    def forward(self, x, shared=None):
+        shared = Shared() if shared is None else shared  # made in the compiled forward
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x, shared)
+        return x
+
+
+def _reuse_log():
+    log = logging.getLogger("torch._dynamo.variables.invoke_subgraph.__hierarchical_compile")
+    return log, (log.level, log.propagate, list(log.handlers))
+
+
+def test_torch_s_reason_for_not_reusing_a_region_is_recorded_and_its_log_left_as_it_was():
+    # An argument torch cannot compare between calls (a dict subclass made in the forward,
+    # as Gemma 4's shared_kv_states) makes torch skip its reuse check; it then compares
+    # each traced body, which here are equal, so the region is still one subgraph. aotdist
+    # records torch's reason by the region's code: the warning names it where no body
+    # merged (Gemma 4: tests/integration/test_zoo.py).
+    log, before = _reuse_log()
+    model, eager = _pair(SharedNet())
+    aotdist.compile_regions(model, backend="aot_eager")
+    x = torch.randn(3, 8)
+    with metrics.track(model) as m:
+        _, caught = _warnings(lambda: _assert_same_training(model, eager, x))
+    assert m.regions["Reader"].subgraphs == 1 and not m.reuse and not caught, m.summary()
+    assert _reuse_log()[1] == before  # the log's level, propagation and handlers restored
+    refusals = vars(model)["_aotdist_state"].refusals
+    if importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph") is None:
+        assert refusals == {}  # torch 2.11 logs no such reason
+        return
+    assert [why for code, why in refusals.items()
+            if _compat.is_region_code(code, "Reader")] == [
+        "not eligible -- unsupported input VT types"], refusals
+    # passed in from outside the compiled call, the object has a source: no refusal
+    model, eager = _pair(SharedNet())
+    aotdist.compile_regions(model, backend="aot_eager")
+    _assert_same_training(model, eager, x, Shared())
+    assert vars(model)["_aotdist_state"].refusals == {}
