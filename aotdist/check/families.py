@@ -7,6 +7,7 @@ constructor): no weights or datasets are downloaded.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ TINY = {
     "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
     "use_cache": False, "tie_word_embeddings": False,
     "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16,  # Gemma 3n/4
+    "hidden_size_global": 64, "encoder_hash_byte_group_vocab": 256,  # BLT
 }
 
 
@@ -104,17 +106,50 @@ def hf_config(model_type: str, **overrides: Any):
                 if key in overrides:
                     raise
     _consistent(config, overrides)
-    for key, value in config.to_dict().items():  # dropout off: the step is deterministic
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and key not in overrides:
-            setattr(config, key, 0.0)
+    for sub in _sub_configs(config):  # a multimodal model's text and vision towers, BLT's
+        for key, value in TINY.items():
+            if _has(sub, key):
+                with contextlib.suppress(AttributeError):
+                    setattr(sub, key, value)
+        _consistent(sub, {})
+    for cfg in (config, *_sub_configs(config)):  # dropout off: the step is deterministic
+        for key, value in cfg.to_dict().items():
+            if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and (
+                    key not in overrides):
+                setattr(cfg, key, 0.0)
     # Special token ids past the shrunk vocabulary (or missing) become 0, 1, 2.
-    for i, key in enumerate(("pad_token_id", "bos_token_id", "eos_token_id",
-                             "decoder_start_token_id")):
-        value = getattr(config, key, None)
-        if key not in overrides and (value is None or isinstance(value, int)) and (
-                value is None or value >= config.vocab_size):
-            setattr(config, key, min(i, 2))
+    text = _text_config(config)
+    for cfg in (config,) if text is config else (config, text):
+        for i, key in enumerate(("pad_token_id", "bos_token_id", "eos_token_id",
+                                 "decoder_start_token_id")):
+            value = getattr(cfg, key, None)
+            if key not in overrides and (value is None or isinstance(value, int)) and (
+                    value is None or value >= text.vocab_size):
+                setattr(cfg, key, min(i, 2))
     return config
+
+
+def _text_config(config):
+    """The config of ``config``'s text model (itself for a text-only model; itself too
+    where several are text models, as MusicGen's encoder and decoder)."""
+    try:
+        return config.get_text_config()
+    except ValueError:
+        return config
+
+
+def _sub_configs(config) -> list:
+    """The configs nested in ``config`` (``text_config``, ``vision_config``, BLT's
+    encoder/decoder/global configs), at any depth, each once."""
+    import transformers
+
+    found, todo = {}, [config]
+    while todo:
+        for value in vars(todo.pop()).values():
+            if isinstance(value, transformers.PretrainedConfig) and id(value) not in found:
+                found[id(value)] = value
+                todo.append(value)
+    return list(found.values())
 
 
 def _has(config, key: str) -> bool:
@@ -194,7 +229,8 @@ def hf_family(model_type: str, kind: str, *, auto: str = "AutoModelForCausalLM",
         if inputs is not None:
             batch = inputs(config, g)
         else:
-            ids = torch.randint(0, config.vocab_size, (2, seq), generator=g)
+            vocab = _text_config(config).vocab_size  # a multimodal model's text tower
+            ids = torch.randint(0, vocab, (2, seq), generator=g)
             batch = {"input_ids": ids, "labels": ids}
         return model, batch
 

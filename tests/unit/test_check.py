@@ -190,3 +190,19 @@ def test_a_build_past_the_memory_cap_fails_in_its_own_process_and_says_so(monkey
         capped.error
     free = _one(f"{__name__}:hungry", backend="aot_eager", fsdp=0, timeout=150, memory_gb=0)
     assert free.status == "reused", free.error
+
+
+def test_tiny_configs_shrink_nested_configs_and_turn_their_dropout_off():
+    # A multimodal config holds its text and vision towers as configs of their own: left at
+    # full size they made the "tiny" Gemma 3 too big to build, and Emu3's text config kept
+    # its attention dropout (a parity failure in eager against eager).
+    pytest.importorskip("transformers")
+    from aotdist.check.families import hf_config
+
+    gemma3 = hf_config("gemma3")
+    assert gemma3.text_config.hidden_size == 64 and gemma3.vision_config.hidden_size == 64
+    assert gemma3.text_config.num_hidden_layers == 3
+    assert gemma3.vision_config.num_hidden_layers == 3
+    emu3 = hf_config("emu3")
+    assert emu3.text_config.attention_dropout == 0.0
+    assert emu3.get_text_config().vocab_size == 256
