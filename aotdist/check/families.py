@@ -83,7 +83,8 @@ def without_randomness(model: nn.Module) -> nn.Module:
 
 
 def hf_config(model_type: str, **overrides: Any):
-    """``AutoConfig.for_model(model_type)`` with :data:`TINY` sizes and ``overrides``."""
+    """``AutoConfig.for_model(model_type)`` with :data:`TINY` sizes and ``overrides``; the
+    configs nested in it (a multimodal model's towers) take the :data:`TINY` sizes."""
     import transformers
 
     config = transformers.AutoConfig.for_model(model_type)
