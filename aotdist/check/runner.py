@@ -8,6 +8,7 @@ warning) and crash only where whole-model ``torch.compile`` crashes too.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import time
@@ -190,10 +191,12 @@ def _region_warnings(caught) -> list[str]:
 
 
 def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, reference: nn.Module,
-           backend: str, *, frames: bool = False, whole_zeros: list[str] | None = None) -> None:
+           backend: str, *, frames: bool = False, whole_zeros: list[str] | None = None,
+           ran: dict[str, int] | None = None) -> None:
     """Status from the metrics, then ``eager!`` (``frames``: a kept region with fewer
-    compiled call sites than instances) or ``parity`` (loss or a gradient off eager).
-    ``whole_zeros``: the zero-for-``None`` gradients of whole-model compile, if it ran."""
+    compiled call sites than instances that ran, ``ran`` counting them per region where
+    known) or ``parity`` (loss or a gradient off eager). ``whole_zeros``: the
+    zero-for-``None`` gradients of whole-model compile, if it ran."""
     result.loss_aotdist = loss.item()
     result.max_grad_diff, grads_ok, zeros = _grad_diff(model, reference,
                                                        rtol=_tolerance(backend))
@@ -210,9 +213,12 @@ def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, referen
                 f"; whole-model compile leaves {len(differ)} of them None ({differ[0]}...)"
                 if differ else " (whole-model compile too)")
     for name, st in m.regions.items() if frames else ():
-        if name not in m.demoted and name not in m.eager and st.call_sites < st.instances:
-            result.notes.setdefault(name, f"{st.call_sites} of {st.instances} instances "
-                                    "ran compiled")
+        called = st.instances if ran is None else ran.get(name, st.instances)
+        if called == 0:  # a part of the model this batch does not use (a vision tower)
+            result.notes.setdefault(name, "not run by this batch: not checked")
+        elif name not in m.demoted and name not in m.eager and st.call_sites < called:
+            result.notes.setdefault(name, f"{st.call_sites} of the {called} instances that "
+                                    "ran ran compiled")
             result.status = "eager!"
     loss_ok = abs(result.loss_aotdist - result.loss_eager) <= _tolerance(backend) * max(
         1.0, abs(result.loss_eager))
@@ -288,7 +294,7 @@ def _fsdp_rank(rank: int, world_size: int, spec: str, backend: str, seed: int,
         try:
             aotdist.parallelize(model, config={"fsdp": {"enabled": True, "mode": mode},
                                                "compile": {"backend": backend}})
-            with aotdist.metrics.track(model) as m:
+            with aotdist.metrics.track(model) as m, _instances_run(model) as ran:
                 loss = _step(family, model, inputs)
         except Exception as exc:  # noqa: BLE001 - reported
             result.status = "crash"
@@ -297,9 +303,29 @@ def _fsdp_rank(rank: int, world_size: int, spec: str, backend: str, seed: int,
     if result.status != "crash":
         # Hooks mode compiles per-region frames: every instance of a kept region is a
         # compiled frame call. Graph mode compiles the model as one graph of region calls.
-        _judge(result, m, loss, model, reference, backend, frames=mode == "hooks")
+        _judge(result, m, loss, model, reference, backend, frames=mode == "hooks", ran=ran)
     result.seconds = time.perf_counter() - start
     return result.to_dict()
+
+
+@contextlib.contextmanager
+def _instances_run(model: nn.Module):
+    """Within: counts, per region, the instances of ``model`` whose forward ran."""
+    from aotdist.compile.state import STATE_ATTR
+
+    plan = vars(model)[STATE_ATTR].plan
+    ran: dict[str, set[str]] = {r.name: set() for r in plan}
+    counts: dict[str, int] = {}
+    handles = [
+        model.get_submodule(fqn).register_forward_pre_hook(
+            lambda mod, args, r=region.name, f=fqn: ran[r].add(f))
+        for region in plan for fqn in region.fqns]
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+        counts.update({name: len(fqns) for name, fqns in ran.items()})
 
 
 def check_fsdp(family: Family | str, world_size: int, *, backend: str = "aot_eager",

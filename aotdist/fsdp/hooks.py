@@ -154,10 +154,13 @@ def shard(model: nn.Module, plan: RegionPlan, config: FSDPConfig, mesh) -> list[
     kwargs = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward,
               "mp_policy": mp}
     done = []
-    for region in plan:
-        for fqn in region.fqns:
-            fully_shard(model.get_submodule(fqn), **kwargs)
-            done.append(fqn)
+    # Deepest first: a region nested in another (Siglip's MLP in its encoder layer) must be
+    # a unit before its parent, whose fully_shard would otherwise take its parameters as
+    # DTensors already, and fail ("value was None", from the mesh of a 2-D sharding).
+    fqns = [fqn for region in plan for fqn in region.fqns]
+    for fqn in sorted(fqns, key=lambda f: -f.count(".")):
+        fully_shard(model.get_submodule(fqn), **kwargs)
+        done.append(fqn)
     # The root's parameters (head, final norm) are the first backward needs: resharding
     # them after forward would only all-gather them again at once (FSDP2's own heuristic).
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})

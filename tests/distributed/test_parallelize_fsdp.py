@@ -542,3 +542,59 @@ def test_inductor_fsdp_float8_all_gather_ac():
     # one subgraph on torch 2.11 too (Float8's matmul trampolines: _compat.subgraphs)
     assert m["regions"]["GPTBlock"]["subgraphs"] == 1, m["regions"]
     assert m["recompiles"] == []
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.inner = _Inner()
+
+    def forward(self, x):
+        return self.inner(self.norm(x))
+
+
+class _Nested(torch.nn.Module):
+    """A region inside another (Siglip's MLP in its encoder layer, and once in its head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Outer() for _ in range(3)])
+        self.head = _Inner()
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _nested_regions(rank: int, world_size: int):
+    torch.manual_seed(0)
+    model = _Nested()
+    eager = copy.deepcopy(model)
+    plan = aotdist.find_regions(model)
+    aotdist.parallelize(model, config={"fsdp": {"enabled": True},
+                                       "compile": {"backend": "aot_eager"}})
+    x = torch.randn(4, 8)
+    with metrics.track(model) as m:
+        loss = model(x).square().mean()
+        loss.backward()
+    want = eager(x).square().mean()
+    return [r.name for r in plan], loss.item(), want.item(), m.summary()
+
+
+def test_a_region_nested_in_another_is_sharded_before_its_parent():
+    # fully_shard on the outer region first took the inner one's parameters as DTensors,
+    # and the inner's fully_shard then failed ("value was None when it should not be")
+    names, got, want, summary = run_distributed(_nested_regions, 2, timeout=300)[0]
+    assert {"_Outer", "_Inner"} <= set(names), names
+    assert got == pytest.approx(want, rel=1e-6), summary

@@ -172,6 +172,25 @@ def test_zero_gradients_that_whole_model_compile_leaves_none_are_named_as_aotdis
         result.notes["gradients"], result.notes
 
 
+def test_under_fsdp_hooks_instances_the_batch_never_ran_are_not_counted_as_eager():
+    # Gemma 3 trained on text alone never calls its vision tower: "0 of 3 instances ran
+    # compiled" read eager! though no instance ran at all. An instance that ran uncompiled
+    # still is eager!.
+    def judged(ran: dict[str, int]) -> CheckResult:
+        model = _Pooled()
+        result = CheckResult("pooled", "dense", loss_eager=1.0)
+        m = CompileMetrics(regions={"Vision": RegionStats(instances=3, call_sites=0),
+                                    "Text": RegionStats(instances=3, call_sites=2)})
+        _judge(result, m, torch.tensor(1.0), model, model, "aot_eager", frames=True, ran=ran)
+        return result
+
+    quiet = judged({"Vision": 0, "Text": 2})
+    assert quiet.status != "eager!", quiet
+    assert quiet.notes["Vision"] == "not run by this batch: not checked", quiet.notes
+    loud = judged({"Vision": 0, "Text": 3})
+    assert loud.status == "eager!" and "2 of the 3 instances" in loud.notes["Text"], loud
+
+
 def hungry():
     """A factory that reserves 8 GiB (not touched: it succeeds without a cap)."""
     hungry.reserved = torch.empty(8 * 2**30, dtype=torch.uint8)
