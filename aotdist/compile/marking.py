@@ -182,6 +182,32 @@ def pickled_with_region_depth(model: nn.Module) -> Iterator[None]:
                 del cls.__reduce_ex__
 
 
+def _contiguous_stream(args, kwargs, out):
+    """``out`` with each non-contiguous tensor that has the shape of the region's first
+    tensor input, where that input is contiguous, made contiguous (while compiling only).
+
+    A block's output usually feeds the next instance as its input (the residual stream).
+    Where the block computes it in another layout (torchvision's ViT: a transposed
+    ``(batch, seq, dim)`` out of its attention), the first call site's input is contiguous
+    and every later one's is not, and torch compiles the region twice. Inductor writes the
+    contiguous result directly where the last op is pointwise (a residual add), so this
+    costs nothing there; values are unchanged.
+    """
+    stream = next((t for t in _compat.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)), None)
+    if (stream is None or not stream.is_contiguous()
+            or not torch.compiler.is_compiling()):
+        return out
+
+    def fix(t):
+        if (isinstance(t, torch.Tensor) and t.shape == stream.shape
+                and not t.is_contiguous()):
+            return t.contiguous()
+        return t
+
+    return _compat.tree_map(fix, out)
+
+
 def _detach_no_grad_outputs(fn: Callable) -> Callable:
     """Wraps a region forward so that an output that needs no gradient is ``detach()``-ed.
 
@@ -199,6 +225,7 @@ def _detach_no_grad_outputs(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def forward(self, *args, **kwargs):
         out = fn(self, *args, **kwargs)
+        out = _contiguous_stream(args, kwargs, out)
         if not torch.is_grad_enabled():
             return out
 

@@ -310,6 +310,50 @@ def test_a_per_layer_constant_is_named_as_the_reason_reuse_is_lost(kind, attribu
                for w in caught), caught
 
 
+# -------------------------------------------------------------- layouts between call sites
+
+
+class Transposing(nn.Module):
+    """Returns its residual stream in a transposed layout, as torchvision's ViT blocks do
+    (attention computed sequence-first, added first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x.transpose(0, 1))).transpose(0, 1)
+        return y + x
+
+
+class TransposingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)  # the first block's input needs a gradient, as in ViT
+        self.blocks = nn.ModuleList([Transposing() for _ in range(3)])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_block_that_hands_the_next_a_transposed_layout_stays_one_reused_subgraph():
+    model, eager = _pair(TransposingNet())
+    x = torch.randn(2, 5, 8)
+    assert not eager.blocks[0](eager.inp(x)).is_contiguous()  # what the next block gets
+    aotdist.compile_regions(model, backend="aot_eager")
+    with metrics.track(model) as m:
+        (got, want), caught = _warnings(lambda: (_step(model, x), _step(eager, x)))
+    (st,) = m.regions.values()
+    assert (st.call_sites, st.subgraphs) == (3, 1) and not caught, (m.summary(), caught)
+    # the blocks' outputs are contiguous now, so the loss sums in another order: rounding
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 # -------------------------------------------------------------- dynamic shapes
 
 
