@@ -34,6 +34,7 @@ _POLL_S = 0.05  # how often the parent checks the result queue and the processes
 _STOP_GRACE_S = 2.0  # between SIGTERM and SIGKILL when stopping ranks
 _STACK_DUMP_WAIT_S = 1.0  # for hung ranks to write their Python stacks on timeout
 _SECONDARY_WAIT_S = 0.5  # for other ranks' errors to arrive after the first failure
+_PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused")  # named last
 
 
 def free_port() -> int:
@@ -269,10 +270,10 @@ class _Run:
         # A rank found dead without a report when the first failure is seen most likely
         # died first: peers' errors ("connection closed by peer") follow from it, while a
         # rank that raises flushes its report before it leaves the process group. The
-        # wait comes first: a peer's socket closes while the dead rank is still exiting,
-        # so its "connection reset" report can arrive before the exit code is visible
-        # (seen on a loaded 2-core machine: the dead rank was then named second).
+        # wait comes first: a peer's "connection reset" report can arrive before the dead
+        # rank's exit code is visible (seen on a loaded 2-core machine).
         time.sleep(_SECONDARY_WAIT_S)
+        self._drain()
         deaths = self._silent_deaths()
         if deaths:
             rank = next(iter(deaths))
@@ -282,7 +283,7 @@ class _Run:
                 "a native crash prints its Python stack there)"
             )
         else:
-            rank = next(iter(self.errors))
+            rank = min(self.errors, key=lambda r: any(t in self.errors[r] for t in _PEER_LOST))
             primary = f"rank {rank} of {self.world_size} failed in {self.name}:\n{self.errors[rank].rstrip()}"
         deaths.update(self._silent_deaths())
         others = [f"rank {r} {_exit_text(code)}" for r, code in deaths.items() if r != rank]
