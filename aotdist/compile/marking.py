@@ -182,9 +182,10 @@ def pickled_with_region_depth(model: nn.Module) -> Iterator[None]:
                 del cls.__reduce_ex__
 
 
-def _contiguous_stream(args, kwargs, out):
-    """``out`` with each non-contiguous tensor that has the shape of the region's first
-    tensor input, where that input is contiguous, made contiguous (while compiling only).
+def _contiguous_stream(fn: Callable) -> Callable:
+    """Wraps a region forward so that, while compiling, each non-contiguous output with the
+    shape of the region's first tensor input, where that input is contiguous, is made
+    contiguous.
 
     A block's output usually feeds the next instance as its input (the residual stream).
     Where the block computes it in another layout (torchvision's ViT: a transposed
@@ -193,24 +194,29 @@ def _contiguous_stream(args, kwargs, out):
     kernel in the forward and one in the backward (ViT: 1-3% of a step, against a second
     compile of the block); values are unchanged, only the output's strides.
     """
-    stream = next((t for t in _compat.tree_leaves((args, kwargs))
-                   if isinstance(t, torch.Tensor)), None)
-    if (stream is None or not stream.is_contiguous()
-            or not torch.compiler.is_compiling()):
-        return out
 
-    def fix(t):
-        if (isinstance(t, torch.Tensor) and t.shape == stream.shape
-                and not t.is_contiguous()):
-            return t.contiguous()
-        return t
+    @functools.wraps(fn)
+    def forward(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        stream = next((t for t in _compat.tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor)), None)
+        if (stream is None or not stream.is_contiguous()
+                or not torch.compiler.is_compiling()):
+            return out
 
-    return _compat.tree_map(fix, out)
+        def fix(t):
+            if (isinstance(t, torch.Tensor) and t.shape == stream.shape
+                    and not t.is_contiguous()):
+                return t.contiguous()
+            return t
+
+        return _compat.tree_map(fix, out)
+
+    return forward
 
 
 def _detach_no_grad_outputs(fn: Callable) -> Callable:
-    """Wraps a region forward so that an output that needs no gradient is ``detach()``-ed
-    (and its residual stream is contiguous: :func:`_contiguous_stream`).
+    """Wraps a region forward so that an output that needs no gradient is ``detach()``-ed.
 
     Dynamo evaluates the condition at trace time, so the subgraph carries an explicit
     ``detach`` exactly where the traced output had ``requires_grad=False`` (a mask, a
@@ -226,7 +232,6 @@ def _detach_no_grad_outputs(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def forward(self, *args, **kwargs):
         out = fn(self, *args, **kwargs)
-        out = _contiguous_stream(args, kwargs, out)
         if not torch.is_grad_enabled():
             return out
 
@@ -252,7 +257,8 @@ def _region_class(base: type, region: str, *, count: int = 2, clone_aliases: boo
         fwd = _clone_aliasing_outputs(fwd)
     if nested:
         # One code object per region: torch keys subgraph reuse (and its entry cap) by code.
-        fwd = _compat.unique_code_function(_detach_no_grad_outputs(fwd), region)
+        fwd = _compat.unique_code_function(
+            _detach_no_grad_outputs(_contiguous_stream(fwd)), region)
         marked = torch.compiler.nested_compile_region(
             fwd, **_compat.region_options(max(8, 2 * count)))
         if clone_aliases:
