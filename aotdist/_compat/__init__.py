@@ -12,7 +12,7 @@ Grouped by what they reach into: :mod:`~aotdist._compat.compiler` (``nn.Module``
 compiled call, Dynamo, AOTAutograd, Inductor), :mod:`~aotdist._compat.caches` (compile
 caches, FSDP2, the process group's store), :mod:`~aotdist._compat.subgraphs` (a scoped
 fix in Dynamo's subgraph dedup), :mod:`~aotdist._compat.precompile` (``aot_compile``),
-:mod:`~aotdist._compat.accelerate`.
+:mod:`~aotdist._compat.autograd` (the engine), :mod:`~aotdist._compat.accelerate`.
 """
 
 from aotdist._compat._base import CHECKED_ON
@@ -23,6 +23,7 @@ from aotdist._compat.accelerate import (
     mark_accelerate_prepared,
     set_accelerate_old_forward,
 )
+from aotdist._compat.autograd import in_autograd_backward
 from aotdist._compat.caches import (
     autograd_cache_off,
     cacheable_autograd_functions,
@@ -135,6 +136,7 @@ __all__ = [
     "fsdp_params_of",
     "higher_order_operator_type",
     "import_compiler_stack",
+    "in_autograd_backward",
     "inductor_cache_dir",
     "inductor_compile_fx",
     "inductor_config_keys",

@@ -27,6 +27,7 @@ from aotdist.capture.recorder import Recorder
 from aotdist.capture.report import Capture, RegionCapture
 from aotdist.compile.guard import RegionGuardedCall
 from aotdist.compile.marking import copy_function, mark_regions, unmark_regions
+from aotdist.compile.reuse import report_reuse
 from aotdist.compile.state import STATE_ATTR, CompileMode
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fsdp import fsdp_modules, fsdp_params
@@ -149,6 +150,8 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
             _unmark(model)
     report.metrics = metrics
     report.demoted = dict(state.demoted)
+    # a region inlined or traced more than once: warned as compile_regions warns
+    metrics.reuse.update(report_reuse(model, state, records=recording.records, found={}))
     for name, reason in state.demoted.items():
         report.regions[name].demoted = reason
     _finish(report, recorder, calls, model)

@@ -83,7 +83,7 @@ class Capture:
         fsdp_inputs: FSDP2-managed inputs: ``input``, ``param``, sharded and unsharded shapes.
         fixes: What aotdist repaired in the graphs (storage resizes).
         demoted: Region name -> why it was compiled inline instead of as a reusable
-            subgraph (e.g. in-place buffer mutation in training: BatchNorm in ``train()``).
+            subgraph (e.g. an in-place buffer update in training other than BatchNorm's).
         metrics: Compile metrics of the step (graph breaks, recompiles, times).
         mode: ``graph`` or ``frames``.
         backend: The backend the step was compiled with.
@@ -141,6 +141,7 @@ class Capture:
         lines += [f"  fixed: {x}" for x in self.fixes]
         lines += [f"  demoted: {n} compiled inline, not a reusable subgraph: {r}"
                   for n, r in self.demoted.items()]
+        lines += [f"  reuse: {n}: {why[:160]}" for n, why in m.reuse.items()]
         lines += [f"  graph break x{n}: {r.splitlines()[0][:140]}"
                   for r, n in m.graph_breaks.items()]
         lines += [f"  recompile: {r.splitlines()[0][:140]}" for r in m.recompiles]

@@ -113,10 +113,10 @@ def run_zoo(names: Sequence[str] | None = None, *, backend: str = "aot_eager",
 
 _SHORT = (  # torch's long reasons, as a table cell says them
     ("in-place input or buffer mutations",
-     "demoted: updates a buffer in place in training (BatchNorm statistics), which "
-     "invoke_subgraph does not support yet"),
-    ("inputs differ between call sites", "compiled more than once: its inputs' layouts "
-     "differ between call sites"),
+     "demoted: updates a buffer in place in training, which invoke_subgraph does not "
+     "support yet"),
+    ("inputs differ between call sites", "compiled more than once: its inputs differ "
+     "between call sites (shape, layout or requires_grad)"),
 )
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from aotdist import _compat
+from aotdist.compile.batchnorm import restore_batchnorms, swap_batchnorms
 from aotdist.compile.state import STATE_ATTR, RegionState
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan, find_regions
@@ -38,14 +39,11 @@ def copy_function(fn: Callable, *, new_code: bool = False) -> types.FunctionType
     """
     fn = getattr(fn, "__func__", fn)
     if not isinstance(fn, types.FunctionType):
-        raise ConfigError(
-            f"cannot mark {fn!r}: a region's forward must be a plain Python function; "
-            "exclude this module class with exclude=[...]"
-        )
+        raise ConfigError(f"cannot mark {fn!r}: a region's forward must be a plain Python "
+                          "function; exclude this module class with exclude=[...]")
     code = fn.__code__.replace() if new_code else fn.__code__
-    new = types.FunctionType(
-        code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
+    new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__,
+                             fn.__closure__)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__ = fn.__qualname__
     new.__module__ = fn.__module__
@@ -358,6 +356,8 @@ def apply_region_class(model: nn.Module, state: RegionState, name: str, *,
     state.classes[name] = cls
     for fqn in region.fqns:
         model.get_submodule(fqn).__class__ = cls
+        if nested:
+            swap_batchnorms(model.get_submodule(fqn))
         state.marked[fqn] = name
 
 
@@ -372,6 +372,7 @@ def unmark_region(model: nn.Module, state: RegionState, name: str, *,
     region = state.plan.by_name(name)
     for fqn in region.fqns:
         mod = model.get_submodule(fqn)
+        restore_batchnorms(mod)
         base = getattr(type(mod), "_aotdist_base", None)
         if base is None:
             continue

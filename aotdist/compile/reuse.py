@@ -23,10 +23,16 @@ __all__ = ["differing_attributes", "distinct_meshes", "report_reuse"]
 _SCALARS = (bool, int, float, str, type(None))
 
 
-def report_reuse(model: nn.Module, state: RegionState) -> None:
-    """Warns about each region of ``model`` compiled into more than one subgraph."""
-    backend = state.backend
-    records = getattr(backend, "records", None) or []
+def report_reuse(model: nn.Module, state: RegionState, records=None,
+                 found: dict[str, str] | None = None) -> dict[str, str]:
+    """Warns about each region of ``model`` compiled into more than one subgraph, or
+    inlined; returns ``found`` (``state.reuse`` unless given), region -> why.
+
+    ``records``: the recording backend's graphs (``state.backend``'s unless given).
+    """
+    found = state.reuse if found is None else found
+    if records is None:
+        records = getattr(state.backend, "records", None) or []
     most: dict[str, int] = {}  # per graph: a graph break or a recompile makes graphs anew
     inlined: dict[str, set[str]] = {}
     standalone: dict[str, int] = {}
@@ -40,7 +46,7 @@ def report_reuse(model: nn.Module, state: RegionState) -> None:
     for region in state.plan:
         n = max(most.get(region.name, 0), standalone.get(region.name, 0))
         lost = len(inlined.get(region.name, ()))  # torch inlines a subgraph used once
-        if (n <= 1 and not lost) or region.name in state.demoted or region.name in state.reuse:
+        if (n <= 1 and not lost) or region.name in state.demoted or region.name in found:
             continue
         n += lost
         instances = [model.get_submodule(f) for f in region.fqns]
@@ -79,9 +85,10 @@ def report_reuse(model: nn.Module, state: RegionState) -> None:
             fix = ("hand every instance inputs of one layout (.contiguous()); "
                    "TORCH_LOGS=+hierarchical_compile shows the guard that failed")
         why = f"{n} distinct subgraphs for {region.count} instances: {cause}"
-        state.reuse[region.name] = why
+        found[region.name] = why
         rank_zero_warn(f"aotdist region {region.name!r} is compiled {n} times, not once: "
                        f"{why}. Fix: {fix}.", RegionCompileWarning, stacklevel=4)
+    return found
 
 
 # torch's reasons for not reusing a traced region body -> (what it means, the fix)

@@ -15,6 +15,7 @@ from aotdist.errors import ConfigError
 
 __all__ = [
     "AliasingBlock",
+    "CountingBlock",
     "AliasingNet",
     "BasicBlock",
     "EncoderBlock",
@@ -172,6 +173,21 @@ class TinyResNet(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.stages(self.stem(images))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class CountingBlock(nn.Module):
+    """Adds each batch's mean to a buffer of its own in place in training: a region that
+    ``invoke_subgraph`` cannot take as a subgraph (BatchNorm's update aotdist handles)."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.register_buffer("seen", torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen.add_(x.detach().mean(0))
+        return torch.relu(self.lin(x))
 
 
 class AliasingBlock(nn.Module):

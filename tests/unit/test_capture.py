@@ -13,7 +13,7 @@ from torch import nn
 
 import aotdist
 from aotdist.testing import TinyGPT, TinyResNet, example_inputs
-from aotdist.testing.models import GPTBlock
+from aotdist.testing.models import CountingBlock, GPTBlock
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -266,35 +266,46 @@ def test_capture_with_inductor_uses_the_options_of_compile_regions(monkeypatch):
 
 
 def test_a_region_mutating_buffers_in_training_is_demoted_and_reported():
-    # invoke_subgraph rejects in-place buffer mutation in training (BatchNorm in train()):
-    # capture must demote the region as compile_regions does, not crash.
-    model = TinyResNet(blocks_per_stage=2, widths=(8,)).train()
-    (x,), _ = example_inputs(model)
+    # invoke_subgraph rejects in-place buffer mutation in training: capture must demote
+    # the region as compile_regions does, not crash.
+    model = nn.Sequential(CountingBlock(), CountingBlock(), CountingBlock()).train()
+    x = torch.randn(2, 8)
     stats = {n: b.clone() for n, b in model.named_buffers()}
     with pytest.warns(aotdist.RegionCompileWarning, match="cannot be a reusable subgraph"):
         cap = aotdist.capture(model, x, loss_fn=_loss)
-    assert list(cap.demoted) == ["BasicBlock"]
-    assert "mutation" in cap.demoted["BasicBlock"]
-    region = cap.regions["BasicBlock"]
-    assert region.demoted == cap.demoted["BasicBlock"]
-    assert region.call_sites == [] and region.inlined == 2
+    assert list(cap.demoted) == ["CountingBlock"]
+    assert "mutation" in cap.demoted["CountingBlock"]
+    region = cap.regions["CountingBlock"]
+    assert region.demoted == cap.demoted["CountingBlock"]
+    assert region.call_sites == [] and region.inlined == 3
     mutated = {m["input"] for m in cap.mutations if m["kind"] == "data"}
-    assert {"stages.0.0.bn1.running_mean", "stages.0.1.bn2.running_var"} <= mutated
-    assert "demoted: BasicBlock" in cap.summary()
+    assert {"0.seen", "2.seen"} <= mutated
+    assert "demoted: CountingBlock" in cap.summary()
     assert json.loads(json.dumps(cap.to_dict()))["demoted"] == cap.demoted
     assert "_aotdist_state" not in vars(model)  # unmarked again, buffers as before
     for n, b in model.named_buffers():
         torch.testing.assert_close(b, stats[n])
 
 
-def test_inspect_cli_on_resnet_in_train_mode(capsys):
+def test_a_region_traced_once_per_instance_is_warned_and_reported_as_compile_regions_does():
+    # two instances whose inputs differ (the first block's needs no gradient, the second's
+    # does): two subgraphs used once each (torch 2.14+ inlines them); not silent
+    model = nn.Sequential(CountingBlock(), CountingBlock()).eval()
+    x = torch.randn(2, 8)
+    with pytest.warns(aotdist.RegionCompileWarning, match="compiled 2 times, not once"):
+        cap = aotdist.capture(model, x, loss_fn=_loss)
+    region = cap.regions["CountingBlock"]  # inlined (2.14+) or two subgraphs (2.11)
+    assert region.inlined + region.num_subgraphs == 2 and not cap.demoted, cap.summary()
+    assert "requires_grad" in cap.metrics.reuse["CountingBlock"]
+    assert "reuse: CountingBlock: 2 distinct subgraphs for 2 instances" in cap.summary()
+
+
+def test_inspect_cli_on_resnet_in_train_mode_keeps_its_batchnorm_blocks(capsys):
     from aotdist.cli import main
 
     assert main(["inspect", "--model", "resnet", "--depth", "2"]) == 0  # built in train()
     text = capsys.readouterr().out
-    assert "warning: aotdist region 'BasicBlock' cannot be a reusable subgraph" in text
-    assert "demoted: BasicBlock" in text and "running_mean data" in text
-
+    assert "cannot be a reusable subgraph" not in text and "demoted" not in text, text
 
 
 @pytest.mark.inductor

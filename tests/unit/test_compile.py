@@ -17,7 +17,7 @@ import aotdist
 from aotdist import metrics
 from aotdist.backends.recording import RecordingBackend
 from aotdist.testing import AliasingNet, TinyGPT, TinyResNet, TinyViT, example_inputs
-from aotdist.testing.models import GPTBlock
+from aotdist.testing.models import CountingBlock, GPTBlock
 from aotdist.testing.parity import assert_parity
 
 pytestmark = pytest.mark.timeout(300)
@@ -317,10 +317,38 @@ def test_graph_breaking_region_is_demoted_with_a_warning_others_still_reused():
     assert_parity(model, reference, (-x,))  # the other branch, still correct
 
 
-def test_batchnorm_training_region_is_demoted_and_correct():
-    model, reference = _pair(TinyResNet(widths=(8, 16), blocks_per_stage=3))
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+def test_batchnorm_training_region_is_reused_and_its_running_stats_follow_eager(momentum):
+    net = TinyResNet(widths=(8, 16), blocks_per_stage=3)
+    # the regions' BatchNorms only: one outside a region (the stem, the one downsampling
+    # block) graph-breaks on float(num_batches_tracked) with momentum=None in torch.compile
+    for block in (b for stage in net.stages for b in stage if b.downsample is None):
+        block.bn1.momentum = block.bn2.momentum = momentum
+    model, reference = _pair(net)
     aotdist.compile_regions(model, backend="aot_eager")
     (x,), _ = example_inputs(model)
+    tracked = []
+    for step in (1, 2):
+        with warnings.catch_warnings(record=True) as caught, metrics.track(model) as m:
+            warnings.simplefilter("always")
+            assert_parity(model, reference, (x * step,))
+        assert not [w for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)]
+        assert not m.demoted and not m.recompiles, m.summary()
+        tracked.append(m)
+        for (n, b), (_, r) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
+            torch.testing.assert_close(b, r, msg=f"buffer {n}")
+    # one subgraph per stage's block shape, every instance a call site
+    stats = sorted((st.call_sites, st.subgraphs) for st in tracked[0].regions.values())
+    assert stats == [(2, 1), (3, 1)], tracked[0].summary()
+    assert model.stages[0][0].bn1.num_batches_tracked.item() == 2
+    aotdist.restore(model)
+    assert type(model.stages[0][0].bn1) is nn.BatchNorm2d
+
+
+def test_a_region_mutating_its_own_buffer_in_training_is_demoted_and_correct():
+    model, reference = _pair(nn.Sequential(CountingBlock(4), CountingBlock(4), CountingBlock(4)))
+    aotdist.compile_regions(model, backend="aot_eager")
+    x = torch.randn(2, 4)
     with pytest.warns(aotdist.RegionCompileWarning, match="buffer mutations"):
         assert_parity(model, reference, (x,))
     for (n, b), (_, r) in zip(model.named_buffers(), reference.named_buffers(), strict=True):

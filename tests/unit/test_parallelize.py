@@ -67,6 +67,28 @@ def test_activation_checkpointing_recomputes_and_still_reuses_the_region():
     assert with_ac < without / 3, (with_ac, without)
 
 
+def test_activation_checkpointing_updates_batchnorm_statistics_once_per_step():
+    # the checkpointed region call is recomputed in backward; BatchNorm's running
+    # statistics follow eager without checkpointing (one update a step), and stay reused
+    torch.manual_seed(0)
+    model = build_model("resnet", depth=3)
+    ref = copy.deepcopy(model)
+    aotdist.parallelize(model, config={**AOT_EAGER, "ac": {"enabled": True}})
+    (x,), _ = example_inputs(model, 4)
+    tracked = []
+    for step in (1, 2):
+        with metrics.track(model) as t:
+            assert_parity(model, ref, (x * step,))
+        tracked.append(t)
+        for (n, b), (_, r) in zip(model.named_buffers(), ref.named_buffers(), strict=True):
+            torch.testing.assert_close(b, r, msg=f"buffer {n}")
+    first = tracked[0]
+    assert not first.demoted and first.regions, first.summary()
+    assert all((st.call_sites, st.subgraphs) == (st.instances, 1)
+               for st in first.regions.values()), first.summary()
+    assert model.stages[0][1].bn1.num_batches_tracked.item() == 2
+
+
 def test_activation_checkpointing_without_compile():
     torch.manual_seed(0)
     model = build_model("vit", depth=2)

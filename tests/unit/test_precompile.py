@@ -479,6 +479,23 @@ class _Mixin:
     pass
 
 
+def test_a_regions_batchnorm_pickles_as_its_swapped_class_made_again_while_saving():
+    """Marking swaps a region's BatchNorm to a class made at run time: a saved graph holds
+    the module, so while saving it pickles as that class made again from the user's."""
+    import pickle
+
+    model = build_model("resnet", depth=2)
+    mark_regions(model)
+    bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)
+              and type(m) is not torch.nn.BatchNorm2d)
+    with marking.pickled_with_region_depth(model):
+        copy = pickle.loads(pickle.dumps(bn))
+    assert type(copy) is type(bn) and vars(type(bn))["_aotdist_bn_base"] is torch.nn.BatchNorm2d
+    torch.testing.assert_close(copy.running_var, bn.running_var)
+    aotdist.restore(model)
+    assert type(bn) is torch.nn.BatchNorm2d
+
+
 def test_graph_mode_fsdp_gathering_classes_pickle_as_made_again_while_saving():
     """Graph-mode FSDP's per-process class (a gathering property per parameter): a saved
     graph's guards read its class attributes, so inside the save it pickles as the class

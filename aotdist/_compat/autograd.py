@@ -1,0 +1,15 @@
+"""The autograd engine: whether a backward pass is running now."""
+
+from __future__ import annotations
+
+from aotdist._compat._base import attr
+
+__all__ = ["in_autograd_backward"]
+
+
+def in_autograd_backward() -> bool | None:
+    """Whether the autograd engine is running a backward pass on this thread now
+    (``torch._C._current_graph_task_id() != -1``; torch 2.11, 2.15), or ``None`` where
+    this torch cannot say."""
+    task_id = attr("torch._C", "_current_graph_task_id")
+    return None if task_id is None else task_id() != -1
