@@ -87,6 +87,33 @@ def is_region_code(co_name: str, label: str) -> bool:
 # Dynamo's log of subgraph reuse (checked on torch 2.14.1; torch 2.11 logs no such reason)
 _REUSE_LOG = "torch._dynamo.variables.invoke_subgraph.__hierarchical_compile"
 _REFUSED = ("subgraph_reuse: not eligible -- ", "subgraph_reuse: mutated sources detected")
+_MISMATCH = "subgraph_reuse: reuse failed -- input "  # "... %d tensor metadata mismatch"
+_FIELDS = ("shape", "stride", "dtype", "requires_grad", "storage_offset", "device")
+
+
+def _metadata_difference(frame) -> str:
+    """What differs between the cached and the current region input (torch 2.14.1's
+    ``cached_val`` / ``cur_meta`` locals of the reuse check), e.g. ``shape (2, 8) vs
+    (2, 4)``; '' where those locals are not there."""
+    while frame is not None and not {"cur_meta", "cached_val"} <= frame.f_locals.keys():
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    old, new = (_fields(frame.f_locals[k]) for k in ("cached_val", "cur_meta"))
+    diffs = [f"{name} {_shown(old.get(name))} vs {_shown(new.get(name))}"
+             for name in _FIELDS if old.get(name) != new.get(name)]
+    return "; ".join(diffs[:2])
+
+
+def _fields(meta) -> dict:
+    # torch 2.14.1 keeps (shape, stride, dtype, device, requires_grad); others TensorMetadata
+    if type(meta) is tuple and len(meta) == 5:
+        return dict(zip(("shape", "stride", "dtype", "device", "requires_grad"), meta, strict=True))
+    return {name: getattr(meta, name, None) for name in _FIELDS}
+
+
+def _shown(value) -> str:
+    return str(tuple(value)) if isinstance(value, (tuple, list, torch.Size)) else str(value)
 
 
 class _Refusals(logging.Handler):
@@ -97,9 +124,12 @@ class _Refusals(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             text = record.getMessage()
-            if not text.startswith(_REFUSED):
+            mismatch = text.startswith(_MISMATCH) and "tensor metadata mismatch" in text
+            if not (text.startswith(_REFUSED) or mismatch):
                 return
             frame = sys._getframe(1)
+            if mismatch and (diff := _metadata_difference(frame)):
+                text = f"{text}: {diff}"
             while frame is not None and "fn_var" not in frame.f_locals:
                 frame = frame.f_back  # up to the region call being traced
             fn = getattr(frame.f_locals["fn_var"], "fn", None) if frame is not None else None
@@ -115,9 +145,10 @@ class _Refusals(logging.Handler):
 def reuse_refusals(sink: dict[str, str]) -> Iterator[None]:
     """Within: each reason Dynamo gives for not reusing a traced region body (torch's
     ``TORCH_LOGS=+hierarchical_compile`` lines: "not eligible -- unsupported input VT
-    types", "... subgraph has side effects", ...) goes into ``sink``, keyed by the region
-    function's code name. Only this handler receives them unless the user enabled that
-    log; the logger's level is restored on exit. Checked on torch 2.14.1, and on torch
+    types", "... subgraph has side effects", an input's metadata mismatch with what
+    differs, ...) goes into ``sink``, keyed by the region function's code name. Only
+    this handler receives them unless the user enabled that log; the logger's level is
+    restored on exit. Checked on torch 2.14.1, and on torch
     2.11, where it is a no-op (no such log); not run on 2.15 (not installable here)."""
     try:
         import torch._dynamo.variables.invoke_subgraph  # noqa: F401

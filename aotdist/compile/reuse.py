@@ -56,8 +56,12 @@ def report_reuse(model: nn.Module, state: RegionState, records=None,
                         if _compat.is_region_code(code, region.name)), None)
         # torch's own reason (torch 2.14+) for skipping its reuse check: the cause when its
         # fallback, comparing each traced body, also merged none (Gemma 4); where it merged
-        # some, what differs between the rest is something else
-        if refused is not None and n >= region.count:
+        # some, what differs between the rest is something else. An input that differed
+        # at one call site explains one split only: constants that differ come first.
+        mismatch = refused is not None and "tensor metadata mismatch" in refused
+        if mismatch and (differ or meshes):
+            differ, refused = differ + [("an input at one call site", "torch", refused)], None
+        if refused is not None and (n >= region.count or mismatch):
             cause, fix = _refused(refused)
             if differ:
                 cause += ("; its instances also differ in Python constants the forward may "
@@ -118,7 +122,22 @@ _REFUSALS = {
 }
 
 
+# what differs in an input torch would not reuse the subgraph for -> the fix
+_MISMATCH_FIXES = {
+    "shape": ("a block applied at two sizes (feature maps of two resolutions) cannot share "
+              "one subgraph: exclude the region (find_regions(model, exclude=[...])), and "
+              "it compiles inline as in whole-model torch.compile, without this warning"),
+    "stride": "hand every instance inputs of one layout (.contiguous())",
+    "requires_grad": ("the first block is fed data that needs no gradient: let it compute "
+                      "one from a tensor that does, or accept one more subgraph"),
+}
+
+
 def _refused(why: str) -> tuple[str, str]:
+    if "tensor metadata mismatch" in why:
+        fix = next((f for field, f in _MISMATCH_FIXES.items() if f": {field} " in why
+                    or f"; {field} " in why), "hand every instance inputs of one kind")
+        return (f"its call sites pass inputs that differ (torch: {why})", fix)
     for key, (cause, fix) in _REFUSALS.items():
         if key in why:
             return f"{cause} (torch: {why})", fix

@@ -463,3 +463,32 @@ def test_torch_s_reason_for_not_reusing_a_region_is_recorded_and_its_log_left_as
     aotdist.compile_regions(model, backend="aot_eager")
     _assert_same_training(model, eager, x, Shared())
     assert vars(model)["_aotdist_state"].refusals == {}
+
+
+class _Halving(nn.Module):
+    """Two blocks of one class applied at two sequence lengths (as a CNN block at two
+    feature-map sizes): they cannot share one subgraph."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
+        self.first = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.first(x)
+        for block in self.blocks:
+            x = block(x)[:, ::2].contiguous()
+        return x
+
+
+def test_a_region_called_at_two_shapes_is_named_with_the_shapes_and_the_fix():
+    model, eager = _pair(_Halving())
+    aotdist.compile_regions(model, backend="aot_eager")
+    x = torch.randn(2, 8, 8)
+    with metrics.track(model) as m:
+        _, caught = _warnings(lambda: _assert_same_training(model, eager, x))
+    assert len(caught) == 1 and "compiled 2 times, not once" in caught[0], caught
+    if importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph") is None:
+        return  # torch 2.11 logs no reason: the generic cause (inputs differ) is given
+    assert "shape (2, 8, 8) vs (2, 4, 8)" in caught[0], caught
+    assert "exclude the region" in caught[0] and "shape (2, 8, 8)" in m.reuse["Sequential"]
