@@ -148,8 +148,8 @@ def reuse_refusals(sink: dict[str, str]) -> Iterator[None]:
     types", "... subgraph has side effects", an input's metadata mismatch with what
     differs, ...) goes into ``sink``, keyed by the region function's code name. Only
     this handler receives them unless the user enabled that log; the logger's level is
-    restored on exit. Checked on torch 2.14.1, and on torch
-    2.11, where it is a no-op (no such log); not run on 2.15 (not installable here)."""
+    restored on exit. Checked on torch 2.14.1, and on torch 2.11, where it is a no-op (no
+    such log); not run on 2.15 (not installable here)."""
     try:
         import torch._dynamo.variables.invoke_subgraph  # noqa: F401
         logs = True

@@ -15,9 +15,9 @@ from aotdist.errors import ConfigError
 
 __all__ = [
     "AliasingBlock",
-    "CountingBlock",
     "AliasingNet",
     "BasicBlock",
+    "CountingBlock",
     "EncoderBlock",
     "GPTBlock",
     "TinyGPT",
