@@ -195,7 +195,8 @@ def inductor_options(options: dict | None = None, *, warn: bool = True,
                      bucket_mb: float | None = None, overlap: bool = False) -> dict:
     """The Inductor options (config patches) of every aotdist compile: ``options`` plus
     aotdist's post-grad pass (:mod:`aotdist.backends.reuse`), which makes buffer reuse
-    safe, so reuse stays on unless ``options`` turns it off.
+    safe, so reuse stays on unless ``options`` turns it off; Inductor's layout optimization
+    (channels-last convolutions) off unless ``options`` turns it on.
 
     The one place that decides them: :func:`aotdist.compile_regions` (through
     ``make_backend``), ``aotdist.capture(..., backend="inductor")`` (through
@@ -224,6 +225,11 @@ def inductor_options(options: dict | None = None, *, warn: bool = True,
     from aotdist.backends.recompute import recompute_pass
 
     options = dict(options or {})
+    # Off unless the user sets it: with it, Inductor may save a convolution's output of the
+    # whole-model graph for backward channels-last while the reused region that takes it was
+    # compiled for contiguous inputs (torch 2.11-2.14: an InductorError or a stride assert in
+    # the first backward; docs/guide/limits.md).
+    options.setdefault("layout_optimization", False)
     add_joint_pass(options, recompute_pass())  # masks recomputed, not saved per call site
     bucketing = _add_collective_options(options, bucket_mb, overlap)
     _install(options, bucketing, "its bucketing pass. Fix: set fsdp.bucket_mb: null to keep "

@@ -396,6 +396,11 @@ def test_inductor_options_install_the_reuse_pass_and_keep_buffer_reuse_on():
     config = make_backend("inductor", None, None, None).config
     assert config["allow_buffer_reuse"] is True
     assert config["post_grad_custom_post_pass"].uuid() == "aotdist.forward_aliased_outputs.v2"
+    # layout optimization off by default (the torch bug in test_external_models.py), the
+    # user's choice kept
+    assert config["layout_optimization"] is False
+    on = make_backend("inductor", None, {"layout_optimization": True}, None).config
+    assert on["layout_optimization"] is True
     # the user can still turn reuse off (then no pass), and chain a pass of their own
     off = make_backend("inductor", None, {"allow_buffer_reuse": False}, None).config
     assert off["allow_buffer_reuse"] is False and "post_grad_custom_post_pass" not in off

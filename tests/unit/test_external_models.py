@@ -438,3 +438,70 @@ def test_tinygpt_inductor_buffer_reuse_torch_bug():
         m, region_warnings = _tinygpt_inductor_parity({"allow_buffer_reuse": True})
     st = _stats(m, "GPTBlock")
     assert (st.call_sites, st.subgraphs, st.inlined) == (2, 1, 0), m.summary()
+
+
+# --------------------------------------------------------------------------- convolutions + inductor
+
+
+class _ConvNeXtStage(nn.Module):
+    """A stem convolution feeding torchvision's ConvNeXt blocks (``CNBlock``), so the first
+    block takes a convolution's output of the whole-model graph and the others take a
+    block's output (layer scale 1, not ConvNeXt's 1e-6, so the blocks' weights show)."""
+
+    def __init__(self, dim: int = 16, depth: int = 3):
+        from torchvision.models.convnext import CNBlock
+
+        super().__init__()
+        self.stem = nn.Conv2d(3, dim, kernel_size=4, stride=4)
+        self.blocks = nn.Sequential(*[CNBlock(dim, 1.0, 0.0) for _ in range(depth)])
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+_CNBLOCK_FQNS = ("blocks.0", "blocks.1", "blocks.2")
+
+
+def _convnext_inductor_parity(options, memory_format=torch.contiguous_format):
+    torch.manual_seed(0)
+    model = _ConvNeXtStage().to(memory_format=memory_format)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, 16, 16).to(memory_format=memory_format)
+    _assert_blocks_differ(reference, _CNBLOCK_FQNS, (x,))
+    aotdist.compile_regions(model, backend="inductor", options=options)
+    with _caught_warnings() as caught, aotdist.metrics.track(model) as m:
+        assert_parity(model, reference, (x,), rtol=1e-3, atol=1e-4)
+    _assert_blocks_got_gradients(model, _CNBLOCK_FQNS)
+    return m, _region_warnings(caught)
+
+
+@pytest.mark.inductor
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],
+                         ids=["contiguous", "channels_last"])
+def test_convnext_blocks_after_a_convolution_train_with_inductor(memory_format):
+    """A reused region whose first call site takes a convolution's output trains with
+    Inductor: aotdist compiles with Inductor's layout optimization off (see
+    test_convnext_inductor_layout_optimization_torch_bug), on every torch."""
+    pytest.importorskip("torchvision")
+    m, region_warnings = _convnext_inductor_parity(None, memory_format)
+    assert region_warnings == []
+    assert m.graph_breaks == {} and m.recompiles == [] and m.failures == [], m.summary()
+    st = _stats(m, "CNBlock")
+    assert (st.call_sites, st.subgraphs, st.inlined) == (3, 1, 0), m.summary()
+
+
+@pytest.mark.inductor
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, raises=(AssertionError, RuntimeError), reason=(
+    "torch 2.11-2.14 inductor: layout optimization saves the stem convolution's output "
+    "channels-last for backward while the reused CNBlock's backward subgraph was compiled "
+    "for a contiguous input (2.14: InductorError 'subgraph args must have consistent "
+    "values', 2.11: a stride assert)"))
+def test_convnext_inductor_layout_optimization_torch_bug():
+    """Layout optimization on (Inductor's default, which aotdist turns off) reproduces the
+    torch bug. Strict xfail: when it passes (XPASS fails), torch has fixed it and
+    ``aotdist.backends.named.inductor_options`` can leave the option alone there."""
+    pytest.importorskip("torchvision")
+    _convnext_inductor_parity({"layout_optimization": True})
