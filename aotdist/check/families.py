@@ -72,8 +72,9 @@ def loss_of(output: Any) -> torch.Tensor:
 
 def without_randomness(model: nn.Module) -> nn.Module:
     """``model`` with dropout and stochastic depth off, so that one training step is
-    deterministic and comparable with eager. (A per-block stochastic-depth rate is a
-    per-instance constant: with it on, aotdist names the lost reuse.)"""
+    deterministic and comparable with eager (torchvision's compiled stochastic depth draws
+    its masks from another random stream; the blocks share one subgraph either way:
+    tests/unit/test_stochastic_depth.py)."""
     for m in model.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd):
             m.p = 0.0

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from aotdist import _compat
 from aotdist.compile.batchnorm import restore_batchnorms, swap_batchnorms
+from aotdist.compile.droppath import restore_drop_paths, swap_drop_paths
 from aotdist.compile.state import STATE_ATTR, RegionState
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan, find_regions
@@ -61,9 +62,8 @@ def _clone_aliasing_outputs(fn: Callable) -> Callable:
                   if isinstance(a, torch.Tensor)]
 
         def dealias(t):
-            if isinstance(t, torch.Tensor) and (
-                any(t is a for a in inputs) or t._base is not None
-            ):
+            if isinstance(t, torch.Tensor) and (any(t is a for a in inputs)
+                                                or t._base is not None):
                 return t.clone()
             return t
 
@@ -356,8 +356,8 @@ def apply_region_class(model: nn.Module, state: RegionState, name: str, *,
     state.classes[name] = cls
     for fqn in region.fqns:
         model.get_submodule(fqn).__class__ = cls
-        if nested:
-            swap_batchnorms(model.get_submodule(fqn))
+        for swap in (swap_batchnorms, swap_drop_paths) if nested else ():
+            swap(model.get_submodule(fqn))  # made traceable as one subgraph
         state.marked[fqn] = name
 
 
@@ -372,7 +372,8 @@ def unmark_region(model: nn.Module, state: RegionState, name: str, *,
     region = state.plan.by_name(name)
     for fqn in region.fqns:
         mod = model.get_submodule(fqn)
-        restore_batchnorms(mod)
+        for restore in (restore_batchnorms, restore_drop_paths):
+            restore(mod)
         base = getattr(type(mod), "_aotdist_base", None)
         if base is None:
             continue
