@@ -158,7 +158,8 @@ def render(results: Sequence[CheckResult], *, backend: str = "aot_eager") -> str
         "stochastic depth off (random masks are not comparable). Check your own "
         "model the same way with `aotdist check module:factory`. Grad diff: the largest "
         "difference of a parameter's gradient from eager, relative to that gradient's largest "
-        "value, for aotdist and (in brackets) whole-model `torch.compile`.",
+        "value (or to a thousandth of the model's largest gradient, where that is larger), "
+        "for aotdist and (in brackets) whole-model `torch.compile`.",
         "",
         f"{reused} of {len(single)} families keep every region as one reused subgraph; "
         f"{len(failing)} check(s) fail"

@@ -225,3 +225,23 @@ def test_tiny_configs_shrink_nested_configs_and_turn_their_dropout_off():
     emu3 = hf_config("emu3")
     assert emu3.text_config.attention_dropout == 0.0
     assert emu3.get_text_config().vocab_size == 256
+
+
+def test_a_gradient_that_is_rounding_noise_is_scaled_by_the_model_s_largest_gradient():
+    """A parameter whose exact gradient is 0 (eager and compile each give rounding noise)
+    does not fail the check; a wrong gradient of the same parameter still does."""
+    from aotdist.check.runner import _grad_diff
+
+    def model_with(grads):
+        m = nn.Linear(2, 2)
+        for p, g in zip(m.parameters(), grads, strict=True):
+            p.grad = torch.as_tensor(g, dtype=torch.float32)
+        return m
+
+    ref = model_with([[[10.0, 1.0], [2.0, 3.0]], [1e-7, -1e-7]])
+    noise = model_with([[[10.0, 1.0], [2.0, 3.0]], [-2e-7, 3e-7]])
+    worst, ok, _ = _grad_diff(noise, ref, rtol=1e-4)
+    assert ok and worst < 1e-4, worst
+    wrong = model_with([[[10.0, 1.0], [2.0, 3.0]], [0.5, 0.0]])
+    worst, ok, _ = _grad_diff(wrong, ref, rtol=2e-2)
+    assert not ok and worst > 1e-2, worst
