@@ -126,10 +126,11 @@ def _grad_diff(model: nn.Module, reference: nn.Module, *,
                rtol: float) -> tuple[float, bool, list[str]]:
     """Largest gradient difference scaled by the gradient's size (at least a thousandth of
     the model's largest gradient: one that is zero in exact arithmetic, as EfficientNet's
-    projection BatchNorm biases, is rounding noise in both), whether every parameter's gradient is within
-    ``rtol`` of the reference's, and the parameters whose gradient is all zeros where the
-    reference's is ``None`` (counted as equal: a compiled graph's backward gives zeros to
-    the parameters of an output the loss does not use, where eager leaves them ``None``)."""
+    projection BatchNorm biases, is rounding noise in both), whether every parameter's
+    gradient is within ``rtol`` of the reference's, and the parameters whose gradient is
+    all zeros where the reference's is ``None`` (counted as equal: a compiled graph's
+    backward gives zeros to the parameters of an output the loss does not use, where eager
+    leaves them ``None``)."""
     worst, ok, zeros = 0.0, True, []
     ref = dict(reference.named_parameters())
     floor = 1e-3 * max((_full(r.grad).abs().max().item() for r in ref.values()
