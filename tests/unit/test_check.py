@@ -91,6 +91,41 @@ def test_a_crash_where_torch_compile_trains_fails_the_check(monkeypatch, capsys)
     assert "crash" in out.out and "an aotdist bug" in out.err
 
 
+def _perturbing_first(model: nn.Module) -> nn.Module:
+    """Adds noise to the head's weights: a stand-in for a compiler that gets them wrong."""
+    with torch.no_grad():
+        head = list(model.parameters())[-1]
+        head.add_(torch.randn_like(head))
+    return model
+
+
+@pytest.mark.timeout(120)
+def test_a_crash_where_torch_compile_trains_wrong_is_torch_s(monkeypatch):
+    def broken(model, **kwargs):
+        raise RuntimeError("an aotdist bug")
+
+    monkeypatch.setattr(aotdist, "compile_regions", broken)
+    monkeypatch.setattr("aotdist.check.runner._compile_whole",
+                        lambda model, backend: _perturbing_first(model))
+    result = check_family(f"{__name__}:toy")
+    assert result.status == "torch.compile fails too", result
+    assert result.whole_model.startswith("wrong gradients (grad diff "), result.whole_model
+    assert result.ok
+
+
+@pytest.mark.timeout(120)
+def test_a_parity_failure_says_whether_whole_model_compile_is_wrong_too(monkeypatch):
+    real = aotdist.compile_regions
+    monkeypatch.setattr(aotdist, "compile_regions",
+                        lambda model, **kwargs: real(_perturbing_first(model), **kwargs))
+    monkeypatch.setattr("aotdist.check.runner._compile_whole",
+                        lambda model, backend: _perturbing_first(model))
+    result = check_family(f"{__name__}:toy")
+    assert result.status == "parity" and not result.ok
+    assert "whole-model torch.compile's gradients are off eager's too" in result.notes[
+        "gradients"]
+
+
 @pytest.mark.timeout(120)
 def test_a_wrong_result_fails_the_check(monkeypatch, capsys, tmp_path):
     real = aotdist.compile_regions
