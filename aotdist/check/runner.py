@@ -37,9 +37,9 @@ class CheckResult:
     whole), ``no regions`` (nothing repeats), ``torch.compile fails too`` (aotdist fails,
     and whole-model ``torch.compile`` fails or trains with gradients off eager's), or a
     failure: ``crash`` (aotdist fails where whole-model ``torch.compile`` trains as eager
-    does), ``not built`` (the tiny config does not build or
-    train eagerly: nothing to check), ``parity`` (loss or a gradient differs from eager),
-    ``eager!`` (a region instance ran uncompiled without a warning)."""
+    does), ``not built`` (the tiny config does not build or train eagerly: nothing to
+    check), ``parity`` (loss or a gradient differs from eager), ``eager!`` (a region
+    instance ran uncompiled without a warning)."""
 
     name: str
     kind: str = ""
