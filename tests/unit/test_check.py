@@ -12,7 +12,7 @@ from torch import nn
 import aotdist
 from aotdist.check import FAMILIES, CheckResult, check_family, check_fsdp, family, render, resolve
 from aotdist.check.families import Family
-from aotdist.check.runner import _classify, _judge
+from aotdist.check.runner import _classify, _grad_diff, _judge
 from aotdist.cli import main
 from aotdist.metrics import CompileMetrics, RegionStats
 from aotdist.testing.models import TinyGPT
@@ -129,14 +129,8 @@ def test_a_parity_failure_says_whether_whole_model_compile_is_wrong_too(monkeypa
 @pytest.mark.timeout(120)
 def test_a_wrong_result_fails_the_check(monkeypatch, capsys, tmp_path):
     real = aotdist.compile_regions
-
-    def perturbing(model, **kwargs):
-        with torch.no_grad():
-            head = list(model.parameters())[-1]
-            head.add_(torch.randn_like(head))
-        return real(model, **kwargs)
-
-    monkeypatch.setattr(aotdist, "compile_regions", perturbing)
+    monkeypatch.setattr(aotdist, "compile_regions",
+                        lambda model, **kwargs: real(_perturbing_first(model), **kwargs))
     out = tmp_path / "r.json"
     assert main(["check", f"{__name__}:toy", "--json", str(out)]) == 1
     assert "parity" in capsys.readouterr().out
@@ -265,8 +259,6 @@ def test_tiny_configs_shrink_nested_configs_and_turn_their_dropout_off():
 def test_a_gradient_that_is_rounding_noise_is_scaled_by_the_model_s_largest_gradient():
     """A parameter whose exact gradient is 0 (eager and compile each give rounding noise)
     does not fail the check; a wrong gradient of the same parameter still does."""
-    from aotdist.check.runner import _grad_diff
-
     def model_with(grads):
         m = nn.Linear(2, 2)
         for p, g in zip(m.parameters(), grads, strict=True):
