@@ -10,7 +10,10 @@ non-mutating on purpose: functionalization never sees the buffers change. Its ze
 output is added to the result, which keeps the op live. Nothing in a training step reads
 the running statistics after the update, so hiding it is safe there; in eval, and outside
 a compile, BatchNorm runs as the user's class does. A recompute in backward (activation
-checkpointing) updates nothing. Details: docs/internals.md.
+checkpointing) updates nothing. Only a module whose ``forward`` is torch's own
+``_BatchNorm.forward`` (function identity) is swapped: a subclass with a forward of its own
+(timm's ``BatchNormAct2d`` applies an activation after it) runs as written, and its region
+is demoted with the reason. Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 
 from aotdist import _compat
 
-__all__ = ["swap_batchnorms", "restore_batchnorms", "update_op"]
+__all__ = ["overridden_batchnorms", "restore_batchnorms", "swap_batchnorms", "update_op"]
 
 _LIB = "aotdist::update_batch_norm_stats"
 
@@ -80,16 +83,30 @@ def _class(base: type) -> type:
     })
 
 
+def _reproduced(cls: type) -> bool:
+    """Whether ``cls.forward`` is exactly the function :func:`_forward` reproduces (torch's
+    ``_BatchNorm.forward``): a subclass that overrides it (an activation after the norm,
+    SyncBatchNorm) is never swapped, whatever its name or base."""
+    return cls.forward is nn.modules.batchnorm._BatchNorm.forward
+
+
+def overridden_batchnorms(module: nn.Module) -> list[str]:
+    """Class names of the BatchNorm modules under ``module`` whose ``forward`` is their own
+    (not swapped: their region updates running statistics in place, and is demoted)."""
+    return sorted({type(m).__name__ for m in module.modules()
+                   if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                   and "_aotdist_bn_base" not in vars(type(m)) and not _reproduced(type(m))})
+
+
 def swap_batchnorms(module: nn.Module) -> list[nn.Module]:
-    """Gives each BatchNorm under ``module`` (SyncBatchNorm excepted) the class above;
+    """Gives each BatchNorm under ``module`` whose forward is torch's own the class above;
     returns the modules swapped."""
     swapped = []
     if _compat.in_autograd_backward() is None:  # cannot tell a recompute: left demoted
         return swapped
     for mod in module.modules():
         cls = type(mod)
-        if (isinstance(mod, nn.modules.batchnorm._BatchNorm)
-                and not isinstance(mod, nn.SyncBatchNorm)
+        if (isinstance(mod, nn.modules.batchnorm._BatchNorm) and _reproduced(cls)
                 and "_aotdist_bn_base" not in vars(cls)):
             mod.__class__ = _class(cls)
             swapped.append(mod)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from aotdist import _compat
+from aotdist.compile.batchnorm import overridden_batchnorms
 from aotdist.compile.isolate import Trials
 from aotdist.compile.marking import apply_region_class, unmark_region
 from aotdist.compile.reuse import report_reuse
@@ -236,6 +237,12 @@ def _demote(model: nn.Module, state: RegionState, name: str, reason: str) -> Non
     state.demoted[name] = reason
     hint = (" The region writes a tensor into an object passed to it (a KV cache?): for "
             "training, pass use_cache=False." if "side effect" in reason else "")
+    region = state.plan.by_name(name)
+    if "buffer mutation" in reason and (own := sorted({
+            n for f in region.fqns for n in overridden_batchnorms(model.get_submodule(f))})):
+        hint += (f" Its {', '.join(own)} override BatchNorm's forward, which aotdist "
+                 "keeps as written (its BatchNorm handling reproduces only torch's own "
+                 "forward), so their running statistics are updated in place.")
     rank_zero_warn(
         f"aotdist region {name!r} cannot be a reusable subgraph: {reason}. It is compiled "
         "inline in the surrounding graph instead (no reuse; Dynamo handles its graph breaks "

@@ -15,7 +15,7 @@ from aotdist.testing.models import (
     build_model,
     example_inputs,
 )
-from aotdist.testing.parity import assert_parity, forward_backward
+from aotdist.testing.parity import assert_parity, assert_training_parity, forward_backward
 from aotdist.testing.training import (
     accumulated_reference,
     lm_loss,
@@ -36,6 +36,7 @@ __all__ = [
     "build_model",
     "example_inputs",
     "assert_parity",
+    "assert_training_parity",
     "forward_backward",
     "accumulated_reference",
     "lm_loss",

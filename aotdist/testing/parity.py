@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["assert_parity", "forward_backward"]
+__all__ = ["assert_parity", "assert_training_parity", "forward_backward"]
 
 
 def forward_backward(model: nn.Module, args: Sequence, loss_fn: Callable | None = None):
@@ -42,3 +42,31 @@ def assert_parity(model: nn.Module, reference: nn.Module, args: Sequence, *,
         if g is not None:
             torch.testing.assert_close(g, r, rtol=rtol, atol=atol,
                                        msg=lambda m, n=name: f"gradient of {n} differs: {m}")
+
+
+def assert_training_parity(model: nn.Module, reference: nn.Module, batches: Sequence[Sequence],
+                           *, loss_fn: Callable | None = None, lr: float = 0.1,
+                           seed: int = 0, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """Trains ``model`` and ``reference`` with SGD, one step per batch, from the same RNG
+    state each step; asserts equal outputs, gradients and buffers after every step.
+
+    Raises:
+        AssertionError: Names the step and the output, parameter or buffer that differs.
+    """
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (model, reference)]
+    for step, args in enumerate(batches):
+        torch.manual_seed(seed + step)
+        got = forward_backward(model, args, loss_fn)
+        torch.manual_seed(seed + step)
+        want = forward_backward(reference, args, loss_fn)
+        torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=atol,
+                                   msg=lambda m, s=step: f"step {s}: output differs: {m}")
+        for name, g in got[1].items():
+            torch.testing.assert_close(g, want[1][name], rtol=rtol, atol=atol,
+                                       msg=lambda m, n=name, s=step: f"step {s}: {n}: {m}")
+        for opt in opts:
+            opt.step()
+        for (name, b), (_, r) in zip(model.named_buffers(), reference.named_buffers(),
+                                     strict=True):
+            torch.testing.assert_close(b, r, rtol=rtol, atol=atol,
+                                       msg=lambda m, n=name, s=step: f"step {s}: buffer {n}: {m}")

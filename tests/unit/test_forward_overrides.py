@@ -1,0 +1,114 @@
+"""aotdist's region fixes hold for modules whose ``forward`` is not the library's.
+
+Where aotdist changes what runs inside a region (BatchNorm's running statistics,
+stochastic depth's drop rate), it does so only where the module's ``forward`` is exactly
+the function the fix reproduces. A subclass that overrides ``forward`` (an activation
+after the norm, as timm's ``BatchNormAct2d``; a SyncBatchNorm-style variant; a custom
+DropPath) runs as written: its losses, gradients and running statistics stay eager's over
+several optimizer steps, and a region that then cannot be a reused subgraph is demoted
+with a warning naming the module's class.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import aotdist
+from aotdist import metrics
+from aotdist.testing import assert_training_parity
+
+
+class _BatchNormRelu(nn.BatchNorm2d):
+    """An activation after the norm: the forward aotdist must not replace."""
+
+    def forward(self, x):
+        return F.relu(super().forward(x))
+
+
+class _ScaledBatchNorm(nn.BatchNorm2d):
+    """A variant computing its own normalization from the running-statistics functional
+    (as SyncBatchNorm does), then scaling it."""
+
+    def forward(self, x):
+        self.num_batches_tracked.add_(1)
+        out = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                           self.training, self.momentum, self.eps)
+        return 2.0 * out
+
+
+class _Block(nn.Module):
+    def __init__(self, norm: type[nn.Module]):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.norm = norm(8)
+        self.out = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        return x + self.out(self.norm(self.conv(x)))
+
+
+def _net(norm: type[nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *[_Block(norm) for _ in range(3)])
+    for block in net[1:]:  # blocks whose norms differ too
+        nn.init.uniform_(block.norm.weight, 0.5, 1.5)
+        nn.init.uniform_(block.norm.bias, -0.5, 0.5)
+    return net
+
+
+def _batches(steps: int = 3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 3, 8, 8, generator=g),) for _ in range(steps)]
+
+
+def _train_compiled(model, reference, *, backend="aot_eager"):
+    aotdist.compile_regions(model, backend=backend)
+    with warnings.catch_warnings(record=True) as caught, metrics.track(model) as m:
+        warnings.simplefilter("always")
+        assert_training_parity(model, reference, _batches())
+    return m, [str(w.message) for w in caught
+               if issubclass(w.category, aotdist.RegionCompileWarning)]
+
+
+@pytest.mark.parametrize("norm", [_BatchNormRelu, _ScaledBatchNorm], ids=["act", "own_bn"])
+def test_a_batchnorm_subclass_with_its_own_forward_trains_as_eager(norm):
+    model = _net(norm)
+    reference = copy.deepcopy(model)
+    m, warned = _train_compiled(model, reference)
+    assert norm.__name__ in " ".join(warned), warned  # the demotion names the class
+    assert list(m.demoted) == ["_Block"], m.summary()
+    assert type(model[1].norm) is norm  # never swapped
+    assert model[1].norm.num_batches_tracked.item() == 3
+
+
+def test_torch_s_own_batchnorm_still_shares_one_subgraph_in_the_same_model():
+    model = _net(nn.BatchNorm2d)
+    reference = copy.deepcopy(model)
+    m, warned = _train_compiled(model, reference)
+    assert not warned and not m.demoted, m.summary()
+    assert (m.regions["_Block"].call_sites, m.regions["_Block"].subgraphs) == (3, 1)
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_batchnorm_subclass_with_its_own_forward_trains_as_eager_with_inductor():
+    model = _net(_BatchNormRelu)
+    reference = copy.deepcopy(model)
+    m, warned = _train_compiled(model, reference, backend="inductor")
+    assert "_BatchNormRelu" in " ".join(warned) and list(m.demoted) == ["_Block"]
+
+
+def test_timm_batchnorm_act_keeps_its_activation():
+    timm_layers = pytest.importorskip("timm.layers")
+    model = _net(timm_layers.BatchNormAct2d)
+    reference = copy.deepcopy(model)
+    m, warned = _train_compiled(model, reference)
+    assert "BatchNormAct2d" in " ".join(warned), warned
+    assert isinstance(model[1].norm.act, nn.ReLU)
