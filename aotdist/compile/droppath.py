@@ -1,42 +1,87 @@
 """Stochastic depth inside a region: each block's drop rate is data, not a constant.
 
-torchvision's ``StochasticDepth`` (ConvNeXt, EfficientNet, Swin, MaxViT) and transformers'
-``*DropPath`` modules (ConvNeXT, Swin, BEiT, DINOv2...) hold a drop rate that grows with
-depth, a Python float the forward reads: Dynamo specializes each block's subgraph on it,
-so no two blocks shared one in training. Marking gives each such module under a region
-instance a subclass of its own class whose rate lives in a non-persistent 0-dim buffer
-(``state_dict()`` unchanged); the attribute (``p`` / ``drop_prob``) stays a float that
-writes through to it. While compiling, the forward computes the mask from that tensor as
-the user's class does (transformers: the same ``torch.rand`` draw; torchvision: a
-``bernoulli_`` draw with the rate as a tensor, same distribution, another stream); a block
-whose rate is 0 draws its all-ones mask too. Outside a compile the user's forward runs.
-A region on the meta device is left as it is (``to_empty`` would not keep the buffer).
+torchvision's ``StochasticDepth`` (ConvNeXt, EfficientNet, Swin, MaxViT), timm's
+``DropPath`` (its ViTs, ConvNeXt, Swin, BEiT, EVA...) and transformers' ``*DropPath``
+modules hold a drop rate that grows with depth, a Python float the forward reads: Dynamo
+specializes each block's subgraph on it, so no two blocks shared one in training. Marking
+gives each such module under a region instance a subclass of its own class whose rate lives
+in a non-persistent 0-dim buffer (``state_dict()`` unchanged); the attribute (``p`` /
+``drop_prob``) stays a float that writes through to it. While compiling, the forward
+computes the mask from that tensor as the library does (transformers: the same
+``torch.rand`` draw; torchvision and timm: a ``bernoulli_`` draw with the rate as a tensor,
+same distribution, another stream); a block whose rate is 0 draws its all-ones mask too.
+Only a module whose forward, and the library function it calls, are exactly the code
+reproduced here (compared with the verbatim copies in :mod:`._droppath_reference`) is
+swapped: a subclass with a forward of its own, or a library release that changed the
+draw, runs as written. Outside a compile the user's forward runs. A region on the meta
+device is left as it is (``to_empty`` would not keep the buffer).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+import types
 
 import torch
 from torch import nn
+
+from aotdist.compile import _droppath_reference as reference
 
 __all__ = ["restore_drop_paths", "swap_drop_paths"]
 
 _KEEP = "_aotdist_keep"  # the buffer: 1 - rate
 
 
+def same_code(fn: object, ref: types.FunctionType) -> bool:
+    """Whether ``fn`` is a function with the same code as ``ref``: bytecode, names and
+    constants (docstrings, line numbers and file names aside), nested code included."""
+    code = getattr(fn, "__code__", None)
+    return isinstance(code, types.CodeType) and _same(code, ref.__code__, fn.__doc__, ref.__doc__)
+
+
+def _same(a: types.CodeType, b: types.CodeType, doc_a=None, doc_b=None) -> bool:
+    if (a.co_code, a.co_names, a.co_varnames) != (b.co_code, b.co_names, b.co_varnames):
+        return False
+    ca, cb = _body_consts(a.co_consts, doc_a), _body_consts(b.co_consts, doc_b)
+    return len(ca) == len(cb) and all(
+        _same(x, y) if isinstance(x, types.CodeType) and isinstance(y, types.CodeType)
+        else type(x) is type(y) and x == y for x, y in zip(ca, cb, strict=True))
+
+
+def _body_consts(consts: tuple, doc: str | None) -> tuple:
+    # the first constant is the docstring, or None where there is none (CPython <= 3.13)
+    return consts[1:] if consts and (consts[0] is None or consts[0] is doc) else consts
+
+
+def _kind(cls: type) -> str | None:
+    """Which library draw ``cls.forward`` is exactly ("rand", "bernoulli", "timm"), else
+    ``None``: function identity (torchvision, timm) or the same code as the copy
+    (transformers' 43 per-family copies), and the library function it calls unchanged."""
+    forward = getattr(cls, "forward", None)
+    tv = sys.modules.get("torchvision.ops.stochastic_depth")
+    if (tv is not None and forward is tv.StochasticDepth.forward
+            and same_code(tv.stochastic_depth, reference.torchvision_stochastic_depth)):
+        return "bernoulli"
+    timm = sys.modules.get("timm.layers.drop")
+    if (timm is not None and forward is timm.DropPath.forward
+            and same_code(timm.drop_path, reference.timm_drop_path)):
+        return "timm"
+    if (getattr(forward, "__module__", "").startswith("transformers.")
+            and same_code(forward, reference.transformers_drop_path_forward)):
+        return "rand"
+    return None
+
+
 def _attribute(mod: nn.Module) -> str | None:
-    """The rate attribute of a stochastic-depth module aotdist knows, else ``None``."""
+    """The rate attribute of a stochastic-depth module aotdist reproduces, else ``None``."""
     cls = type(mod)
     if "_aotdist_dp_base" in vars(cls):
         return None
-    if (cls.__name__ == "StochasticDepth" and cls.__module__.startswith("torchvision.")
-            and getattr(mod, "mode", None) in ("row", "batch")):
-        name = "p"
-    elif cls.__name__.endswith("DropPath") and cls.__module__.startswith("transformers."):
-        name = "drop_prob"
-    else:
+    kind = _kind(cls)
+    if kind is None or (kind == "bernoulli" and getattr(mod, "mode", None) not in ("row", "batch")):
         return None
+    name = "p" if kind == "bernoulli" else "drop_prob"
     value = vars(mod).get(name)
     return name if isinstance(value, (int, float)) and 0.0 <= value <= 1.0 else None
 
@@ -59,12 +104,16 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     if not self.training:
         return x
     keep = getattr(self, _KEEP)
-    if self._aotdist_dp_name == "drop_prob":  # transformers' DropPath, per sample
+    kind = self._aotdist_dp_kind
+    if kind == "rand":  # transformers' DropPath, per sample
         shape = (x.shape[0],) + (1,) * (x.ndim - 1)
         mask = torch.floor(torch.rand(shape, dtype=x.dtype, device=x.device) + keep)
         return x.div(keep) * mask
-    size = [x.shape[0]] + [1] * (x.ndim - 1) if self.mode == "row" else [1] * x.ndim
+    row = kind == "timm" or self.mode == "row"
+    size = [x.shape[0]] + [1] * (x.ndim - 1) if row else [1] * x.ndim
     noise = torch.empty(size, dtype=x.dtype, device=x.device).bernoulli_(keep)
+    if kind == "timm" and not self.scale_by_keep:
+        return x * noise
     return x * torch.where(keep > 0, noise / keep, noise)
 
 
@@ -73,7 +122,8 @@ def _class(base: type, name: str) -> type:
     # _aotdist_remake: a saved graph pickles its instances as made again from ``base``
     return type(base.__name__, (base,), {
         "forward": _forward, name: _rate(name), "_aotdist_dp_base": base,
-        "_aotdist_dp_name": name, "_aotdist_remake": (_class, (base, name)),
+        "_aotdist_dp_name": name, "_aotdist_dp_kind": _kind(base),
+        "_aotdist_remake": (_class, (base, name)),
         "__module__": base.__module__, "__qualname__": base.__qualname__,
     })
 

@@ -112,3 +112,50 @@ def test_timm_batchnorm_act_keeps_its_activation():
     m, warned = _train_compiled(model, reference)
     assert "BatchNormAct2d" in " ".join(warned), warned
     assert isinstance(model[1].norm.act, nn.ReLU)
+
+
+class _HalfDropPath(nn.Module):
+    """A stochastic depth of the user's own: its rate specializes the graph, as written."""
+
+    def __init__(self, drop_prob: float):
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x):
+        return x * (1.0 - self.drop_prob) if self.training else x
+
+
+def _drop_path_subclasses():
+    """Subclasses of each library's stochastic depth whose forward is their own."""
+    found = []
+    if (tv := pytest.importorskip("torchvision")) is not None:
+        found.append(type("MyStochasticDepth", (tv.ops.StochasticDepth,),
+                          {"forward": _HalfDropPath.forward}))
+    timm_layers = pytest.importorskip("timm.layers")
+    found.append(type("MyDropPath", (timm_layers.DropPath,), {"forward": _HalfDropPath.forward}))
+    return found
+
+
+class _DropBlock(nn.Module):
+    def __init__(self, drop: nn.Module):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), drop
+
+    def forward(self, x):
+        return x + self.drop(self.fc(x))
+
+
+def test_a_drop_path_subclass_with_its_own_forward_runs_as_written():
+    for cls in _drop_path_subclasses():
+        torch.manual_seed(0)
+        blocks = [_DropBlock(cls(0.1 * (i + 1), "row") if "Stochastic" in cls.__name__
+                             else cls(0.1 * (i + 1))) for i in range(3)]
+        for i, b in enumerate(blocks):
+            b.drop.drop_prob = 0.1 * (i + 1)
+        model = nn.Sequential(*blocks)
+        reference = copy.deepcopy(model)
+        aotdist.compile_regions(model, backend="aot_eager")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", aotdist.RegionCompileWarning)  # one graph a rate
+            assert_training_parity(model, reference, [(torch.randn(4, 8),) for _ in range(3)])
+        assert type(model[0].drop) is cls, cls  # never swapped

@@ -1,9 +1,9 @@
 """Stochastic depth in a region: a per-block drop rate no longer costs the shared subgraph.
 
-torchvision's ``StochasticDepth`` and transformers' ``*DropPath`` hold a drop rate that
+torchvision's ``StochasticDepth``, timm's ``DropPath`` and transformers' ``*DropPath`` hold a drop rate that
 grows with depth, a float Dynamo used to specialize each block's subgraph on. Parity
 needs masks eager draws the same way: transformers' draw is ``torch.rand`` as eager's
-(any rate); torchvision's is a ``bernoulli_`` draw of another stream, so its rates here
+(any rate); torchvision's and timm's are ``bernoulli_`` draws of another stream, so its rates here
 are 0 and 1 (all-ones and all-zero masks, mixed across the blocks of one region).
 """
 
@@ -94,6 +94,25 @@ def test_transformers_drop_path_rates_are_data_and_training_matches_eager():
     reference = copy.deepcopy(model)
     x = torch.randn(2, 3, 32, 32)
     _compiled_once(_Logits(model), _Logits(reference), x)
+
+
+@pytest.mark.parametrize("scale_by_keep", [True, False])
+def test_timm_drop_path_rates_are_data_and_every_block_shares_its_subgraph(scale_by_keep):
+    pytest.importorskip("timm")
+    from timm.layers import DropPath
+    from timm.models.vision_transformer import Block
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16),  # a stem: the first block's input needs grad
+                          *[Block(16, num_heads=2, drop_path=0.5) for _ in range(4)])
+    drops = [m for m in model.modules() if isinstance(m, DropPath)]
+    for i, m in enumerate(drops):  # 0, 1, 0, ...: kept whole, dropped, across one region
+        m.drop_prob, m.scale_by_keep = float(i % 2), scale_by_keep
+    reference = copy.deepcopy(model)
+    _compiled_once(model, reference, torch.randn(2, 5, 16))
+    assert type(drops[1]) is not DropPath and drops[1].drop_prob == 1.0
+    aotdist.restore(model)
+    assert type(drops[1]) is DropPath and drops[1].drop_prob == 1.0
 
 
 class _Logits(nn.Module):
