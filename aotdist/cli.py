@@ -1,13 +1,134 @@
-"""The ``aotdist`` command: ``bench``, ``inspect``, ``check`` and ``zoo``."""
+"""The ``aotdist`` command: ``bench``, ``inspect``, ``check`` and ``zoo``.
+
+One error path: a user mistake (an unknown model, a ``module:factory`` that does not
+import or raises, a bad config) ends in one screen on stderr that says what is wrong
+and the fix; exit 2 for usage, 1 for a failed check. ``--debug`` or ``AOTDIST_DEBUG=1``
+shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
+import traceback
 import warnings
 
 __all__ = ["main"]
+
+DEBUG_ENV = "AOTDIST_DEBUG"  # set (not "0") to see tracebacks instead of one screen
+_debug = False  # --debug or DEBUG_ENV: errors propagate as they are
+
+
+class _UsageError(Exception):
+    """A mistake in what the user asked for: exit 2, the message is the whole screen."""
+
+
+class _NotBuilt(_UsageError):
+    """A model the user named that cannot be built: one line, exit 1 (a failed check)."""
+
+
+class _UserCodeError(Exception):
+    """The user's own code (a ``module:factory``, the model it built) raised: exit 1."""
+
+    def __init__(self, spec: str, exc: BaseException):
+        super().__init__(spec)
+        self.spec, self.exc = spec, exc
+
+
+def _import_factory(spec: str):
+    """The function ``module:factory`` names, imported as ``python -m`` would: with the
+    working directory on ``sys.path``.
+
+    Raises:
+        _UsageError: The module does not import, or has no such attribute.
+    """
+    mod_name, _, attr = spec.partition(":")
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or ".") == cwd for p in sys.path):
+        sys.path.insert(0, cwd)  # a console script does not put it there; python -m does
+    try:
+        module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        if not (exc.name and (mod_name == exc.name or mod_name.startswith(exc.name + "."))):
+            raise _UserCodeError(spec, exc) from exc  # the user's module imports a missing one
+        raise _UsageError(
+            f"cannot import {mod_name!r} for {spec!r} (looked in {cwd} and sys.path). Fix: "
+            f"run from the directory holding {mod_name.replace('.', '/')}.py, or add its "
+            "directory to PYTHONPATH.") from None
+    except Exception as exc:  # noqa: BLE001 - the module's own top level raised
+        raise _UserCodeError(spec, exc) from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        from aotdist.config.validation import did_you_mean
+
+        public = [n for n in vars(module) if not n.startswith("_")
+                  and callable(getattr(module, n))]
+        raise _UsageError(
+            f"{mod_name!r} ({getattr(module, '__file__', '?')}) has no function {attr!r}."
+            f"{did_you_mean(attr, public)} Fix: name a zero-argument function of it, "
+            f"{mod_name}:FUNCTION.")
+    return factory
+
+
+@contextlib.contextmanager
+def _user_code(spec: str):
+    """Within: an exception (not aotdist's own) is the user's code's, named as such."""
+    from aotdist.errors import AOTDistError
+
+    try:
+        yield
+    except (AOTDistError, _UsageError, _UserCodeError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported as the user's error, one screen
+        if _debug:
+            raise
+        raise _UserCodeError(spec, exc) from exc
+
+
+def _user_frame(exc: BaseException) -> str:
+    """``file:line in function: code`` of the innermost frame outside aotdist, torch and
+    the installed packages (the user's own line), or ``""``."""
+    import sysconfig
+
+    import aotdist
+
+    skip = [os.path.dirname(os.path.abspath(aotdist.__file__))] + [
+        os.path.abspath(p) for p in {sysconfig.get_paths()[k]
+                                     for k in ("stdlib", "purelib", "platlib")}]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not any(os.path.abspath(f.filename).startswith(s + os.sep) for s in skip)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    path = os.path.relpath(f.filename) if os.path.abspath(f.filename).startswith(
+        os.getcwd()) else f.filename
+    return f"{path}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+
+
+def _screen(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the one screen for an error that ended a command."""
+    from aotdist.errors import AOTDistError, ConfigError, MissingDependencyError, first_line
+
+    hint = f"(--debug or {DEBUG_ENV}=1 shows the traceback)"
+    if isinstance(exc, _UsageError):
+        return (1 if isinstance(exc, _NotBuilt) else 2), str(exc)
+    if isinstance(exc, (ConfigError, MissingDependencyError)):
+        return 2, str(exc)
+    if isinstance(exc, _UserCodeError):
+        where = _user_frame(exc.exc)
+        return 1, "\n".join(
+            [f"{exc.spec} raised {first_line(exc.exc, 600)}"]
+            + ([f"  at {where}"] if where else [])
+            + [f"Fix: make {exc.spec} build its model without error (try calling it in "
+               f"Python first) {hint}"])
+    if isinstance(exc, AOTDistError):
+        return 1, str(exc)
+    where = _user_frame(exc)
+    return 1, "\n".join([f"failed: {first_line(exc, 600)}"]
+                        + ([f"  at {where}"] if where else []) + [hint])
 
 
 def _csv(text: str) -> list[str]:
@@ -35,8 +156,9 @@ def _build(model: str, depth: int):
     from aotdist.testing.models import build_model
 
     if ":" in model:  # module:factory, a zero-argument function returning a module
-        mod_name, _, attr = model.partition(":")
-        return getattr(importlib.import_module(mod_name), attr)()
+        factory = _import_factory(model)
+        with _user_code(model):
+            return factory()
     return build_model(model, depth=depth)
 
 
@@ -109,6 +231,12 @@ def _inspect(rank: int, world_size: int, opts: dict) -> str:
 def _cmd_inspect(args) -> int:
     opts = {k: getattr(args, k) for k in ("model", "depth", "fsdp", "fsdp_mode", "float8", "out",
                                           "backend")}
+    if ":" in args.model:
+        _import_factory(args.model)  # here, so a bad name is one screen, not one per rank
+    else:
+        from aotdist.testing.models import build_model
+
+        build_model(args.model, depth=1)  # an unknown name: ConfigError, before any rank
     if args.fsdp or args.nproc > 1:
         from aotdist.launch import run_distributed
 
@@ -126,30 +254,65 @@ def _cmd_check(args) -> int:
     from aotdist.check.zoo import limit_memory
 
     if sum(x is not None for x in (args.model, args.hf, args.torchvision)) != 1:
-        print("aotdist check: give one model: a family name or module:factory, --hf TYPE "
-              "or --torchvision NAME", file=sys.stderr)
-        return 2
+        raise _UsageError("give one model: a family name or module:factory, --hf TYPE or "
+                          "--torchvision NAME")
     spec = args.model or (f"hf:{args.hf}" if args.hf else f"torchvision:{args.torchvision}")
     try:
-        resolve(spec)
+        family = resolve(spec)
     except ValueError as exc:
-        print(f"aotdist check: {exc}", file=sys.stderr)
-        return 2
-    limit_memory(args.memory_limit)
-    if args.fsdp and args.fsdp > 1:
-        result = check_fsdp(spec, args.fsdp, backend=args.backend, timeout=args.timeout,
-                            mode=args.fsdp_mode)
+        raise _UsageError(str(exc)) from None
+    if family.source == "user":
+        _import_factory(spec)
     else:
-        result = check_family(spec, backend=args.backend)
+        _check_library_name(args)
+    limit_memory(args.memory_limit)
+    with _user_code(spec) if family.source == "user" else contextlib.nullcontext():
+        if args.fsdp and args.fsdp > 1:
+            result = check_fsdp(spec, args.fsdp, backend=args.backend, timeout=args.timeout,
+                                mode=args.fsdp_mode)
+        else:
+            result = check_family(family, backend=args.backend)
     print(result.line())
     for name, why in result.notes.items():
         print(f"  {name}: {why}")
     if result.status == "crash" and result.error:
         print(result.error, file=sys.stderr)
+    if result.status == "not built":  # the user named it: nothing was checked, a failure
+        print(f"aotdist check: {spec} was not built, so nothing was checked: "
+              f"{result.error.splitlines()[0] if result.error else 'no error given'}. Fix: "
+              "see `aotdist check --help` for what models are accepted.", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.to_dict(), f, indent=1)
-    return 0 if result.ok else 1
+    return 0 if result.ok and result.status != "not built" else 1
+
+
+def _check_library_name(args) -> None:
+    """An ``--hf`` type or ``--torchvision`` name the installed library lacks: one line
+    with the closest name and the fix (exit 1: the model the user named is not built)."""
+    from aotdist.check import FAMILIES
+    from aotdist.config.validation import did_you_mean
+
+    if args.hf is not None:
+        from transformers import CONFIG_MAPPING
+
+        flag, name, source, names = "--hf", args.hf, "transformers", list(CONFIG_MAPPING.keys())
+        what, listing = "model type", "sorted(transformers.CONFIG_MAPPING)"
+    elif args.torchvision is not None:
+        import torchvision
+
+        flag, name, source = "--torchvision", args.torchvision, "torchvision"
+        names, what = torchvision.models.list_models(), "model"
+        listing = "torchvision.models.list_models()"
+    else:
+        return
+    if name in names:
+        return
+    checked = [f.name for f in FAMILIES if f.source == source and f.name in names]
+    raise _NotBuilt(
+        f"{flag} {name}: the installed {source} has no {what} {name!r}."
+        f"{did_you_mean(name, names)} Fix: a name it has, e.g. {', '.join(checked[:6])}; "
+        f"all {len(names)}: python -c \"import {source}; print({listing})\"")
 
 
 def _cmd_zoo(args) -> int:
@@ -167,7 +330,9 @@ def _cmd_zoo(args) -> int:
         with open(args.out, "w") as f:
             f.write(render(results, backend=args.backend))
         print(f"wrote {args.out}")
-    failing = [r.name for r in results if r.status in FAILING]
+    named = {n.rpartition(":")[2] for n in args.families or () if n != "all"}
+    failing = [r.name for r in results if r.status in FAILING
+               or (r.status == "not built" and r.name in named)]  # the user asked for it
     if failing:
         print(f"failing: {', '.join(failing)}", file=sys.stderr)
     return 1 if failing else 0
@@ -176,10 +341,15 @@ def _cmd_zoo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``aotdist`` console script."""
     parser = argparse.ArgumentParser(prog="aotdist", description=__doc__)
+    parser.add_argument("--debug", action="store_true",
+                        help=f"on an error, show the traceback (or set {DEBUG_ENV}=1)")
+    debug = argparse.ArgumentParser(add_help=False)  # --debug after the subcommand too
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser(
-        "bench", help="compile time, step time and memory of eager / full torch.compile / "
+        "bench", parents=[debug], help="compile time, step time and memory of eager / full torch.compile / "
         "Accelerate compile_regions / aotdist, side by side",
         description="Without --model, --depths and --nproc: the main job (GPT at depths 2, 8, "
         "32 with every strategy and at depth 64 with Accelerate and aotdist, transformers' "
@@ -217,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="bench-out")
     b.set_defaults(func=_cmd_bench)
 
-    i = sub.add_parser("inspect", help="region plan and what AOTAutograd captured, per region")
+    i = sub.add_parser("inspect", parents=[debug],
+                       help="region plan and what AOTAutograd captured, per region")
     i.add_argument("--model", default="gpt", help="gpt, vit, resnet, aliasing or module:factory")
     i.add_argument("--depth", type=int, default=4)
     i.add_argument("--backend", default="aot_eager", help="aot_eager or inductor")
@@ -233,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     i.set_defaults(func=_cmd_inspect)
 
     c = sub.add_parser(
-        "check", help="does aotdist train this model? one step eager, whole-model "
+        "check", parents=[debug], help="does aotdist train this model? one step eager, whole-model "
         "torch.compile and aotdist; exit 1 on a crash, a parity failure or a silent eager "
         "region")
     c.add_argument("model", nargs="?", default=None,
@@ -254,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                    "that a build too big for the machine fails instead of being killed")
     c.set_defaults(func=_cmd_check)
 
-    z = sub.add_parser("zoo", help="check every model family (tiny transformers and "
+    z = sub.add_parser("zoo", parents=[debug], help="check every model family (tiny transformers and "
                        "torchvision builds), each in a fresh process; write docs/models.md")
     z.add_argument("--families", type=_csv, default=None, help="default: the listed families; all: also every causal LM of the installed transformers")
     z.add_argument("--fsdp-families", type=_csv, default=None,
@@ -268,8 +439,17 @@ def main(argv: list[str] | None = None) -> int:
     z.add_argument("--out", default="docs/models.md", help="the table ('' to skip)")
     z.set_defaults(func=_cmd_zoo)
 
-    args = parser.parse_args(argv)
-    return args.func(args)
+    args = parser.parse_args(argv)  # a bad flag: argparse's usage line, exit 2
+    global _debug
+    _debug = args.debug or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+    if _debug:
+        return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as exc:  # noqa: BLE001 - the one error path: one screen, no traceback
+        code, text = _screen(exc)
+        print(f"aotdist {args.command}: {text}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ __all__ = [
     "TorchFeatureUnavailable",
     "exception_chain",
     "first_line",
+    "shorten",
 ]
 
 
@@ -129,9 +130,22 @@ def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:
-    """``"Type: first line of the message"`` (the type alone when there is no message)."""
+    """``"Type: first line of the message"`` (the type alone when there is no message), at
+    most ``limit`` characters: a longer line is cut after a whole word and ends ``" ..."``."""
     lines = str(exc).strip().splitlines()
-    return (f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)[:limit]
+    return shorten(f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__, limit)
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text``, or its first whole words (a list cut after a whole name) and ``" ..."``,
+    at most ``limit`` characters."""
+    if len(text) <= limit:
+        return text
+    head = text[: max(limit - 4, 0)]
+    cut = max(head.rfind(", "), head.rfind(" "))
+    if cut > len(head) // 2:  # a word boundary not too far back; else a hard cut
+        head = head[:cut]
+    return head.rstrip(" ,;:") + " ..."
 
 
 class MissingDependencyError(AOTDistError, ImportError):

@@ -8,13 +8,14 @@ rules, and raises one ``ConfigError`` that lists every problem with its dotted k
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any
 
 from aotdist.errors import ConfigError
 
-__all__ = ["Section", "problems_message"]
+__all__ = ["Section", "did_you_mean", "name_list", "problems_message"]
 
 
 def _type_problem(value: Any, hint: Any) -> str | None:
@@ -94,3 +95,21 @@ def problems_message(problems: list[str]) -> str:
         return f"invalid aotdist config: {problems[0]}"
     return "invalid aotdist config, {} problems:\n  - {}".format(
         len(problems), "\n  - ".join(problems))
+
+
+def did_you_mean(word: object, choices: typing.Iterable[str]) -> str:
+    """``" Did you mean 'x'?"`` naming the choice closest to ``word``, or ``""`` when none
+    is close (``difflib``'s ratio of at least 0.75: ``indcutor`` finds ``inductor``, a
+    long unrelated name finds nothing)."""
+    if not isinstance(word, str):
+        return ""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def name_list(names: typing.Iterable[str], *, limit: int = 12) -> str:
+    """``"a, b, c"``, or the first ``limit`` names and how many more: a list cut after a
+    whole name, never inside one."""
+    names = list(names)
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... ({len(names) - limit} more)"

@@ -1,0 +1,139 @@
+"""The CLI's one error path: each user mistake is one screen with the fix, exit 2 for
+usage and 1 for a failed check; ``--debug`` or ``AOTDIST_DEBUG=1`` shows the traceback."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from aotdist.check import CheckResult
+from aotdist.cli import DEBUG_ENV, main
+
+FACTORIES = """
+    import torch
+    from torch import nn
+
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)])
+        return model, (torch.randn(2, 8),)
+
+
+    def broken():
+        return helper()
+
+
+    def helper():
+        raise ValueError("vocab_size must be positive, got -1")
+"""
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """A working directory holding ``clifactories.py``, not on ``sys.path`` (as under the
+    console script)."""
+    (tmp_path / "clifactories.py").write_text(textwrap.dedent(FACTORIES))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "clifactories", raising=False)
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    yield tmp_path
+    sys.modules.pop("clifactories", None)
+
+
+def _screen(capsys) -> list[str]:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()
+
+
+@pytest.mark.parametrize("flag, name, close", [
+    ("--hf", "not_a_model", None), ("--hf", "lama", "llama"),
+    ("--torchvision", "not_a_model", None), ("--torchvision", "resnet5", "resnet50")])
+def test_a_library_model_name_it_lacks_fails_with_one_line_and_the_fix(
+        capsys, monkeypatch, flag, name, close):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    assert main(["check", flag, name]) == 1
+    (line,) = _screen(capsys)
+    assert line.startswith(f"aotdist check: {flag} {name}: the installed ")
+    assert f"{name!r}" in line and "Fix: a name it has, e.g. " in line
+    assert (f"Did you mean {close!r}?" in line) if close else "Did you mean" not in line
+    assert len(line) < 300
+
+
+def test_a_not_built_result_fails_the_check(capsys, monkeypatch):
+    monkeypatch.setattr("aotdist.check.check_family", lambda family, **kw: CheckResult(
+        "llama", status="not built", error="ValueError: the tiny config is wrong"))
+    assert main(["check", "llama"]) == 1
+    err = capsys.readouterr().err
+    assert "llama was not built, so nothing was checked: ValueError: the tiny config" in err
+
+
+def test_the_zoo_fails_on_a_family_the_user_named_that_is_not_built(capsys, monkeypatch):
+    results = [CheckResult("llama", status="reused"), CheckResult("nope", status="not built")]
+    monkeypatch.setattr("aotdist.check.run_zoo", lambda *a, **kw: results)
+    assert main(["zoo", "--families", "llama,hf:nope", "--out", ""]) == 1
+    assert "failing: nope" in capsys.readouterr().err
+    assert main(["zoo", "--families", "llama", "--out", ""]) == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_factory_in_the_working_directory_is_checked(user_dir, capsys):
+    assert main(["check", "clifactories:build"]) == 0, capsys.readouterr()
+    assert capsys.readouterr().out.startswith("clifactories:build: ")
+
+
+def test_a_factory_that_raises_is_one_screen_naming_the_user_s_line(user_dir, capsys):
+    assert main(["check", "clifactories:broken"]) == 1
+    lines = _screen(capsys)
+    assert lines[0] == ("aotdist check: clifactories:broken raised ValueError: vocab_size "
+                        "must be positive, got -1")
+    assert lines[1].startswith("  at clifactories.py:")
+    assert lines[1].endswith('in helper: raise ValueError("vocab_size must be positive, '
+                             'got -1")')
+    assert lines[2].startswith("Fix: ") and "--debug" in lines[2] and len(lines) == 3
+
+
+def test_debug_and_the_environment_variable_show_the_user_s_exception(user_dir, monkeypatch):
+    with pytest.raises(ValueError, match="vocab_size must be positive"):
+        main(["check", "clifactories:broken", "--debug"])
+    with pytest.raises(ValueError, match="vocab_size must be positive"):
+        main(["--debug", "check", "clifactories:broken"])
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(ValueError, match="vocab_size must be positive"):
+        main(["check", "clifactories:broken"])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["check", "nomodule:build"], "aotdist check: cannot import 'nomodule' for "
+     "'nomodule:build'"),
+    (["check", "clifactories:buidl"], "has no function 'buidl'. Did you mean 'build'?"),
+    (["inspect", "--model", "nomodule:build"], "aotdist inspect: cannot import 'nomodule'"),
+    (["inspect", "--model", "nosuch"], "aotdist inspect: unknown model 'nosuch'; choose one "
+     "of gpt, vit, resnet, aliasing"),
+    (["check", "nosuch"], "aotdist check: unknown model 'nosuch'"),
+    (["check"], "aotdist check: give one model"),
+])
+def test_a_usage_mistake_is_one_line_and_exit_2(user_dir, capsys, argv, expected):
+    assert main(argv) == 2
+    (line,) = _screen(capsys)
+    assert expected in line
+    assert "Fix" in line or "choose one of" in line or "give a family" in line or \
+        "give one model" in line
+
+
+def test_a_bad_flag_is_argparse_s_usage_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", "--fsdp-mode", "graphs", "llama"])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'graphs'" in capsys.readouterr().err
+
+
+def test_an_inspect_factory_that_raises_is_one_screen(user_dir, capsys):
+    assert main(["inspect", "--model", "clifactories:broken"]) == 1
+    lines = _screen(capsys)
+    assert lines[0].startswith("aotdist inspect: clifactories:broken raised ValueError")
+    assert len(lines) == 3
