@@ -67,8 +67,8 @@ def _import_factory(spec: str):
         public = [n for n in vars(module) if not n.startswith("_")
                   and callable(getattr(module, n))]
         raise _UsageError(
-            f"{mod_name!r} ({getattr(module, '__file__', '?')}) has no function {attr!r}."
-            f"{did_you_mean(attr, public)} Fix: name a zero-argument function of it, "
+            f"{mod_name!r} ({getattr(module, '__file__', '?')}) has no function {attr!r}"
+            f"{did_you_mean(attr, public)}. Fix: name a zero-argument function of it, "
             f"{mod_name}:FUNCTION.")
     return factory
 
@@ -310,8 +310,8 @@ def _check_library_name(args) -> None:
         return
     checked = [f.name for f in FAMILIES if f.source == source and f.name in names]
     raise _NotBuilt(
-        f"{flag} {name}: the installed {source} has no {what} {name!r}."
-        f"{did_you_mean(name, names)} Fix: a name it has, e.g. {', '.join(checked[:6])}; "
+        f"{flag} {name}: the installed {source} has no {what} {name!r}"
+        f"{did_you_mean(name, names)}. Fix: a name it has, e.g. {', '.join(checked[:6])}; "
         f"all {len(names)}: python -c \"import {source}; print({listing})\"")
 
 

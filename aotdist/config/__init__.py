@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aotdist.config.validation import Section, problems_message
+from aotdist.config.validation import Section, did_you_mean, name_list, problems_message
 from aotdist.errors import ConfigError, ConfigWarning
 from aotdist.log import rank_zero_warn
 
@@ -41,6 +41,16 @@ __all__ = [
 _DTYPES = ("float32", "bfloat16", "float16")
 _FSDP_MODES = ("hooks", "graph")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_COMMON_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")  # known without torch._dynamo
+
+
+def compile_backends() -> list[str]:
+    """The ``torch.compile`` backends a user can choose: every registered one (a user's own
+    ``torch._dynamo.register_backend`` included), less torch's ``*_TESTING_ONLY`` ones."""
+    import torch
+
+    return sorted(b for b in torch.compiler.list_backends(exclude_tags=())
+                  if not b.endswith("_TESTING_ONLY"))
 _FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
@@ -89,8 +99,16 @@ class CompileConfig(Section):
     def _rule_problems(self) -> list[str]:
         modes = COMPILE_MODES
         out = []
+        if isinstance(self.backend, str) and self.backend not in _COMMON_BACKENDS \
+                and self.backend not in compile_backends():  # (a bad type: reported already)
+            names = compile_backends()
+            out.append(f"compile.backend: unknown backend {self.backend!r}"
+                       f"{did_you_mean(self.backend, names)}. Fix: one of "
+                       f"{name_list(names, limit=len(names))}, or register yours with "
+                       "torch._dynamo.register_backend before building the config")
         if self.mode is not None and self.mode not in modes:
-            out.append(f"compile.mode: unknown mode {self.mode!r}; use one of {list(modes)}")
+            out.append(f"compile.mode: unknown mode {self.mode!r}"
+                       f"{did_you_mean(self.mode, modes)}; use one of {list(modes)}")
         elif self.mode is not None and self.backend != "inductor":
             out.append(
                 f"compile.mode: applies to the inductor backend only; got backend "
@@ -145,13 +163,15 @@ class FSDPConfig(Section):
 
     def _rule_problems(self) -> list[str]:
         out = [
-            f"fsdp.{name}: unknown dtype {value!r}; use one of {list(_DTYPES)} or null"
+            f"fsdp.{name}: unknown dtype {value!r}{did_you_mean(value, _DTYPES)}; use one of "
+            f"{list(_DTYPES)} or null"
             for name, value in (("param_dtype", self.param_dtype),
                                 ("reduce_dtype", self.reduce_dtype))
             if value is not None and value not in _DTYPES
         ]
         if self.mode not in _FSDP_MODES:
-            out.append(f"fsdp.mode: unknown mode {self.mode!r}; use one of {list(_FSDP_MODES)}")
+            out.append(f"fsdp.mode: unknown mode {self.mode!r}{did_you_mean(self.mode, _FSDP_MODES)}"
+                       f"; use one of {list(_FSDP_MODES)}")
         elif self.mode == "graph" and not self.enabled:
             out.append("fsdp.mode: graph shards the model, but fsdp.enabled is false. Fix: set "
                        "fsdp.enabled: true, or drop fsdp.mode")
@@ -190,7 +210,8 @@ class Float8Config(Section):
     def _rule_problems(self) -> list[str]:
         out = []
         if self.recipe not in _FLOAT8_RECIPES:
-            out.append(f"float8.recipe: unknown recipe {self.recipe!r}; use one of "
+            out.append(f"float8.recipe: unknown recipe {self.recipe!r}"
+                       f"{did_you_mean(self.recipe, _FLOAT8_RECIPES)}; use one of "
                        f"{list(_FLOAT8_RECIPES)}")
         elif self.fsdp_all_gather and self.recipe != "tensorwise":
             out.append(
@@ -243,7 +264,8 @@ class CacheConfig(Section):
     def _rule_problems(self) -> list[str]:
         out = []
         if self.mode not in _CACHE_MODES:
-            out.append(f"cache.mode: unknown mode {self.mode!r}; use one of {list(_CACHE_MODES)}")
+            out.append(f"cache.mode: unknown mode {self.mode!r}"
+                       f"{did_you_mean(self.mode, _CACHE_MODES)}; use one of {list(_CACHE_MODES)}")
         elif self.mode != "off" and not self.dir:
             out.append(f"cache.dir: required with cache.mode {self.mode!r}, got {self.dir!r}. "
                        "Fix: set cache.dir to a writable directory, or cache.mode: off")
@@ -324,7 +346,8 @@ class AOTDistConfig:
         sections: dict[str, Section] = {}
         for key in data:
             if key not in _SECTIONS:
-                problems.append(f"{key}: unknown section; known sections: {list(_SECTIONS)}")
+                problems.append(f"{key}: unknown section{did_you_mean(key, _SECTIONS)}; known "
+                                f"sections: {list(_SECTIONS)}")
         for key, section_cls in _SECTIONS.items():
             values = data.get(key) or {}
             if not isinstance(values, Mapping):
@@ -333,7 +356,8 @@ class AOTDistConfig:
             names = [f.name for f in dataclasses.fields(section_cls)]
             unknown = [k for k in values if k not in names]
             for k in unknown:
-                problems.append(f"{key}.{k}: unknown key; known keys of {key}: {names}")
+                problems.append(f"{key}.{k}: unknown key{did_you_mean(k, names)}; known keys "
+                                f"of {key}: {names}")
             try:
                 sections[key] = section_cls(**{k: v for k, v in values.items() if k in names})
             except ConfigError as exc:
@@ -376,7 +400,8 @@ class AOTDistConfig:
         merged = self.to_dict()
         for key, values in sections.items():
             if key not in _SECTIONS:
-                raise ConfigError(f"{key}: unknown section; known sections: {list(_SECTIONS)}")
+                raise ConfigError(f"{key}: unknown section{did_you_mean(key, _SECTIONS)}; "
+                                  f"known sections: {list(_SECTIONS)}")
             merged[key] = {**merged[key], **dict(values)}
         return AOTDistConfig.from_dict(merged)
 

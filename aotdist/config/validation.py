@@ -98,13 +98,13 @@ def problems_message(problems: list[str]) -> str:
 
 
 def did_you_mean(word: object, choices: typing.Iterable[str]) -> str:
-    """``" Did you mean 'x'?"`` naming the choice closest to ``word``, or ``""`` when none
+    """``" (did you mean 'x'?)"`` naming the choice closest to ``word``, or ``""`` when none
     is close (``difflib``'s ratio of at least 0.75: ``indcutor`` finds ``inductor``, a
     long unrelated name finds nothing)."""
     if not isinstance(word, str):
         return ""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
-    return f" Did you mean {close[0]!r}?" if close else ""
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def name_list(names: typing.Iterable[str], *, limit: int = 12) -> str:

@@ -60,7 +60,8 @@ def test_a_library_model_name_it_lacks_fails_with_one_line_and_the_fix(
     (line,) = _screen(capsys)
     assert line.startswith(f"aotdist check: {flag} {name}: the installed ")
     assert f"{name!r}" in line and "Fix: a name it has, e.g. " in line
-    assert (f"Did you mean {close!r}?" in line) if close else "Did you mean" not in line
+    assert (f"{name!r} (did you mean {close!r}?). Fix" in line) if close else \
+        "did you mean" not in line
     assert len(line) < 300
 
 
@@ -110,7 +111,7 @@ def test_debug_and_the_environment_variable_show_the_user_s_exception(user_dir, 
 @pytest.mark.parametrize("argv, expected", [
     (["check", "nomodule:build"], "aotdist check: cannot import 'nomodule' for "
      "'nomodule:build'"),
-    (["check", "clifactories:buidl"], "has no function 'buidl'. Did you mean 'build'?"),
+    (["check", "clifactories:buidl"], "has no function 'buidl' (did you mean 'build'?). Fix"),
     (["inspect", "--model", "nomodule:build"], "aotdist inspect: cannot import 'nomodule'"),
     (["inspect", "--model", "nosuch"], "aotdist inspect: unknown model 'nosuch'; choose one "
      "of gpt, vit, resnet, aliasing"),
