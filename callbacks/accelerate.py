@@ -31,6 +31,7 @@ from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
 from aotdist.fsdp import fsdp_modules, is_fsdp_module
+from aotdist.fsdp.hooks import require_process_group
 from aotdist.log import get_logger
 
 __all__ = ["RegionalCompileHook", "prepare"]
@@ -301,7 +302,10 @@ def _accelerate_mesh(accelerator: Any, cfg: AOTDistConfig) -> tuple[AOTDistConfi
     mesh = getattr(accelerator, "torch_device_mesh", None)  # None: no ParallelismConfig
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if not names:
-        if not cfg.fsdp.enabled or cfg.fsdp.replicate_degree > 1:
+        if not cfg.fsdp.enabled:
+            return cfg, None
+        require_process_group()  # else init_device_mesh fails inside torch's env:// rendezvous
+        if cfg.fsdp.replicate_degree > 1:
             return cfg, None  # aotdist builds HSDP's (replicate, shard) mesh itself
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -18,7 +18,7 @@ from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan
 
 __all__ = ["check_not_sharded", "default_mesh", "fsdp_modules", "fsdp_params", "is_fsdp_module",
-           "shard"]
+           "require_process_group", "shard"]
 
 
 def is_fsdp_module(module: nn.Module) -> bool:
@@ -78,6 +78,21 @@ def _device_type(model: nn.Module) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def require_process_group() -> None:
+    """Raises, before anything touches ``torch.distributed``, when FSDP has no process group
+    (a plain ``python`` run: a notebook, a first try).
+
+    Raises:
+        ConfigError: No process group is initialized; the message names the launchers.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "fsdp.enabled needs an initialized process group, and none is. Fix: launch "
+            "with torchrun / accelerate launch and call torch.distributed.init_process_group"
+            "() before aotdist.parallelize, or pass mesh=..., or set fsdp.enabled: false."
+        )
+
+
 def default_mesh(model: nn.Module, *, replicate_degree: int = 1):
     """The device mesh over the default process group, on the model's device type: 1-D,
     or with ``replicate_degree > 1`` the 2-D HSDP mesh ``(replicate, shard)``.
@@ -86,12 +101,7 @@ def default_mesh(model: nn.Module, *, replicate_degree: int = 1):
         ConfigError: No process group is initialized, or ``replicate_degree`` does not
             divide the world size.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError(
-            "fsdp.enabled needs an initialized process group, and none is. Fix: launch "
-            "with torchrun / accelerate launch and call torch.distributed.init_process_group"
-            "() before aotdist.parallelize, or pass mesh=..., or set fsdp.enabled: false."
-        )
+    require_process_group()
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
