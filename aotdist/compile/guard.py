@@ -277,6 +277,8 @@ def _first_line_of_cause(text: str) -> str:
         if ln.endswith("Got graph break/error:") and i + 1 < len(lines):
             expl = next((x for x in lines[i + 1:] if x.startswith("Explanation:")), "")
             return (lines[i + 1] + (f" - {expl[len('Explanation: '):]}" if expl else ""))[:500]
+    if len(lines) > 1 and lines[0].endswith("raised:"):  # BackendCompilerFailed: the cause
+        return f"the compiler backend raised {lines[1]}"[:500]
     return lines[0][:500] if lines else "unknown reason"
 
 

@@ -492,3 +492,16 @@ def test_a_region_called_at_two_shapes_is_named_with_the_shapes_and_the_fix():
         return  # torch 2.11 logs no reason: the generic cause (inputs differ) is given
     assert "shape (2, 8, 8) vs (2, 4, 8)" in caught[0], caught
     assert "exclude the region" in caught[0] and "shape (2, 8, 8)" in m.reuse["Sequential"]
+
+
+def test_a_backend_failure_is_named_by_its_cause_not_by_the_backend_object():
+    """torch's BackendCompilerFailed reads "backend='<object at 0x..>' raised:" and puts the
+    cause on the next line: the demotion's reason is the cause (timm's LeViT once read
+    nothing after "raised:")."""
+    from aotdist.compile.guard import _first_line_of_cause
+
+    text = ("BackendCompilerFailed: backend='<aotdist.backends.recording.RecordingBackend "
+            "object at 0x7f00>' raised:\nRuntimeError: index 196 is out of bounds\n\n"
+            "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace")
+    reason = _first_line_of_cause(text)
+    assert reason == "the compiler backend raised RuntimeError: index 196 is out of bounds"
