@@ -14,10 +14,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import sys
+import sysconfig
 import warnings
 
-__all__ = ["LOGGER_NAME", "get_logger", "rank_zero_warn"]
+__all__ = ["LOGGER_NAME", "get_logger", "rank_zero_warn", "user_stacklevel"]
 
 LOGGER_NAME = "aotdist"
 
@@ -47,17 +51,50 @@ def _rank() -> int | None:
     return None
 
 
+@functools.cache
+def _internal_prefixes() -> tuple[str, ...]:
+    """Directories whose frames are never the user's line: aotdist (and its callbacks),
+    the standard library and installed packages (torch, Lightning, Accelerate...)."""
+    import aotdist
+
+    dirs = {os.path.dirname(os.path.abspath(aotdist.__file__)),
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + "callbacks"}
+    dirs |= {os.path.abspath(sysconfig.get_paths()[k]) for k in ("stdlib", "purelib", "platlib")}
+    return tuple(d + os.sep for d in dirs)
+
+
+def user_stacklevel(default: int) -> int:
+    """The ``stacklevel``, for a :func:`warnings.warn` in the caller of this function, of the
+    innermost frame outside aotdist and the installed libraries: the user's line (through
+    ``parallelize``'s keyword-only wrapper, hooks and compiled calls alike), so a filter on
+    the user's module and the warning's file name work. ``default`` when there is none.
+
+    Args:
+        default: The ``stacklevel`` to use when every frame is aotdist's or a library's.
+    """
+    prefixes = _internal_prefixes()
+    frame, level = sys._getframe(2), 2  # level 1 is the caller's own frame
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith("<") or os.path.abspath(name).startswith(prefixes)):
+            return level
+        frame, level = frame.f_back, level + 1
+    return default
+
+
 def rank_zero_warn(message: str, category: type[Warning] = UserWarning, *,
                    stacklevel: int = 2) -> None:
-    """Warns once per job: on rank 0 when distributed, else in this process.
+    """Warns once per job: on rank 0 when distributed, else in this process. The warning
+    names the user's line: the innermost frame outside aotdist and the installed libraries.
 
     Args:
         message: The warning text.
         category: The warning class (``RegionCompileWarning``, ``ConfigWarning``...).
-        stacklevel: As for :func:`warnings.warn`, counted from the caller of this function.
+        stacklevel: As for :func:`warnings.warn`, counted from the caller of this function;
+            used only when every frame on the stack is aotdist's or a library's.
     """
     rank = _rank()
     if rank is None or rank == 0:
-        warnings.warn(message, category, stacklevel=stacklevel + 1)
+        warnings.warn(message, category, stacklevel=user_stacklevel(stacklevel + 1))
         return
     get_logger().debug("rank %d: %s (warned on rank 0): %s", rank, category.__name__, message)
