@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
+import sys
 
 import torch
 from torch import nn
@@ -128,11 +129,10 @@ def _check_recipe_runs(ao, ao_config, recipe: str, device: torch.device,
 
 def float8_linears(model: nn.Module) -> list[nn.Module]:
     """Every torchao ``Float8Linear`` in ``model`` (empty when torchao was never used)."""
-    try:
-        from torchao.float8.float8_linear import Float8Linear
-    except ImportError:
+    linear = sys.modules.get("torchao.float8.float8_linear")
+    if linear is None:  # never imported, so no Float8Linear exists: torchao stays unloaded
         return []
-    return [m for m in model.modules() if isinstance(m, Float8Linear)]
+    return [m for m in model.modules() if isinstance(m, linear.Float8Linear)]
 
 
 def uses_fsdp_float8_all_gather(model: nn.Module) -> bool:
