@@ -1,19 +1,15 @@
 """BatchNorm inside a region in training: running statistics updated without a mutation
 torch's ``invoke_subgraph`` sees.
 
-``invoke_subgraph`` refuses in-place buffer mutation in training ("does not currently
-support training with in-place input or buffer mutations"), so a block holding BatchNorm
-was demoted. While compiling in training, a region's BatchNorm normalizes with batch
-statistics (``F.batch_norm`` without running statistics: no mutation) and updates its
+``invoke_subgraph`` refuses in-place buffer mutation in training, so a block holding
+BatchNorm was demoted. While compiling in training, a region's BatchNorm normalizes with
+batch statistics (``F.batch_norm`` without running statistics: no mutation) and updates its
 running statistics through ``aotdist::update_batch_norm_stats``, a custom op declared
-non-mutating on purpose: functionalization never sees the buffers change. Its zero scalar
-output is added to the result, which keeps the op live. Nothing in a training step reads
-the running statistics after the update, so hiding it is safe there; in eval, and outside
-a compile, BatchNorm runs as the user's class does. A recompute in backward (activation
-checkpointing) updates nothing. Only a module whose ``forward`` is torch's own
-``_BatchNorm.forward`` (function identity) is swapped: a subclass with a forward of its own
-(timm's ``BatchNormAct2d`` applies an activation after it) runs as written, and its region
-is demoted with the reason. Details: docs/internals.md.
+non-mutating on purpose (nothing in a training step reads them after the update). In eval,
+outside a compile and in a recompute in backward, BatchNorm runs as the user's class does.
+Only a module whose ``forward`` is torch's own ``_BatchNorm.forward`` (function identity)
+is swapped: a subclass with a forward of its own (timm's ``BatchNormAct2d``) runs as
+written, and its region is demoted with the reason. Details: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """Stochastic depth inside a region: each block's drop rate is data, not a constant.
 
-torchvision's ``StochasticDepth`` (ConvNeXt, EfficientNet, Swin, MaxViT), timm's
-``DropPath`` (its ViTs, ConvNeXt, Swin, BEiT, EVA...) and transformers' ``*DropPath``
-modules hold a drop rate that grows with depth, a Python float the forward reads: Dynamo
-specializes each block's subgraph on it, so no two blocks shared one in training. Marking
-gives each such module under a region instance a subclass of its own class whose rate lives
-in a non-persistent 0-dim buffer (``state_dict()`` unchanged); the attribute (``p`` /
-``drop_prob``) stays a float that writes through to it. While compiling, the forward
-computes the mask from that tensor as the library does (transformers: the same
-``torch.rand`` draw; torchvision and timm: a ``bernoulli_`` draw with the rate as a tensor,
-same distribution, another stream); a block whose rate is 0 draws its all-ones mask too.
-Only a module whose forward, and the library function it calls, are exactly the code
-reproduced here (compared with the verbatim copies in :mod:`._droppath_reference`) is
-swapped: a subclass with a forward of its own, or a library release that changed the
-draw, runs as written. Outside a compile the user's forward runs. A region on the meta
-device is left as it is (``to_empty`` would not keep the buffer).
+torchvision's ``StochasticDepth``, timm's ``DropPath`` and transformers' ``*DropPath`` hold a
+drop rate that grows with depth, a float Dynamo specializes each block's subgraph on. Each
+such module under a region instance gets a subclass of its own class whose rate lives in a
+non-persistent 0-dim buffer (``state_dict()`` unchanged); the attribute (``p`` /
+``drop_prob``) stays a float that writes through to it. While compiling, the forward draws
+the mask from that tensor as the library does (transformers: the same ``torch.rand`` draw;
+torchvision, timm: ``bernoulli_`` with the rate as a tensor, same distribution, another
+stream). Only a module whose forward, and the library function it calls, are exactly the
+code reproduced (:mod:`.droppath_reference`) is swapped; anything else runs as written.
+Outside a compile the user's forward runs; a region on the meta device is left as it is.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ import types
 import torch
 from torch import nn
 
-from aotdist.compile import _droppath_reference as reference
+from aotdist.compile import droppath_reference as reference
 
 __all__ = ["restore_drop_paths", "swap_drop_paths"]
 

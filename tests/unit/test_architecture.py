@@ -11,7 +11,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"aotdist": ROOT / "aotdist", "aotdist.callbacks": ROOT / "callbacks"}
-MAX_LINES = 400
+# A smoke alarm for a file that outgrew one concept, not a target: split by concept well
+# before a file nears it, never to fit the number.
+MAX_LINES = 600
 
 # Attributes of torch / Accelerate objects that are private to those libraries.
 PRIVATE_ATTRS = {
@@ -124,7 +126,7 @@ def test_import_aotdist_is_light():
     assert not [m for m in loaded if not m.startswith("aotdist")], loaded
 
 
-def test_no_file_over_400_lines():
+def test_no_file_outgrew_a_concept():
     long = {str(p.relative_to(ROOT)): n for p in _files().values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines: {long}"
