@@ -10,8 +10,6 @@ the strategy's data-parallel mesh; a ``configure_model`` that already called
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,13 +19,29 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from aotdist import cache, metrics
-from aotdist.config import AOTDistConfig
+from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigError
 from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
 
 __all__ = ["RegionalCompile"]
 
 _WRAPPED = "_aotdist_configure_model_wrapped"
+
+
+def _register_config_type() -> None:
+    """Lets LightningCLI's jsonargparse validate ``RegionalCompile``'s ``config`` while it
+    parses (a mapping of sections or a YAML path, through :func:`aotdist.config.as_config`),
+    so a typo is a parser error led by aotdist's message, not a traceback at instantiation."""
+    try:
+        from jsonargparse.typing import get_registered_type, register_type
+    except ImportError:  # no LightningCLI: nothing parses the callback's arguments
+        return
+    if get_registered_type(AOTDistConfig) is None:
+        register_type(AOTDistConfig, serializer=lambda cfg: cfg.to_dict(),
+                      deserializer=as_config, deserializer_exceptions=(ConfigError,))
+
+
+_register_config_type()  # when the callback's module loads, before LightningCLI reads it
 
 
 class RegionalCompile(Callback):
@@ -41,8 +55,9 @@ class RegionalCompile(Callback):
     Float8 scale precompute after each optimizer step when FSDP float8 all-gather is used.
 
     Args:
-        config: An ``AOTDistConfig``, a mapping of its sections, or a YAML path. Its
-            ``fsdp`` section applies under ``ModelParallelStrategy`` (where FSDP2 is turned
+        config: An ``AOTDistConfig``, a mapping of its sections, or a YAML path (annotated
+            ``AOTDistConfig``: LightningCLI parses a mapping or a path into one, and a typo
+            is its parser error, led by aotdist's message). Its ``fsdp`` section applies under ``ModelParallelStrategy`` (where FSDP2 is turned
             on by default); ``float8`` and ``ac`` apply under every strategy.
         include: Region classes or FQN globs, relative to the LightningModule
             (``"model.blocks.*"``); overrides ``config.regions.include``.
@@ -83,7 +98,7 @@ class RegionalCompile(Callback):
         assert callback.applied.target_fqn == "model" and trainer.global_step == 1
     """
 
-    def __init__(self, config: AOTDistConfig | Mapping | str | os.PathLike | None = None, *,
+    def __init__(self, config: AOTDistConfig | None = None, *,
                  include: list[str] | str | None = None, exclude: list[str] | str | None = None,
                  backend: str | None = None, mode: str | None = None,
                  log_metrics: bool = True) -> None:
