@@ -20,6 +20,7 @@ from aotdist.errors import (
     OrderingError,
     RegionCaptureError,
     RegionCompileWarning,
+    RegionMismatchError,
     TorchFeatureUnavailable,
 )
 from aotdist.float8 import precompute_float8_scales
@@ -43,6 +44,7 @@ __all__ = [
     "Region",
     "RegionCaptureError",
     "RegionCompileWarning",
+    "RegionMismatchError",
     "RegionPlan",
     "TorchFeatureUnavailable",
     "cache",

@@ -20,6 +20,7 @@ __all__ = [
     "OrderingError",
     "RegionCaptureError",
     "RegionCompileWarning",
+    "RegionMismatchError",
     "TorchFeatureUnavailable",
     "exception_chain",
     "first_line",
@@ -80,6 +81,36 @@ class RegionCaptureError(AOTDistError, RuntimeError):
         super().__init__(f"regions {regions} failed to compile: {reason}")
         self.regions = list(regions)
         self.reason = reason
+
+
+class RegionMismatchError(AOTDistError, RuntimeError):
+    """The first-step check (``compile.verify``) found the compiled step off eager's.
+
+    Attributes:
+        regions: The regions the difference comes with (found by running them inline);
+            empty when it remains with every region inline (whole-model compile's own).
+        comparison: The compiled step's outputs and gradients against eager's
+            (``aotdist.compile.verify.Comparison``).
+    """
+
+    def __init__(self, comparison, regions: list[str], *, whole_model: bool = False):
+        if whole_model:
+            where = ("it remains with every region compiled inline, so it is the "
+                     "compiler's own (whole-model torch.compile computes the same). Fix: "
+                     "try another compile.backend (aot_eager) or torch version, and report "
+                     "it to PyTorch")
+        else:
+            where = (f"it comes with region(s) {regions}: compiled inline they match eager. "
+                     f"Fix: exclude them (regions.exclude: {regions}, or find_regions("
+                     "exclude=[...])) and report it to aotdist")
+        super().__init__(
+            f"aotdist's first-step check: the compiled training step differs from eager on "
+            f"the same state ({comparison.describe()}); {where}. Training was stopped "
+            "before any optimizer step. If your model draws random numbers outside "
+            "nn.Dropout modules (F.dropout, a stochastic-depth function), set their rate to "
+            "0 for the check, or turn compile.verify off.")
+        self.regions = list(regions)
+        self.comparison = comparison
 
 
 class BenchError(AOTDistError, RuntimeError):

@@ -128,7 +128,7 @@ def parallelize(model: nn.Module, *,
         cc = config.compile
         backend, options = sharding.backend(config, mesh)
         compile_regions(model, plan=plan, backend=backend, mode=cc.mode, dynamic=cc.dynamic,
-                        options=options)
+                        options=options, verify=cc.verify)
     sharding.finish(model, config)
 
     model.__dict__[INFO_ATTR] = ParallelizeInfo(

@@ -152,7 +152,7 @@ def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
             cc = config.compile
             compile_regions(target, plan=find_regions(target, include=exact["include"]),
                             backend=cc.backend, mode=cc.mode, dynamic=cc.dynamic,
-                            options=cc.options)
+                            options=cc.options, verify=cc.verify)
         return Applied(target, fqn, ApplyHow.COMPILE_IN_USER_FSDP, config)
     effective = config.replace(regions=exact)
     parallelize(target, config=effective, mesh=mesh if config.fsdp.enabled else None)

@@ -140,7 +140,8 @@ class RegionalCompileHook(ModelHook):
         if cc.enabled and self.applied.how != ApplyHow.USER:
             self._plain_forward = _compat.accelerate_old_forward(module)
             compiled = compile_callable(module, self._plain_forward, backend=cc.backend,
-                                        mode=cc.mode, dynamic=cc.dynamic, options=cc.options)
+                                        mode=cc.mode, dynamic=cc.dynamic, options=cc.options,
+                                        verify=cc.verify)
             _compat.set_accelerate_old_forward(module, _FirstCallMetrics(compiled, self, module))
         return module
 

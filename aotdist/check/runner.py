@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from aotdist.check.families import FAMILIES, Family, hf_family, torchvision_family
+from aotdist.compile.verify import compare_grads, tolerance
 from aotdist.errors import first_line
 
 __all__ = ["FAILING", "CheckResult", "check_family", "check_fsdp", "resolve"]
@@ -125,43 +126,13 @@ def _step(family: Family, model: nn.Module, inputs: dict[str, Any]) -> torch.Ten
 
 def _grad_diff(model: nn.Module, reference: nn.Module, *,
                rtol: float) -> tuple[float, bool, list[str]]:
-    """Largest gradient difference scaled by the gradient's size (at least a thousandth of
-    the model's largest gradient: one that is zero in exact arithmetic, as EfficientNet's
-    projection BatchNorm biases, is rounding noise in both), whether every parameter's
-    gradient is within ``rtol`` of the reference's, and the parameters whose gradient is
-    all zeros where the reference's is ``None`` (counted as equal: a compiled graph's
-    backward gives zeros to the parameters of an output the loss does not use, where eager
-    leaves them ``None``)."""
-    worst, ok, zeros = 0.0, True, []
-    ref = dict(reference.named_parameters())
-    floor = 1e-3 * max((_full(r.grad).abs().max().item() for r in ref.values()
-                        if r.grad is not None), default=0.0)
-    for name, p in model.named_parameters():
-        r = ref.get(name)
-        if r is None:
-            return float("inf"), False, zeros
-        if (p.grad is None) != (r.grad is None):
-            if r.grad is None and not _full(p.grad).any():
-                zeros.append(name)
-                continue
-            return float("inf"), False, zeros
-        if p.grad is None:
-            continue
-        g, rg = _full(p.grad), _full(r.grad)
-        scale = max(rg.abs().max().item(), floor) + 1e-6
-        diff = (g - rg).abs().max().item() / scale
-        worst = max(worst, diff)
-        ok &= diff <= rtol
-    return worst, ok, zeros
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full = getattr(t, "full_tensor", None)
-    return (full() if full is not None else t).detach().float()
-
-
-def _tolerance(backend: str) -> float:
-    return 1e-4 if backend in ("eager", "aot_eager") else 2e-2
+    """:func:`aotdist.compile.verify.compare_grads` of the two models' gradients: the
+    largest scaled difference, whether all are within ``rtol``, the zero-for-``None``
+    gradients."""
+    worst, bad, zeros = compare_grads(
+        {n: p.grad for n, p in model.named_parameters()},
+        {n: p.grad for n, p in reference.named_parameters()}, rtol=rtol)
+    return worst, bad is None, zeros
 
 
 def _classify(result: CheckResult, m, caught: list[str]) -> None:
@@ -204,7 +175,7 @@ def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, referen
     zero-for-``None`` gradients of whole-model compile, if it ran."""
     result.loss_aotdist = loss.item()
     result.max_grad_diff, grads_ok, zeros = _grad_diff(model, reference,
-                                                       rtol=_tolerance(backend))
+                                                       rtol=tolerance(backend))
     _classify(result, m, result.warnings)
     if zeros:
         result.notes["gradients"] = (
@@ -225,7 +196,7 @@ def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, referen
             result.notes.setdefault(name, f"{st.call_sites} of the {called} instances that "
                                     "ran ran compiled")
             result.status = "eager!"
-    loss_ok = abs(result.loss_aotdist - result.loss_eager) <= _tolerance(backend) * max(
+    loss_ok = abs(result.loss_aotdist - result.loss_eager) <= tolerance(backend) * max(
         1.0, abs(result.loss_eager))
     if not (loss_ok and grads_ok) and result.status != "eager!":
         result.status = "parity"
@@ -272,7 +243,7 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
         try:
             _step(family, _compile_whole(whole, backend), inputs)
             result.whole_model_grad_diff, whole_ok, whole_zeros = _grad_diff(
-                whole, reference, rtol=_tolerance(backend))
+                whole, reference, rtol=tolerance(backend))
             # torch's own miscompile: whole-model compile runs, but not as eager does
             result.whole_model = "trains" if whole_ok else (
                 f"wrong gradients (grad diff {result.whole_model_grad_diff:.1e})")

@@ -29,6 +29,7 @@ from aotdist.compile.frames import compile_frames
 from aotdist.compile.guard import RegionGuardedCall
 from aotdist.compile.marking import is_compiled, mark_regions, unmark_regions
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode, RegionState
+from aotdist.compile.verify import install_frames_check
 from aotdist.errors import OrderingError, RegionCompileWarning
 from aotdist.fsdp import fsdp_modules
 from aotdist.log import rank_zero_warn
@@ -83,6 +84,7 @@ def compile_regions(
     mode: str | None = None,
     dynamic: bool | None = None,
     options: dict[str, Any] | None = None,
+    verify: bool = False,
 ) -> nn.Module:
     """Marks ``model``'s regions for ``invoke_subgraph`` and compiles it in place.
 
@@ -98,6 +100,10 @@ def compile_regions(
             constants stay static); ``False``: static shapes; ``None``: torch's automatic
             dynamic (recompile once when a shape changes).
         options: Backend options (named backends only).
+        verify: Check the first training call against eager from the same state
+            (outputs and gradients; :mod:`aotdist.compile.verify`) and raise
+            ``RegionMismatchError`` naming the regions on a mismatch. Costs one eager
+            and one compiled forward and backward more in the first step.
 
     Returns:
         ``model`` itself.
@@ -140,11 +146,13 @@ def compile_regions(
             model(torch.randn(2, 8)).sum().backward()
         assert (m.regions["Block"].call_sites, m.regions["Block"].subgraphs) == (4, 1)
     """
-    state = _prepare(model, plan, backend, mode, dynamic, options)
+    state = _prepare(model, plan, backend, mode, dynamic, options, verify)
     if fsdp_modules(model):  # FSDP2's hooks would break the whole graph: see module doc
         state.mode = CompileMode.FRAMES
         compile_frames(model, state, functools.partial(
             torch.compile, backend=state.backend, dynamic=_torch_dynamic(dynamic)))
+        if verify:
+            install_frames_check(model, state)
     else:
         # Through an aotdist function, not model._call_impl: see _compat.root_call_function
         # (torch 2.11 does not trace an nn.Sequential root's _call_impl); its code is this
@@ -160,8 +168,8 @@ def compile_regions(
 
 def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None = None,
                      backend: str | Callable = "inductor", mode: str | None = None,
-                     dynamic: bool | None = None, options: dict[str, Any] | None = None
-                     ) -> Callable:
+                     dynamic: bool | None = None, options: dict[str, Any] | None = None,
+                     verify: bool = False) -> Callable:
     """Like :func:`compile_regions`, but compiles ``fn``, a callable that runs ``model``.
 
     For integrations that own the call path: Accelerate's hooks wrap ``model.forward``
@@ -183,7 +191,7 @@ def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None 
             "compile_callable compiles a whole call path, which FSDP2's hooks would break; "
             "use aotdist.compile_regions(model), which compiles inside the FSDP units."
         )
-    state = _prepare(model, plan, backend, mode, dynamic, options)
+    state = _prepare(model, plan, backend, mode, dynamic, options, verify)
     fn = _compat.unique_code_function(fn, type(model).__name__)
     compiled = torch.compile(fn, backend=state.backend, dynamic=_torch_dynamic(dynamic))
     state.call_fn, state.call_bound = fn, ()
@@ -192,8 +200,8 @@ def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None 
 
 
 def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
-             mode: str | None, dynamic: bool | None, options: dict[str, Any] | None
-             ) -> RegionState:
+             mode: str | None, dynamic: bool | None, options: dict[str, Any] | None,
+             verify: bool = False) -> RegionState:
     """Checks, marks (unless marked) and attaches the recording backend; no compile yet."""
     state = vars(model).get(STATE_ATTR)
     if state is not None and state.compiled:
@@ -218,6 +226,8 @@ def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
             RegionCompileWarning, stacklevel=3,
         )
     state.backend = RecordingBackend(inner, model=model, plan=state.plan)
+    state.backend_name = backend if isinstance(backend, str) else ""
+    state.verify = verify
     state.dynamic_inputs = dynamic is True
     state.call_dynamic = _torch_dynamic(dynamic)
     return state

@@ -23,6 +23,7 @@ from aotdist.compile.isolate import Trials
 from aotdist.compile.marking import apply_region_class, unmark_region
 from aotdist.compile.reuse import report_reuse
 from aotdist.compile.state import RegionState
+from aotdist.compile.verify import first_step_check
 from aotdist.errors import OrderingError, RegionCaptureError, RegionCompileWarning
 from aotdist.errors import exception_chain as _chain
 from aotdist.fsdp import fsdp_modules
@@ -108,6 +109,15 @@ class RegionGuardedCall:
         if not state.fsdp_checked:
             _check_no_fsdp_added(self._model_ref)
             state.fsdp_checked = True
+        if state.verify and is_training(self._model_ref):  # compile.verify, once
+            state.verify = False
+            first_step_check(
+                self._model_ref, state, lambda: self(*args, **kwargs),
+                lambda: state.call_fn(*state.call_bound, *args, **kwargs),
+                fresh=lambda n: torch.compile(
+                    _compat.unique_code_function(state.call_fn, f"verify_{n}"),
+                    backend=self._backend or state.backend, dynamic=state.call_dynamic,
+                )(*state.call_bound, *args, **kwargs))
         if state.dynamic_inputs:
             mark_dynamic_inputs(args, kwargs)
         first = not state.reuse_checked

@@ -45,6 +45,8 @@ class RegionState:
     demoted: dict[str, str] = field(default_factory=dict)  # region name -> reason
     backend: Callable | None = None  # aotdist.backends.recording.RecordingBackend
     compiled: bool = False
+    backend_name: str = ""  # the backend asked for (a name), for the check's tolerance
+    verify: bool = False  # compile.verify: the first training call checked against eager
     checkpoint: bool = False  # activation checkpointing around each region instance
     mode: CompileMode = CompileMode.GRAPH  # see aotdist.compile
     classes: dict[str, type] = field(default_factory=dict)  # region name -> its class

@@ -87,6 +87,8 @@ class CompileConfig(Section):
             ``reduce-overhead``, ``max-autotune``, ``max-autotune-no-cudagraphs``).
         dynamic: ``torch.compile``'s ``dynamic``; ``null`` lets Dynamo decide.
         options: Backend options (Inductor config keys), scoped to this model.
+        verify: Check the first training step against eager from the same state and
+            stop with ``RegionMismatchError`` naming the region on a mismatch.
     """
 
     _key: typing.ClassVar[str] = "compile"
@@ -95,6 +97,7 @@ class CompileConfig(Section):
     mode: str | None = None
     dynamic: bool | None = None
     options: dict | None = None
+    verify: bool = False
 
     def _rule_problems(self) -> list[str]:
         modes = COMPILE_MODES

@@ -209,8 +209,8 @@ def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) ->
     """Refuses what graph mode cannot do, before anything changes.
 
     Raises:
-        ConfigError: Float8 all-gather with ``fsdp.mode: graph``, or ``model`` holds
-            DTensor parameters (tensor parallelism).
+        ConfigError: Float8 all-gather or ``compile.verify`` with ``fsdp.mode: graph``, or
+            ``model`` holds DTensor parameters (tensor parallelism).
     """
     from torch.distributed.tensor import DTensor
 
@@ -233,6 +233,12 @@ def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) ->
             "float8.fsdp_all_gather: false (weights are gathered in high precision and cast to "
             "float8 in the graph), or use fsdp.mode: hooks."
         )
+    if config.compile.verify:
+        raise ConfigError(
+            "compile.verify is not supported with fsdp.mode: graph yet: the check reads each "
+            "parameter's gradient, and graph-mode FSDP swaps the parameters for gathered "
+            "shards inside the call. Fix: run the check once with fsdp.mode: hooks (the "
+            "regions compile the same way), or set compile.verify: false.")
 
 
 def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> RegionPlan:

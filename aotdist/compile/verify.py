@@ -1,0 +1,268 @@
+"""The first-step check (``compile.verify``): the first training call, compiled and eager
+from the same state, compared before training goes on.
+
+The compiled model runs forward and backward (compile, fixes and demotions happen there),
+then the same call runs eagerly (``set_stance("force_eager")``) from the same parameters,
+buffers and RNG state; the outputs and every parameter's gradient of a fixed random
+projection of the outputs (the user's loss is unknown here) are compared with ``aotdist
+check``'s tolerances, and the state is put back for the real step. ``nn.Dropout`` modules
+are in eval mode for both runs (compiled masks differ from eager's), a variant compiled
+once more. On a mismatch the regions are found by running regions inline (bisection, as
+failure isolation does; per-region frames: the first instance whose output differs) and
+:class:`~aotdist.errors.RegionMismatchError` names them. Details: docs/internals.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from aotdist import _compat
+from aotdist.compile.isolate import Trials
+from aotdist.compile.state import RegionState
+from aotdist.errors import RegionMismatchError
+from aotdist.log import get_logger
+
+__all__ = ["Comparison", "compare_grads", "first_step_check", "install_frames_check",
+           "tolerance"]
+
+_log = get_logger(__name__)
+
+
+def tolerance(backend: object) -> float:
+    """The relative tolerance a backend's results are held to against eager's."""
+    return 1e-4 if backend in ("eager", "aot_eager") else 2e-2
+
+
+def compare_grads(grads: dict[str, torch.Tensor | None],
+                  reference: dict[str, torch.Tensor | None], *,
+                  rtol: float) -> tuple[float, str | None, list[str]]:
+    """Largest gradient difference scaled by the reference gradient's size (at least a
+    thousandth of the largest reference gradient: one that is zero in exact arithmetic is
+    rounding noise in both), the first parameter beyond ``rtol`` (``None``: all within),
+    and the parameters whose gradient is all zeros where the reference's is ``None``
+    (counted as equal: a compiled backward gives zeros to the parameters of an output the
+    loss does not use, where eager leaves them ``None``)."""
+    worst, bad, zeros = 0.0, None, []
+    floor = 1e-3 * max((_full(r).abs().max().item() for r in reference.values()
+                        if r is not None), default=0.0)
+    missing = sorted(set(grads) ^ set(reference))
+    if missing:  # not the same parameters
+        return float("inf"), missing[0], zeros
+    for name, g in grads.items():
+        r = reference[name]
+        if (g is None) != (r is None):
+            if r is None and not _full(g).any():
+                zeros.append(name)
+                continue
+            return float("inf"), bad or name, zeros
+        if g is None:
+            continue
+        g, r = _full(g), _full(r)
+        diff = (g - r).abs().max().item() / (max(r.abs().max().item(), floor) + 1e-6)
+        worst = max(worst, diff)
+        if diff > rtol and bad is None:
+            bad = name
+    return worst, bad, zeros
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)  # a DTensor (FSDP2 shard): the whole gradient
+    return (full() if full is not None else t).detach().float()
+
+
+@dataclass
+class Comparison:
+    """One compiled call against eager: the largest output and gradient differences."""
+
+    output_diff: float
+    grad_diff: float
+    worst_param: str | None
+    rtol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.output_diff <= self.rtol and self.worst_param is None
+
+    def describe(self) -> str:
+        where = f" (first beyond it: {self.worst_param})" if self.worst_param else ""
+        return (f"outputs differ by {self.output_diff:.2e}, gradients by "
+                f"{self.grad_diff:.2e}{where}, tolerance {self.rtol:.0e}")
+
+
+def _outputs(out: object) -> list[torch.Tensor]:
+    return [t for t in _compat.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+
+
+def _step(model: nn.Module, call: Callable[[], object]) -> tuple[list[torch.Tensor], dict]:
+    """Runs ``call`` and the backward of a fixed projection of its outputs; returns the
+    outputs and every parameter's gradient, leaving ``.grad`` as it was."""
+    params = dict(model.named_parameters())
+    stash = {n: p.grad for n, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    try:
+        outs = _outputs(call())
+        g = torch.Generator().manual_seed(0)
+        terms = [(o.float() * torch.randn(o.shape, generator=g).to(o.device)).sum() / o.numel()
+                 for o in outs if o.requires_grad and o.numel()]
+        if terms:
+            torch.stack(terms).sum().backward()
+        grads = {n: None if p.grad is None else p.grad.detach().clone()
+                 for n, p in params.items()}
+        return [o.detach().clone() for o in outs], grads
+    finally:
+        for n, p in params.items():
+            p.grad = stash[n]
+
+
+def _output_diff(outs: list[torch.Tensor], ref_outs: list[torch.Tensor]) -> float:
+    """Largest output difference relative to the reference's size (at least 1)."""
+    if len(outs) != len(ref_outs) or any(
+            a.shape != b.shape for a, b in zip(outs, ref_outs, strict=True)):
+        return float("inf")
+    return max(((a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1.0)
+                for a, b in zip(outs, ref_outs, strict=True) if a.numel()), default=0.0)
+
+
+def _compare(got, want, rtol: float) -> Comparison:
+    (outs, grads), (ref_outs, ref_grads) = got, want
+    grad_diff, bad, _ = compare_grads(grads, ref_grads, rtol=rtol)
+    return Comparison(_agreed([_output_diff(outs, ref_outs)])[0], grad_diff, bad, rtol)
+
+
+def _agreed(values: list[float]) -> list[float]:
+    """Each value's largest over the ranks (every rank then decides alike, none hangs)."""
+    if not values or not (torch.distributed.is_available()
+                          and torch.distributed.is_initialized()):
+        return values
+    backend = torch.distributed.get_backend()
+    t = torch.tensor(values, device="cuda" if backend == "nccl" else "cpu")
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist()
+
+
+@contextlib.contextmanager
+def _same_state(model: nn.Module) -> Iterator[Callable[[], None]]:
+    """Yields a function that puts ``model``'s buffers and the RNG back as they were on
+    entry (parameters are not changed by a forward and backward); applied on exit too."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def put_back():
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+    try:
+        yield put_back
+    finally:
+        put_back()
+
+
+@contextlib.contextmanager
+def _dropout_off(model: nn.Module) -> Iterator[int]:
+    """Dropout modules in eval mode (their masks differ compiled and eager)."""
+    drops = [m for m in model.modules()
+             if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
+    for m in drops:
+        m.training = False
+    try:
+        yield len(drops)
+    finally:
+        for m in drops:
+            m.training = True
+
+
+def first_step_check(model: nn.Module, state: RegionState, compiled: Callable[[], object],
+                     eager: Callable[[], object], *, frames: bool = False,
+                     fresh: Callable[[int], object] | None = None) -> Comparison:
+    """Runs the check; raises :class:`RegionMismatchError` naming the regions on a
+    mismatch. ``compiled`` and ``eager`` make the same call, compiled and eagerly;
+    ``fresh(n)`` makes it through a new compile (``n``: the trial), for isolation.
+    ``frames``: per-region frames (FSDP2 hooks mode), whose region instances run their
+    hooks eagerly: the culprit is the first instance whose output differs."""
+    rtol = tolerance(state.backend_name)
+    with _dropout_off(model), _same_state(model) as put_back:
+        with _instance_outputs(model, state, frames) as calls:
+            got = _step(model, compiled)
+            put_back()
+            with torch.compiler.set_stance("force_eager"):
+                want = _step(model, eager)
+        put_back()
+        result = _compare(got, want, rtol)
+        _log.info("first-step check: %s: %s", "passed" if result.ok else "FAILED",
+                  result.describe())
+        if result.ok:
+            return result
+        if frames:
+            culprits = _first_differing_instance(state, calls, rtol)
+        else:
+            culprits = _isolate(model, state, fresh, want, rtol, put_back)
+    raise RegionMismatchError(result, culprits, whole_model=culprits == [])
+
+
+@contextlib.contextmanager
+def _instance_outputs(model: nn.Module, state: RegionState,
+                      on: bool) -> Iterator[list[tuple[str, list[torch.Tensor]]]]:
+    """Records each region instance's outputs, in call order (both runs, one list)."""
+    calls: list[tuple[str, list[torch.Tensor]]] = []
+    handles = [model.get_submodule(fqn).register_forward_hook(
+        lambda m, a, out, fqn=fqn: calls.append((fqn, [o.detach().clone()
+                                                       for o in _outputs(out)])))
+        for fqn in (state.marked if on else ())]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _first_differing_instance(state: RegionState, calls, rtol: float) -> list[str]:
+    """The region of the first instance whose compiled output differs from its eager one
+    (the first half of ``calls`` is the compiled run, the second the eager run)."""
+    half = len(calls) // 2
+    diffs = _agreed([_output_diff(got, want) for (_, got), (_, want)
+                     in zip(calls[:half], calls[half:], strict=True)])
+    return next(([state.marked[fqn]] for (fqn, _), d in zip(calls, diffs, strict=False)
+                 if d > rtol), [])
+
+
+def install_frames_check(model: nn.Module, state: RegionState) -> None:
+    """Per-region frames: the check runs from a forward pre-hook on the root (the root is
+    not compiled there), before FSDP2's own, on the first training call; then it goes."""
+    def hook(module, args, kwargs):
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        handle.remove()
+        first_step_check(model, state, lambda: module(*args, **kwargs),
+                         lambda: module(*args, **kwargs), frames=True)
+        return None
+
+    handle = model.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
+
+
+def _isolate(model: nn.Module, state: RegionState, fresh: Callable[[int], object], want,
+             rtol: float, put_back: Callable[[], None]) -> list[str]:
+    """The live regions the mismatch comes with (all else nested), by runs with regions
+    inline; ``[]`` when it remains with every region inline (whole-model compile's).
+    ``fresh(n)`` makes the call through a compile of its own (a code object of its own:
+    no trial runs a graph cached for another, whatever the torch version guards on)."""
+
+    class _Runs(Trials):
+        def _passes(self) -> bool:
+            self.count += 1
+            put_back()
+            return _compare(_step(model, lambda: fresh(self.count)), want, rtol).ok
+
+    live = [r.name for r in state.plan if r.name not in state.demoted]
+    return _Runs(model, state, lambda: None, None).isolate(live)

@@ -1,0 +1,115 @@
+"""The first-step check (``compile.verify``): the first training call compiled and eager
+from the same state; a mismatch stops training and names the region.
+
+The wrong result is made as aotdist once made it: BatchNorm's training fix applied to a
+subclass whose forward adds an activation (timm's ``BatchNormAct2d``), which dropped it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import aotdist
+from aotdist.compile import batchnorm
+from aotdist.testing import assert_training_parity, record_logs
+
+
+class _BatchNormRelu(nn.BatchNorm2d):
+    def forward(self, x):
+        return F.relu(super().forward(x))
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(4, 4, 3, padding=1), _BatchNormRelu(4)
+
+    def forward(self, x):
+        return x + self.norm(self.conv(x))
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 1), _Block(), _Block(), _Block(), nn.Flatten())
+
+
+def _x():
+    return torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+
+
+def test_a_region_that_computes_wrong_is_named_before_any_step(monkeypatch):
+    # the isinstance swap aotdist once had: it replaced _BatchNormRelu's forward
+    monkeypatch.setattr(batchnorm, "_reproduced", lambda cls: True)
+    model = _cnn()
+    before = copy.deepcopy(model.state_dict())
+    aotdist.compile_regions(model, backend="aot_eager", verify=True)
+    with pytest.raises(aotdist.RegionMismatchError, match=r"region\(s\) \['_Block'\]") as err:
+        model(_x())
+    assert err.value.regions == ["_Block"]
+    assert err.value.comparison.grad_diff > 1e-2
+    for key, value in model.state_dict().items():  # buffers put back: nothing trained
+        torch.testing.assert_close(value, before[key], msg=key)
+
+
+def test_the_check_passes_and_training_goes_on_as_eager():
+    model = _cnn()
+    reference = copy.deepcopy(model)
+    aotdist.compile_regions(model, backend="aot_eager", verify=True)
+    # the check's own runs leave buffers, RNG and .grad as they were: 3 steps stay eager's
+    with record_logs() as logs:
+        assert_training_parity(model, reference, [(_x(),)] * 3)
+    assert model[1].norm.num_batches_tracked.item() == 3
+    checks = [r.getMessage() for r in logs if "first-step check" in r.getMessage()]
+    assert len(checks) == 1 and "first-step check: passed" in checks[0], checks  # once
+
+
+class _DropBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return x + self.drop(torch.tanh(self.fc(x)))
+
+
+def test_dropout_is_off_for_the_check_and_on_for_training():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _DropBlock(), _DropBlock(), _DropBlock())
+    reference = copy.deepcopy(model)
+    aotdist.compile_regions(model, backend="aot_eager", verify=True)
+    x = torch.randn(4, 8)
+    with record_logs() as logs:
+        assert_training_parity(model, reference, [(x,)] * 2)  # masks as eager's: same RNG
+    assert any("first-step check: passed" in r.getMessage() for r in logs)
+    assert all(m.training for m in model.modules())
+
+
+def test_a_whole_model_difference_is_said_to_be_the_compiler_s(monkeypatch):
+    class Twice(nn.Module):  # computes otherwise under compile, in a region or not
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) * (2 if torch.compiler.is_compiling() else 1)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Twice(), Twice(), Twice())
+    aotdist.compile_regions(model, backend="aot_eager", verify=True)
+    with pytest.raises(aotdist.RegionMismatchError, match="compiler's own") as err:
+        model(torch.randn(2, 4))
+    assert err.value.regions == []
+
+
+def test_graph_mode_fsdp_refuses_the_check_with_the_fix():
+    from aotdist.fsdp.graph import check_graph_config
+
+    config = aotdist.AOTDistConfig.from_dict(
+        {"fsdp": {"enabled": True, "mode": "graph"}, "compile": {"verify": True}})
+    with pytest.raises(aotdist.ConfigError, match="fsdp.mode: hooks"):
+        check_graph_config(config)
