@@ -119,6 +119,8 @@ def _screen(exc: BaseException) -> tuple[int, str]:
         return 2, str(exc)
     if isinstance(exc, _UserCodeError):
         where = _user_frame(exc.exc)
+        if not where:  # aotdist refused what the factory returned: the message has the fix
+            return 1, f"{first_line(exc.exc, 600)} {hint}"
         return 1, "\n".join(
             [f"{exc.spec} raised {first_line(exc.exc, 600)}"]
             + ([f"  at {where}"] if where else [])
@@ -268,6 +270,8 @@ def _cmd_check(args) -> int:
     limit_memory(args.memory_limit)
     with _user_code(spec) if family.source == "user" else contextlib.nullcontext():
         if args.fsdp and args.fsdp > 1:
+            if family.source == "user":  # here, so a factory that raises is one screen
+                family.build(0)
             result = check_fsdp(spec, args.fsdp, backend=args.backend, timeout=args.timeout,
                                 mode=args.fsdp_mode)
         else:
@@ -338,18 +342,42 @@ def _cmd_zoo(args) -> int:
     return 1 if failing else 0
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default, where it has one its help does not state already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, "", argparse.SUPPRESS) or "default" in text
+                or not action.option_strings):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default: {shown})".strip()
+
+
+_DESCRIPTION = (
+    "Compile the repeated regions of PyTorch models once. Subcommands: check (does aotdist "
+    "train this model?), zoo (check every family), bench (compile and step time side by "
+    "side), inspect (what was captured). A mistake is one screen with the fix; --debug (or "
+    f"{DEBUG_ENV}=1) shows the traceback. Exit 2: a usage mistake; 1: a failed check.")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``aotdist`` console script."""
-    parser = argparse.ArgumentParser(prog="aotdist", description=__doc__)
+    from aotdist.version import __version__
+
+    parser = argparse.ArgumentParser(prog="aotdist", description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"aotdist {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help=f"on an error, show the traceback (or set {DEBUG_ENV}=1)")
     debug = argparse.ArgumentParser(add_help=False)  # --debug after the subcommand too
+    fmt = {"formatter_class": _HelpFormatter}
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser(
-        "bench", parents=[debug], help="compile time, step time and memory of eager / full torch.compile / "
+        "bench", parents=[debug], **fmt, help="compile time, step time and memory of eager / full torch.compile / "
         "Accelerate compile_regions / aotdist, side by side",
         description="Without --model, --depths and --nproc: the main job (GPT at depths 2, 8, "
         "32 with every strategy and at depth 64 with Accelerate and aotdist, transformers' "
@@ -364,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="ranks, e.g. 1,2; > 1 shards with FSDP2 (gloo on CPU, NCCL on CUDA)")
     b.add_argument("--strategies", type=_csv, default=None,
                    help="comma-separated, default all: eager, full, accelerate, aotdist")
-    b.add_argument("--backend", default="inductor")
+    b.add_argument("--backend", default="inductor", help="torch.compile backend")
     b.add_argument("--mode", default=None, help="torch.compile mode of every compiling "
                    "strategy (reduce-overhead: CUDA graphs, with --device cuda)")
     b.add_argument("--quick", action="store_true", help="the developers' job: one depth, one "
@@ -384,13 +412,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--timeout", type=float, default=1200.0, help="seconds per measurement")
     b.add_argument("--profile", action="store_true", help="write cProfile, torch.profiler and "
                    "compile-phase files per measurement to OUT/profile (inflates timings)")
-    b.add_argument("--out", default="bench-out")
+    b.add_argument("--out", default="bench-out", help="directory of the report")
     b.set_defaults(func=_cmd_bench)
 
-    i = sub.add_parser("inspect", parents=[debug],
-                       help="region plan and what AOTAutograd captured, per region")
+    i = sub.add_parser("inspect", parents=[debug], **fmt,
+                       help="region plan and what AOTAutograd captured, per region",
+                       description="Builds a model, finds its regions and captures one "
+                       "training step: the region plan, then what AOTAutograd captured per "
+                       "region (graphs, call sites, subgraphs); --out saves them.")
     i.add_argument("--model", default="gpt", help="gpt, vit, resnet, aliasing or module:factory")
-    i.add_argument("--depth", type=int, default=4)
+    i.add_argument("--depth", type=int, default=4, help="blocks of a built-in model")
     i.add_argument("--backend", default="aot_eager", help="aot_eager or inductor")
     i.add_argument("--nproc", type=int, default=1, help="ranks (gloo on CPU); with --fsdp")
     i.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (aotdist.parallelize)")
@@ -404,9 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     i.set_defaults(func=_cmd_inspect)
 
     c = sub.add_parser(
-        "check", parents=[debug], help="does aotdist train this model? one step eager, whole-model "
-        "torch.compile and aotdist; exit 1 on a crash, a parity failure or a silent eager "
-        "region")
+        "check", parents=[debug], **fmt, help="does aotdist train this model? one step eager, whole-model "
+        "torch.compile and aotdist; exit 1 on a crash, a parity failure, a silent eager "
+        "region or a model not built")
     c.add_argument("model", nargs="?", default=None,
                    help="a family of `aotdist zoo` (e.g. llama) or module:factory, a function "
                    "returning (model, inputs), inputs a dict of keyword arguments or a tuple")
@@ -417,7 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--fsdp-mode", default="hooks", choices=("hooks", "graph"),
                    help="with --fsdp: FSDP2 units (hooks) or graph-mode FSDP (collectives in "
                    "the compiled graph)")
-    c.add_argument("--backend", default="aot_eager")
+    c.add_argument("--backend", default="aot_eager",
+                   help="torch.compile backend of the check: aot_eager (fast, parity exact) "
+                   "or inductor (what training compiles with)")
     c.add_argument("--timeout", type=float, default=600.0, help="seconds, with --fsdp")
     c.add_argument("--json", default=None, help="also write the result to this file")
     c.add_argument("--memory-limit", type=float, default=0.0, metavar="GB",
@@ -425,13 +458,17 @@ def main(argv: list[str] | None = None) -> int:
                    "that a build too big for the machine fails instead of being killed")
     c.set_defaults(func=_cmd_check)
 
-    z = sub.add_parser("zoo", parents=[debug], help="check every model family (tiny transformers and "
-                       "torchvision builds), each in a fresh process; write docs/models.md")
+    z = sub.add_parser("zoo", parents=[debug], **fmt,
+                       help="check every model family (tiny transformers and torchvision "
+                       "builds), each in a fresh process; write docs/models.md",
+                       description="Runs `aotdist check` on every listed model family, each "
+                       "in a fresh process, then a few under FSDP2, and writes the table "
+                       "(--out). Exit 1 when a family fails or one you named is not built.")
     z.add_argument("--families", type=_csv, default=None, help="default: the listed families; all: also every causal LM of the installed transformers")
     z.add_argument("--fsdp-families", type=_csv, default=None,
                    help="also checked under FSDP2 (default llama,qwen3_moe,bert)")
     z.add_argument("--fsdp", type=int, default=2, help="ranks for those (1: none)")
-    z.add_argument("--backend", default="aot_eager")
+    z.add_argument("--backend", default="aot_eager", help="torch.compile backend")
     z.add_argument("--timeout", type=float, default=600.0, help="seconds per family")
     z.add_argument("--memory-limit", type=float, default=None, metavar="GB",
                    help="address space per check process (default: half the physical "

@@ -28,6 +28,10 @@ FACTORIES = """
 
     def helper():
         raise ValueError("vocab_size must be positive, got -1")
+
+
+    def not_a_pair():
+        return nn.Linear(2, 2)
 """
 
 
@@ -87,8 +91,9 @@ def test_a_factory_in_the_working_directory_is_checked(user_dir, capsys):
     assert capsys.readouterr().out.startswith("clifactories:build: ")
 
 
-def test_a_factory_that_raises_is_one_screen_naming_the_user_s_line(user_dir, capsys):
-    assert main(["check", "clifactories:broken"]) == 1
+@pytest.mark.parametrize("more", [[], ["--fsdp", "2"]], ids=["", "fsdp"])
+def test_a_factory_that_raises_is_one_screen_naming_the_user_s_line(user_dir, capsys, more):
+    assert main(["check", "clifactories:broken", *more]) == 1
     lines = _screen(capsys)
     assert lines[0] == ("aotdist check: clifactories:broken raised ValueError: vocab_size "
                         "must be positive, got -1")
@@ -138,3 +143,28 @@ def test_an_inspect_factory_that_raises_is_one_screen(user_dir, capsys):
     lines = _screen(capsys)
     assert lines[0].startswith("aotdist inspect: clifactories:broken raised ValueError")
     assert len(lines) == 3
+
+
+def test_a_factory_that_returns_the_wrong_thing_is_one_line(user_dir, capsys):
+    assert main(["check", "clifactories:not_a_pair"]) == 1
+    (line,) = _screen(capsys)
+    assert line.startswith("aotdist check: TypeError: clifactories:not_a_pair must return "
+                           "(model, inputs)")
+    assert "got Linear" in line
+
+
+def test_version_and_help_show_what_runs_by_default(capsys):
+    from aotdist.version import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"aotdist {__version__}"
+    for command, shown in (("check", "(default: aot_eager)"), ("zoo", "Runs `aotdist check`"),
+                           ("inspect", "Builds a model, finds its regions"),
+                           ("bench", "(default: inductor)")):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert shown in " ".join(capsys.readouterr().out.split()), command
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "``" not in capsys.readouterr().out  # no raw RST
