@@ -383,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         "32 with every strategy and at depth 64 with Accelerate and aotdist, transformers' "
         "Llama and a ModuleDict GPT at depth 8; 2 repeats run round robin, 20 timed steps, "
         "then the strategies side by side in one process per depth), about 12 minutes on a "
-        "quiet 2-core Intel Xeon (twice that on slower cores); with --quick, GPT at depth 2, 1 repeat, 5 timed "
-        "steps (under 2 minutes). With any of --model/--depths/--nproc: their grid.")
+        "quiet 2-core Intel Xeon (twice that on slower cores or under load); with --quick, GPT "
+        "at depth 2, 1 repeat, 5 timed steps (about 2 minutes there, up to twice that under "
+        "load). With any of --model/--depths/--nproc: their grid.")
     b.add_argument("--model", type=_csv, default=None, help="gpt, vit, resnet, llama (transformers), dictgpt "
                    "(blocks in a ModuleDict); comma-separated")
     b.add_argument("--depths", type=_ints, default=None, help="e.g. 2,8,32")
