@@ -231,6 +231,12 @@ def _inspect(rank: int, world_size: int, opts: dict) -> str:
 
 
 def _cmd_inspect(args) -> int:
+    if args.fsdp not in (None, True):  # --fsdp N, as check spells it: N ranks
+        if args.nproc not in (1, args.fsdp):
+            raise _UsageError(f"--fsdp {args.fsdp} and --nproc {args.nproc} disagree. Fix: "
+                              f"give the ranks once, --fsdp {args.fsdp}")
+        args.nproc = args.fsdp
+    args.fsdp = args.fsdp is not None
     opts = {k: getattr(args, k) for k in ("model", "depth", "fsdp", "fsdp_mode", "float8", "out",
                                           "backend")}
     if ":" in args.model:
@@ -425,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--depth", type=int, default=4, help="blocks of a built-in model")
     i.add_argument("--backend", default="aot_eager", help="aot_eager or inductor")
     i.add_argument("--nproc", type=int, default=1, help="ranks (gloo on CPU); with --fsdp")
-    i.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (aotdist.parallelize)")
+    i.add_argument("--fsdp", type=int, nargs="?", const=True, default=None, metavar="N",
+                   help="shard with FSDP2 (aotdist.parallelize) on N ranks, as check "
+                   "spells it (--fsdp alone: over --nproc ranks)")
     i.add_argument("--fsdp-mode", default="hooks", choices=("hooks", "graph"),
                    help="with --fsdp: FSDP2 units (hooks) or graph-mode FSDP (collectives in "
                    "the graph, shown per graph)")

@@ -168,3 +168,19 @@ def test_version_and_help_show_what_runs_by_default(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "``" not in capsys.readouterr().out  # no raw RST
+
+
+@pytest.mark.parametrize("argv, ranks", [
+    (["--fsdp", "2"], 2), (["--nproc", "2", "--fsdp"], 2), (["--fsdp", "2", "--nproc", "2"], 2)])
+def test_inspect_spells_fsdp_ranks_as_check_does(monkeypatch, capsys, argv, ranks):
+    seen = {}
+
+    def run_distributed(fn, nproc, opts, **kwargs):
+        seen.update(nproc=nproc, fsdp=opts["fsdp"])
+        return ["report"]
+
+    monkeypatch.setattr("aotdist.launch.run_distributed", run_distributed)
+    assert main(["inspect", "--model", "gpt", *argv]) == 0
+    assert seen == {"nproc": ranks, "fsdp": True}
+    assert main(["inspect", "--fsdp", "2", "--nproc", "3"]) == 2
+    assert "--fsdp 2 and --nproc 3 disagree" in capsys.readouterr().err
