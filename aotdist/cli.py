@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
 
     z = sub.add_parser("zoo", parents=[debug], **fmt,
                        help="check every model family (tiny transformers and torchvision "
-                       "builds), each in a fresh process; write docs/models.md",
+                       "builds), each in a fresh process; write the table",
                        description="Runs `aotdist check` on every listed model family, each "
                        "in a fresh process, then a few under FSDP2, and writes the table "
                        "(--out). Exit 1 when a family fails or one you named is not built.")
@@ -482,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     z.add_argument("--memory-limit", type=float, default=None, metavar="GB",
                    help="address space per check process (default: half the physical "
                    "memory; 0: none)")
-    z.add_argument("--out", default="docs/models.md", help="the table ('' to skip)")
+    z.add_argument("--out", default="zoo-out/models.md", help="the table ('' to skip; "
+                   "aotdist's own page: --out docs/models.md)")
     z.set_defaults(func=_cmd_zoo)
 
     args = parser.parse_args(argv)  # a bad flag: argparse's usage line, exit 2
