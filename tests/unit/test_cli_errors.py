@@ -184,3 +184,13 @@ def test_inspect_spells_fsdp_ranks_as_check_does(monkeypatch, capsys, argv, rank
     assert seen == {"nproc": ranks, "fsdp": True}
     assert main(["inspect", "--fsdp", "2", "--nproc", "3"]) == 2
     assert "--fsdp 2 and --nproc 3 disagree" in capsys.readouterr().err
+
+
+def test_the_zoo_writes_to_a_fresh_directory_by_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("aotdist.check.run_zoo",
+                        lambda *a, **kw: [CheckResult("llama", status="reused")])
+    monkeypatch.setattr("aotdist.check.render", lambda results, backend: "the table\n")
+    assert main(["zoo", "--families", "llama"]) == 0
+    assert (tmp_path / "zoo-out" / "models.md").read_text() == "the table\n"
+    assert not (tmp_path / "docs").exists()
