@@ -398,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--nproc", type=_ints, default=None,
                    help="ranks, e.g. 1,2; > 1 shards with FSDP2 (gloo on CPU, NCCL on CUDA)")
     b.add_argument("--strategies", type=_csv, default=None,
-                   help="comma-separated, default all: eager, full, accelerate, aotdist")
+                   help="comma-separated, default eager, full, accelerate, aotdist; also "
+                   "aotdist-graph (graph-mode FSDP), aotdist+cache, aotdist-graph+cache "
+                   "(warm starts from the artifact cache)")
     b.add_argument("--backend", default="inductor", help="torch.compile backend")
     b.add_argument("--mode", default=None, help="torch.compile mode of every compiling "
                    "strategy (reduce-overhead: CUDA graphs, with --device cuda)")

@@ -194,3 +194,14 @@ def test_the_zoo_writes_to_a_fresh_directory_by_default(tmp_path, monkeypatch, c
     assert main(["zoo", "--families", "llama"]) == 0
     assert (tmp_path / "zoo-out" / "models.md").read_text() == "the table\n"
     assert not (tmp_path / "docs").exists()
+
+
+def test_bench_help_names_every_strategy_its_error_accepts(capsys):
+    from aotdist.bench.strategies import STRATEGIES
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    options = text[text.index("options:"):]
+    strategies = options[options.index("--strategies"):options.index("--backend")]
+    assert all(name in strategies.replace(",", " ").split() for name in STRATEGIES), strategies
