@@ -268,7 +268,10 @@ def _cmd_check(args) -> int:
     try:
         family = resolve(spec)
     except ValueError as exc:
-        raise _UsageError(str(exc)) from None
+        from aotdist.check import FAMILIES
+        from aotdist.config.validation import did_you_mean
+
+        raise _UsageError(f"{exc}{did_you_mean(spec, [f.name for f in FAMILIES])}") from None
     if family.source == "user":
         _import_factory(spec)
     else:

@@ -122,6 +122,7 @@ def test_debug_and_the_environment_variable_show_the_user_s_exception(user_dir, 
     (["inspect", "--model", "nosuch"], "aotdist inspect: unknown model 'nosuch'; choose one "
      "of gpt, vit, resnet, aliasing"),
     (["check", "nosuch"], "aotdist check: unknown model 'nosuch'"),
+    (["check", "lama"], "or module:factory (did you mean 'llama'?)"),
     (["check"], "aotdist check: give one model"),
 ])
 def test_a_usage_mistake_is_one_line_and_exit_2(user_dir, capsys, argv, expected):
