@@ -53,12 +53,16 @@ def _import_factory(spec: str):
         module = importlib.import_module(mod_name)
     except ModuleNotFoundError as exc:
         if not (exc.name and (mod_name == exc.name or mod_name.startswith(exc.name + "."))):
+            if _debug:
+                raise
             raise _UserCodeError(spec, exc) from exc  # the user's module imports a missing one
         raise _UsageError(
             f"cannot import {mod_name!r} for {spec!r} (looked in {cwd} and sys.path). Fix: "
             f"run from the directory holding {mod_name.replace('.', '/')}.py, or add its "
             "directory to PYTHONPATH.") from None
     except Exception as exc:  # noqa: BLE001 - the module's own top level raised
+        if _debug:
+            raise
         raise _UserCodeError(spec, exc) from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
@@ -91,15 +95,9 @@ def _user_code(spec: str):
 def _user_frame(exc: BaseException) -> str:
     """``file:line in function: code`` of the innermost frame outside aotdist, torch and
     the installed packages (the user's own line), or ``""``."""
-    import sysconfig
+    from aotdist.log import is_user_file
 
-    import aotdist
-
-    skip = [os.path.dirname(os.path.abspath(aotdist.__file__))] + [
-        os.path.abspath(p) for p in {sysconfig.get_paths()[k]
-                                     for k in ("stdlib", "purelib", "platlib")}]
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not any(os.path.abspath(f.filename).startswith(s + os.sep) for s in skip)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
     if not frames:
         return ""
     f = frames[-1]
@@ -122,10 +120,9 @@ def _screen(exc: BaseException) -> tuple[int, str]:
         if not where:  # aotdist refused what the factory returned: the message has the fix
             return 1, f"{first_line(exc.exc, 600)} {hint}"
         return 1, "\n".join(
-            [f"{exc.spec} raised {first_line(exc.exc, 600)}"]
-            + ([f"  at {where}"] if where else [])
-            + [f"Fix: make {exc.spec} build its model without error (try calling it in "
-               f"Python first) {hint}"])
+            [f"{exc.spec} raised {first_line(exc.exc, 600)}", f"  at {where}",
+             f"Fix: make {exc.spec} build its model without error (try calling it in "
+             f"Python first) {hint}"])
     if isinstance(exc, AOTDistError):
         return 1, str(exc)
     where = _user_frame(exc)

@@ -21,7 +21,7 @@ import sys
 import sysconfig
 import warnings
 
-__all__ = ["LOGGER_NAME", "get_logger", "rank_zero_warn", "user_stacklevel"]
+__all__ = ["LOGGER_NAME", "get_logger", "is_user_file", "rank_zero_warn", "user_stacklevel"]
 
 LOGGER_NAME = "aotdist"
 
@@ -63,6 +63,13 @@ def _internal_prefixes() -> tuple[str, ...]:
     return tuple(d + os.sep for d in dirs)
 
 
+def is_user_file(filename: str) -> bool:
+    """Whether ``filename`` is the user's code: not aotdist's, not the standard library's or
+    an installed package's, not generated (``<string>``)."""
+    return not (filename.startswith("<")
+                or os.path.abspath(filename).startswith(_internal_prefixes()))
+
+
 def user_stacklevel(default: int) -> int:
     """The ``stacklevel``, for a :func:`warnings.warn` in the caller of this function, of the
     innermost frame outside aotdist and the installed libraries: the user's line (through
@@ -72,11 +79,9 @@ def user_stacklevel(default: int) -> int:
     Args:
         default: The ``stacklevel`` to use when every frame is aotdist's or a library's.
     """
-    prefixes = _internal_prefixes()
     frame, level = sys._getframe(2), 2  # level 1 is the caller's own frame
     while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith("<") or os.path.abspath(name).startswith(prefixes)):
+        if is_user_file(frame.f_code.co_filename):
             return level
         frame, level = frame.f_back, level + 1
     return default

@@ -208,3 +208,16 @@ def test_bench_help_names_every_strategy_its_error_accepts(capsys):
     strategies = options[options.index("--strategies"):options.index("--backend")]
     named = set(re.findall(r"[\w+-]+", strategies))
     assert set(STRATEGIES) <= named, strategies
+
+
+def test_a_module_that_raises_on_import_is_the_user_s_error(user_dir, capsys, monkeypatch):
+    (user_dir / "clibroken.py").write_text("import torch\n\nraise RuntimeError('no GPU here')\n")
+    monkeypatch.delitem(sys.modules, "clibroken", raising=False)
+    assert main(["check", "clibroken:build"]) == 1
+    lines = _screen(capsys)
+    assert lines[0] == "aotdist check: clibroken:build raised RuntimeError: no GPU here"
+    assert lines[1] == "  at clibroken.py:3 in <module>: raise RuntimeError('no GPU here')"
+    sys.modules.pop("clibroken", None)
+    with pytest.raises(RuntimeError, match="no GPU here"):
+        main(["check", "clibroken:build", "--debug"])
+    sys.modules.pop("clibroken", None)
