@@ -23,13 +23,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aotdist.config.validation import Section, did_you_mean, name_list, problems_message
+from aotdist.config.validation import Section, did_you_mean, problems_message
 from aotdist.errors import ConfigError, ConfigWarning
 from aotdist.log import rank_zero_warn
 
 __all__ = [
     "AOTDistConfig",
     "as_config",
+    "compile_backends",
     "ACConfig",
     "CacheConfig",
     "CompileConfig",
@@ -42,6 +43,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 _FSDP_MODES = ("hooks", "graph")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _COMMON_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")  # known without torch._dynamo
+_FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def compile_backends() -> list[str]:
@@ -51,7 +53,6 @@ def compile_backends() -> list[str]:
 
     return sorted(b for b in torch.compiler.list_backends(exclude_tags=())
                   if not b.endswith("_TESTING_ONLY"))
-_FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,13 +103,13 @@ class CompileConfig(Section):
     def _rule_problems(self) -> list[str]:
         modes = COMPILE_MODES
         out = []
-        if isinstance(self.backend, str) and self.backend not in _COMMON_BACKENDS \
-                and self.backend not in compile_backends():  # (a bad type: reported already)
-            names = compile_backends()
+        names = [] if not isinstance(self.backend, str) or self.backend in _COMMON_BACKENDS \
+            else compile_backends()  # (a bad type is reported already)
+        if names and self.backend not in names:
             out.append(f"compile.backend: unknown backend {self.backend!r}"
-                       f"{did_you_mean(self.backend, names)}. Fix: one of "
-                       f"{name_list(names, limit=len(names))}, or register yours with "
-                       "torch._dynamo.register_backend before building the config")
+                       f"{did_you_mean(self.backend, names)}. Fix: one of {', '.join(names)}, "
+                       "or register yours with torch._dynamo.register_backend before building "
+                       "the config")
         if self.mode is not None and self.mode not in modes:
             out.append(f"compile.mode: unknown mode {self.mode!r}"
                        f"{did_you_mean(self.mode, modes)}; use one of {list(modes)}")

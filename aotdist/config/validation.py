@@ -15,7 +15,7 @@ from typing import Any
 
 from aotdist.errors import ConfigError
 
-__all__ = ["Section", "did_you_mean", "name_list", "problems_message"]
+__all__ = ["Section", "did_you_mean", "problems_message"]
 
 
 def _type_problem(value: Any, hint: Any) -> str | None:
@@ -106,10 +106,3 @@ def did_you_mean(word: object, choices: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
-
-def name_list(names: typing.Iterable[str], *, limit: int = 12) -> str:
-    """``"a, b, c"``, or the first ``limit`` names and how many more: a list cut after a
-    whole name, never inside one."""
-    names = list(names)
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown}, ... ({len(names) - limit} more)"
