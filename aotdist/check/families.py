@@ -1,13 +1,16 @@
 """The model families ``aotdist zoo`` checks: tiny random-weight builds, offline.
 
 Each :class:`Family` builds a model and one batch from a config alone (``transformers``'
-``AutoConfig.for_model`` shrunk to a few layers of width 64, or a ``torchvision``
-constructor): no weights or datasets are downloaded.
+``AutoConfig.for_model`` shrunk to a few layers of width 64, a ``torchvision``
+constructor, ``timm.create_model`` with stochastic depth on and a small input where the
+architecture takes one, or torchtitan's own model code at a tiny size): no weights or
+datasets are downloaded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FAMILIES", "Family", "causal_lm_types", "family", "hf_family", "torchvision_family"]
+from aotdist.errors import first_line
+
+__all__ = ["FAMILIES", "TIMM_MODELS", "TITAN_MODELS", "Family", "causal_lm_types", "family",
+           "hf_family", "stochastic_depth", "timm_family", "titan_family", "titan_unavailable",
+           "torchvision_family",
+           "without_randomness"]
 
 # Config attributes that set the size of a transformers model, and their tiny values.
 # Only those a config has are set; a family's own overrides come after.
@@ -70,16 +78,33 @@ def loss_of(output: Any) -> torch.Tensor:
     return sum(t.float().square().mean() for t in tensors)
 
 
+def _drop_rate(m: nn.Module) -> str | None:
+    """The rate attribute of a stochastic-depth module (torchvision's ``StochasticDepth``,
+    timm's ``DropPath`` and ``DropBlock2d``, transformers' ``*DropPath``), else ``None``."""
+    name = type(m).__name__
+    if name == "StochasticDepth":
+        return "p"
+    if name.endswith(("DropPath", "DropBlock2d")) and isinstance(
+            getattr(m, "drop_prob", None), float):
+        return "drop_prob"
+    return None
+
+
+def stochastic_depth(model: nn.Module) -> bool:
+    """Whether some stochastic-depth module of ``model`` drops with a rate above 0."""
+    return any((attr := _drop_rate(m)) and getattr(m, attr) > 0 for m in model.modules())
+
+
 def without_randomness(model: nn.Module) -> nn.Module:
-    """``model`` with dropout and stochastic depth off, so that one training step is
-    deterministic and comparable with eager (torchvision's compiled stochastic depth draws
-    its masks from another random stream; the blocks share one subgraph either way:
-    tests/unit/test_stochastic_depth.py)."""
+    """``model`` with dropout and stochastic depth off, so that a training step is
+    deterministic and comparable with eager (torchvision's and timm's compiled stochastic
+    depth draw their masks from another random stream; the blocks share one subgraph
+    either way: tests/unit/test_stochastic_depth.py)."""
     for m in model.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd):
             m.p = 0.0
-        elif type(m).__name__ == "StochasticDepth":
-            m.p = 0.0
+        elif (attr := _drop_rate(m)) is not None:
+            setattr(m, attr, 0.0)
     return model
 
 
@@ -260,6 +285,8 @@ def torchvision_family(name: str, kind: str, *, size: int = 32, batch: int = 2,
 
 
 def _classification_loss(logits: torch.Tensor) -> torch.Tensor:
+    if isinstance(logits, tuple | list):  # a distilled model trains on (class, distillation)
+        return sum(_classification_loss(t) for t in logits)
     labels = torch.arange(logits.shape[0]) % logits.shape[-1]
     return nn.functional.cross_entropy(logits, labels)
 
@@ -331,3 +358,174 @@ def causal_lm_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def timm_family(arch: str, kind: str = "timm model", *, size: int | None = None,
+                batch: int = 2, img_size: bool = True, notes: str = "",
+                **kwargs: Any) -> Family:
+    """A ``timm.create_model(arch)`` with random weights, 10 classes and stochastic depth
+    on (``drop_path_rate=0.1``, timm's usual training setting), in train mode; ``kwargs``
+    shrink it where timm takes them (``depth``, ``embed_dim``). The batch is ``batch``
+    random images of ``size`` pixels square, passed as ``img_size`` where the
+    architecture takes one (``img_size``), else its default input size."""
+
+    def build(seed: int):
+        import timm
+
+        torch.manual_seed(seed)
+        args = {"pretrained": False, "num_classes": 10, "drop_path_rate": 0.1, **kwargs}
+        if size is not None and img_size:
+            args["img_size"] = size
+        model = timm.create_model(arch, **args).train()
+        shape = (3, size, size) if size is not None else tuple(
+            model.pretrained_cfg.get("input_size", (3, 224, 224)))
+        g = torch.Generator().manual_seed(seed + 1)
+        return model, {"x": torch.randn(batch, *shape, generator=g)}
+
+    return Family(arch, kind, build, "timm", notes, loss=_classification_loss)
+
+
+# timm's families, each at the smallest size it builds at: a transformer at 64 pixels (its
+# own img_size, fewer blocks where it takes depth), a BatchNorm network on 4 images of 64.
+_VIT = {"size": 64, "depth": 4}
+_CNN = {"size": 64, "batch": 4, "img_size": False}
+TIMM_MODELS: tuple[Family, ...] = (
+    timm_family("vit_tiny_patch16_224", "ViT", **_VIT),
+    timm_family("vit_small_patch16_224", "ViT", **_VIT),
+    timm_family("vit_relpos_small_patch16_224", "ViT, relative positions", **_VIT),
+    timm_family("deit_tiny_patch16_224", "DeiT", **_VIT),
+    timm_family("deit_tiny_distilled_patch16_224", "DeiT, distillation token", **_VIT),
+    timm_family("deit3_small_patch16_224", "DeiT III, layer scale", **_VIT),
+    timm_family("beit_base_patch16_224", "BEiT", embed_dim=192, num_heads=3, **_VIT),
+    timm_family("beitv2_base_patch16_224", "BEiT v2", embed_dim=192, num_heads=3, **_VIT),
+    timm_family("eva02_tiny_patch14_224", "EVA-02, rotary, SwiGLU", size=56, depth=4),
+    timm_family("flexivit_small", "FlexiViT", size=64, depth=4),
+    timm_family("cait_xxs24_224", "CaiT, class attention", **_VIT),
+    timm_family("xcit_nano_12_p16_224", "XCiT, cross-covariance attention", **_VIT),
+    timm_family("pit_ti_224", "PiT, pooling", size=64),
+    timm_family("convit_tiny", "ConViT, gated positional attention", **_VIT),
+    timm_family("swin_tiny_patch4_window7_224", "Swin", size=64, window_size=2),
+    timm_family("swinv2_tiny_window8_256", "Swin v2", size=64, window_size=2),
+    timm_family("levit_128s", "LeViT, attention with BatchNorm", size=64, batch=4),
+    timm_family("levit_conv_128s", "LeViT, convolutional", size=64, batch=4),
+    timm_family("pvt_v2_b0", "PVT-v2, spatial-reduction attention", size=64, img_size=False),
+    timm_family("twins_svt_small", "Twins, local/global attention", size=64),
+    timm_family("maxvit_nano_rw_256", "MaxViT, BatchNormAct2d", size=64, batch=4),
+    timm_family("maxvit_rmlp_pico_rw_256", "MaxViT, relative-position MLP", size=64, batch=4),
+    timm_family("coatnet_nano_rw_224", "CoAtNet, BatchNormAct2d", size=64, batch=4),
+    timm_family("coatnet_0_rw_224", "CoAtNet, BatchNormAct2d", size=64, batch=4),
+    timm_family("fastvit_t8", "FastViT, reparameterizable", **_CNN),
+    timm_family("mobilevit_xxs", "MobileViT, BatchNormAct2d", **_CNN),
+    timm_family("mobilevitv2_050", "MobileViT v2", **_CNN),
+    timm_family("convnext_atto", "ConvNeXt", **_CNN),
+    timm_family("convnextv2_atto", "ConvNeXt v2, GRN", **_CNN),
+    timm_family("poolformer_s12", "PoolFormer (MetaFormer)", **_CNN),
+    timm_family("poolformerv2_s12", "PoolFormer v2 (MetaFormer)", **_CNN),
+    timm_family("edgenext_xx_small", "EdgeNeXt", **_CNN),
+    timm_family("efficientformerv2_s0", "EfficientFormer v2", size=64, batch=4),
+    timm_family("efficientnet_b0", "EfficientNet, BatchNormAct2d", **_CNN),
+    timm_family("efficientnetv2_rw_t", "EfficientNet v2, BatchNormAct2d", **_CNN),
+    timm_family("tf_efficientnet_lite0", "EfficientNet-Lite, same padding", **_CNN),
+    timm_family("mixnet_s", "MixNet, mixed kernels", **_CNN),
+    timm_family("mobilenetv3_small_050", "MobileNetV3, hard-swish", **_CNN),
+    timm_family("mobilenetv3_large_100", "MobileNetV3", **_CNN),
+    timm_family("regnetx_002", "RegNetX, BatchNormAct2d", **_CNN),
+    timm_family("regnety_002", "RegNetY, squeeze-excitation", **_CNN),
+    timm_family("resnet18", "ResNet", **_CNN),
+    timm_family("resnet50d", "ResNet-D, bottleneck", **_CNN),
+    timm_family("resnext26ts", "ResNeXt (ByobNet)", **_CNN),
+    timm_family("ghostnet_100", "GhostNet", **_CNN),
+    timm_family("repvgg_a0", "RepVGG", **_CNN),
+    timm_family("mambaout_femto", "MambaOut, gated CNN", **_CNN),
+    timm_family("inception_next_atto", "InceptionNeXt", **_CNN),
+)
+
+
+def _titan_tiny(name: str):
+    """A torchtitan model config at a tiny size: its debug flavor's own code and layer
+    builders, 3 blocks (DeepSeek-V3: one dense and 3 MoE), fewer and narrower experts,
+    and torchtitan's SDPA inner attention (causal) for the flex attention its language
+    models default to (a block mask needs positions from its data loader)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    if name in ("llama3", "qwen3"):
+        module = importlib.import_module(f"torchtitan.models.{name}")
+        config = module.model_registry("debugmodel", attn_backend="flex").model
+        config.layers = config.layers[:3]
+    elif name == "qwen3_moe":
+        from torchtitan.models import qwen3
+
+        config = qwen3.model_registry("debugmodel_moe", attn_backend="flex").model
+        rope = config.layers[0].attention.rope
+        config.layers = qwen3._build_qwen3_moe_layers(
+            n_layers=3, dim=config.dim, n_heads=16, n_kv_heads=8, head_dim=16,
+            moe_hidden_dim=64, num_experts=8, top_k=2, attn_backend="flex",
+            moe_comm_backend="standard", rope=_rope(rope, 16))
+    elif name == "deepseek_v3":
+        from torchtitan.models import deepseek_v3
+
+        config = deepseek_v3.model_registry("debugmodel", attn_backend="flex").model
+        config.layers = config.layers[:4]
+    else:
+        raise ValueError(f"titan:{name}: torchtitan models checked here are "
+                         f"{', '.join(TITAN_MODELS)}")
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
+
+
+def _rope(rope, head_dim: int):
+    import dataclasses
+
+    return dataclasses.replace(rope, dim=head_dim)
+
+
+TITAN_MODELS = {"llama3": "dense decoder (Llama 3)", "qwen3": "dense decoder, QK norm (Qwen 3)",
+                "qwen3_moe": "MoE decoder (Qwen 3 MoE)",
+                "deepseek_v3": "MLA + MoE decoder (DeepSeek-V3)"}
+
+# torchtitan 0.3's model code imports torch.distributed.fsdp.DataParallelMeshDims (torch 2.12)
+TITAN_MIN_TORCH = "2.12"
+
+
+def titan_unavailable(name: str = "llama3") -> str | None:
+    """Why torchtitan's model code for ``name`` does not import here (``None``: it does)."""
+    module = "qwen3" if name == "qwen3_moe" else name
+    try:
+        importlib.import_module(f"torchtitan.models.{module}")
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and exc.name.split(".")[0] == "torchtitan" and (
+                "." not in exc.name):
+            return ("torchtitan is not installed (pip install --no-deps torchtitan "
+                    "spmd_types tyro)")
+        return f"needs torchtitan's dependency {exc.name}: {first_line(exc)}"
+    except ImportError as exc:  # its code uses torch.distributed APIs newer than this torch
+        return (f"needs torch >= {TITAN_MIN_TORCH} (torchtitan's model code does not import "
+                f"on torch {torch.__version__.split('+')[0]}: {first_line(exc)})")
+    return None
+
+
+def titan_family(name: str) -> Family:
+    """A torchtitan model built from its own model code (:func:`_titan_tiny`) with random
+    weights; the batch is 2 random token sequences of 16, the loss cross-entropy on the
+    next token."""
+
+    def build(seed: int):
+        missing = titan_unavailable(name)
+        if missing:
+            raise RuntimeError(missing)
+        torch.manual_seed(seed)
+        config = _titan_tiny(name)
+        model = config.build()
+        model.init_weights()
+        vocab = config.vocab_size
+        g = torch.Generator().manual_seed(seed + 1)
+        return model, {"*": (torch.randint(0, vocab, (2, 17), generator=g)[:, :-1],)}
+
+    return Family(name, TITAN_MODELS.get(name, "torchtitan model"), build, "torchtitan",
+                  loss=_next_token_loss)
+
+
+def _next_token_loss(logits: torch.Tensor) -> torch.Tensor:
+    labels = torch.arange(logits.shape[1]).expand(logits.shape[:2]) % logits.shape[-1]
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())

@@ -1,9 +1,14 @@
-"""One training step of a model three ways (eager, whole-model ``torch.compile``, aotdist)
-and what came of it: :func:`check_family`, :func:`check_fsdp`, :class:`CheckResult`.
+"""A model trained three ways (eager, whole-model ``torch.compile``, aotdist) and what came
+of it: :func:`check_family`, :func:`check_fsdp`, :class:`CheckResult`.
 
-The step is forward, loss and backward on one batch; aotdist must match eager (loss and
-every gradient), account for every region instance (compiled, demoted or run eager with a
-warning) and crash only where whole-model ``torch.compile`` crashes too.
+:func:`check_family` trains :data:`STEPS` SGD steps on one batch from the same weights and
+the same random seed per step; after each step aotdist must match eager (loss, every
+gradient, every buffer: a BatchNorm's running statistics), account for every region
+instance (compiled, demoted or run eager with a warning) and crash only where whole-model
+``torch.compile`` crashes too. Dropout and stochastic depth are off for the comparison
+(random masks are not comparable); a model built with stochastic depth on is compiled once
+more as built, and its reuse judged there, since that is how it trains. :func:`check_fsdp`
+trains one step under FSDP2.
 """
 
 from __future__ import annotations
@@ -20,11 +25,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from aotdist.check.families import FAMILIES, Family, hf_family, torchvision_family
+from aotdist.check.families import (
+    FAMILIES,
+    TIMM_MODELS,
+    Family,
+    hf_family,
+    stochastic_depth,
+    timm_family,
+    titan_family,
+    torchvision_family,
+    without_randomness,
+)
 from aotdist.compile.verify import compare_grads, tolerance
 from aotdist.errors import first_line
 
-__all__ = ["FAILING", "CheckResult", "check_family", "check_fsdp", "resolve"]
+__all__ = ["FAILING", "STEPS", "CheckResult", "check_family", "check_fsdp", "resolve"]
+
+STEPS = 3  # SGD steps each way: a wrong buffer update shows in the next step's loss
+LR = 0.05
 
 # Statuses that fail ``aotdist check`` (non-zero exit) and the zoo's test.
 FAILING = ("crash", "parity", "eager!")
@@ -55,6 +73,10 @@ class CheckResult:
     loss_aotdist: float | None = None
     max_grad_diff: float | None = None
     whole_model_grad_diff: float | None = None  # the same measure for whole-model compile
+    steps: int = 1  # optimizer steps compared
+    max_loss_diff: float | None = None  # over the steps, against eager
+    max_buffer_diff: float | None = None  # the gradients' measure, for buffers
+    stochastic_depth: str = ""  # the status with stochastic depth on, where the model has it
     error: str = ""
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
@@ -63,17 +85,31 @@ class CheckResult:
     def ok(self) -> bool:
         return self.status not in FAILING
 
+    @property
+    def loss_diff(self) -> float | None:
+        """The largest loss difference from eager over the steps compared."""
+        if self.max_loss_diff is not None:
+            return self.max_loss_diff
+        if self.loss_eager is None or self.loss_aotdist is None:
+            return None
+        return abs(self.loss_aotdist - self.loss_eager)
+
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok}
 
     def line(self) -> str:
         """One progress line: name, status, regions and the loss difference."""
         regions = ", ".join(f"{n} x{r['instances']}" for n, r in self.regions.items()) or "-"
-        diff = ("" if self.loss_eager is None or self.loss_aotdist is None
-                else f" | loss diff {abs(self.loss_aotdist - self.loss_eager):.1e}, grad diff "
-                f"{self.max_grad_diff:.1e}")
+        diff = ("" if self.loss_diff is None
+                else f" | loss diff {self.loss_diff:.1e}, grad diff {self.max_grad_diff:.1e}")
         if self.whole_model_grad_diff is not None:
             diff += f" (whole-model compile {self.whole_model_grad_diff:.1e})"
+        if self.max_buffer_diff is not None:
+            diff += f", buffer diff {self.max_buffer_diff:.1e}"
+        if self.steps > 1 and diff:
+            diff += f" over {self.steps} steps"
+        if self.stochastic_depth:
+            diff += f" | stochastic depth on: {self.stochastic_depth}"
         mode = ", graph mode" if self.fsdp_mode == "graph" else ""
         where = f" (FSDP x{self.fsdp}{mode})" if self.fsdp else ""
         text = f"{self.name}{where}: {self.status} | {regions}{diff} | {self.seconds:.0f} s"
@@ -82,7 +118,9 @@ class CheckResult:
 
 def resolve(spec: str) -> Family:
     """A family from a spec: a name in :data:`FAMILIES`, ``hf:TYPE`` (a ``transformers``
-    model type, causal LM unless listed), ``torchvision:NAME``, or ``module:factory`` (a
+    model type, causal LM unless listed), ``torchvision:NAME``, ``timm:ARCH`` (a
+    ``timm.create_model`` architecture), ``titan:NAME`` (a torchtitan model:
+    :data:`~aotdist.check.families.TITAN_MODELS`), or ``module:factory`` (a
     zero-argument function returning ``(model, inputs)``, ``inputs`` a dict of keyword
     arguments or a tuple of positional ones)."""
     kind, _, rest = spec.partition(":")
@@ -91,7 +129,7 @@ def resolve(spec: str) -> Family:
         if spec in known:
             return known[spec]
         raise ValueError(f"unknown model {spec!r}: give a family ({', '.join(known)}), "
-                         "hf:TYPE, torchvision:NAME or module:factory")
+                         "hf:TYPE, torchvision:NAME, timm:ARCH, titan:NAME or module:factory")
     listed = known.get(rest)
     if kind == "hf":
         return listed if listed is not None and listed.source == "transformers" else \
@@ -99,6 +137,10 @@ def resolve(spec: str) -> Family:
     if kind == "torchvision":
         return listed if listed is not None and listed.source == "torchvision" else \
             torchvision_family(rest, "torchvision model")
+    if kind == "timm":  # one of the sweep's at its size, else at the architecture's own
+        return next((f for f in TIMM_MODELS if f.name == rest), None) or timm_family(rest)
+    if kind == "titan":
+        return titan_family(rest)
 
     def build(seed: int):
         torch.manual_seed(seed)
@@ -166,16 +208,124 @@ def _region_warnings(caught) -> list[str]:
             if issubclass(w.category, aotdist.RegionCompileWarning)]
 
 
+@dataclass
+class _Diff:
+    """How far one way of training is from eager, worst over the steps compared."""
+
+    loss: float = 0.0  # absolute
+    loss_ok: bool = True
+    grad: float = 0.0  # scaled, as compare_grads scales
+    grad_bad: str | None = None  # the first parameter beyond tolerance
+    buffer: float | None = None  # ``None``: buffers not compared
+    buffer_bad: str | None = None
+    step: int | None = None  # the first step (1-based) that differs
+    zeros: list[str] = field(default_factory=list)
+    first_loss: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.loss_ok and self.grad_bad is None and self.buffer_bad is None
+
+    def add(self, step: int, loss: float, ref_loss: float, grads: dict, ref_grads: dict,
+            buffers: dict | None, ref_buffers: dict | None, rtol: float) -> None:
+        """Adds step ``step``'s comparison (losses, gradients, buffers after the update)."""
+        self.loss = max(self.loss, abs(loss - ref_loss))
+        loss_ok = abs(loss - ref_loss) <= rtol * max(1.0, abs(ref_loss))
+        worst, bad, zeros = compare_grads(grads, ref_grads, rtol=rtol)
+        self.grad = max(self.grad, worst)
+        if step == 1:
+            self.zeros, self.first_loss = zeros, loss
+        ok = loss_ok and bad is None
+        if ref_buffers is not None:
+            # every buffer eager has (aotdist's own non-persistent ones aside)
+            worst_b, bad_b, _ = compare_grads({n: buffers.get(n) for n in ref_buffers},
+                                              ref_buffers, rtol=rtol)
+            self.buffer = max(self.buffer or 0.0, worst_b)
+            self.buffer_bad = self.buffer_bad or bad_b
+            ok &= bad_b is None
+        self.loss_ok &= loss_ok
+        self.grad_bad = self.grad_bad or bad
+        if not ok and self.step is None:
+            self.step = step
+
+    def describe(self) -> str:
+        """Where it first differs: the step and what."""
+        what = [w for w, bad in (("the loss", not self.loss_ok),
+                                 (f"gradient of {self.grad_bad}", self.grad_bad),
+                                 (f"buffer {self.buffer_bad}", self.buffer_bad)) if bad]
+        return f"differs from eager from step {self.step}: {', '.join(what)}"
+
+
+def _snapshot(tensors) -> dict[str, torch.Tensor | None]:
+    """Detached copies (complex ones as real pairs: compare_grads compares reals)."""
+    out = {}
+    for name, t in tensors:
+        if t is not None:
+            t = t.detach().clone()
+            t = torch.view_as_real(t) if t.is_complex() else t
+        out[name] = t
+    return out
+
+
+@dataclass
+class _Run:
+    """Eager's record of each step: loss, gradients, buffers after the update."""
+
+    losses: list[float] = field(default_factory=list)
+    grads: list[dict] = field(default_factory=list)
+    buffers: list[dict] = field(default_factory=list)
+
+
+def _train(family: Family, model: nn.Module, inputs: dict[str, Any], *, steps: int,
+           seed: int, record: _Run | None = None, against: _Run | None = None,
+           rtol: float = 0.0, call: nn.Module | None = None) -> _Diff | None:
+    """``steps`` SGD steps of ``model`` (run as ``call``, default itself: a
+    ``torch.compile`` wrapper of it) on ``inputs``, each from the same random seed whichever
+    way the model runs; ``record`` keeps each step (eager), or each step is compared
+    ``against`` eager's record."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    diff = _Diff() if against is not None else None
+    for i in range(steps):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(seed + 1000 + i)  # the same random stream for every way, per step
+        loss = _step(family, model if call is None else call, inputs).item()
+        grads = _snapshot((n, p.grad) for n, p in model.named_parameters())
+        opt.step()
+        buffers = _snapshot(model.named_buffers())
+        if record is not None:
+            record.losses.append(loss)
+            record.grads.append(grads)
+            record.buffers.append(buffers)
+        if diff is not None:
+            diff.add(i + 1, loss, against.losses[i], grads, against.grads[i], buffers,
+                     against.buffers[i], rtol)
+    return diff
+
+
 def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, reference: nn.Module,
            backend: str, *, frames: bool = False, whole_zeros: list[str] | None = None,
            ran: dict[str, int] | None = None) -> None:
+    """:func:`_verdict` on one step: ``loss`` against ``result.loss_eager``, the gradients
+    of ``model`` against those of ``reference``."""
+    result.loss_aotdist = loss.item()
+    diff = _Diff()
+    diff.add(1, result.loss_aotdist, result.loss_eager,
+             {n: p.grad for n, p in model.named_parameters()},
+             {n: p.grad for n, p in reference.named_parameters()}, None, None,
+             tolerance(backend))
+    _verdict(result, m, diff, frames=frames, whole_zeros=whole_zeros, ran=ran)
+
+
+def _verdict(result: CheckResult, m, diff: _Diff, *, frames: bool = False,
+             whole_zeros: list[str] | None = None, ran: dict[str, int] | None = None) -> None:
     """Status from the metrics, then ``eager!`` (``frames``: a kept region with fewer
     compiled call sites than instances that ran, ``ran`` counting them per region where
-    known) or ``parity`` (loss or a gradient off eager). ``whole_zeros``: the
-    zero-for-``None`` gradients of whole-model compile, if it ran."""
-    result.loss_aotdist = loss.item()
-    result.max_grad_diff, grads_ok, zeros = _grad_diff(model, reference,
-                                                       rtol=tolerance(backend))
+    known) or ``parity`` (``diff``: a loss, gradient or buffer off eager). ``whole_zeros``:
+    the zero-for-``None`` gradients of whole-model compile, if it ran."""
+    result.max_grad_diff, zeros = diff.grad, diff.zeros
+    result.max_buffer_diff = diff.buffer
+    if result.steps > 1:
+        result.max_loss_diff = diff.loss
     _classify(result, m, result.warnings)
     if zeros:
         result.notes["gradients"] = (
@@ -196,10 +346,10 @@ def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, referen
             result.notes.setdefault(name, f"{st.call_sites} of the {called} instances that "
                                     "ran ran compiled")
             result.status = "eager!"
-    loss_ok = abs(result.loss_aotdist - result.loss_eager) <= tolerance(backend) * max(
-        1.0, abs(result.loss_eager))
-    if not (loss_ok and grads_ok) and result.status != "eager!":
+    if not diff.ok and result.status != "eager!":
         result.status = "parity"
+        if diff.step is not None and result.steps > 1:
+            result.notes.setdefault("parity", diff.describe())
 
 
 def _compile_whole(model: nn.Module, backend: str) -> nn.Module:
@@ -208,18 +358,25 @@ def _compile_whole(model: nn.Module, backend: str) -> nn.Module:
 
 
 def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int = 0,
-                 whole_model: bool = True) -> CheckResult:
-    """One training step of ``family`` eager, with aotdist and (``whole_model``) with
-    whole-model ``torch.compile``, on one batch and the same weights."""
+                 whole_model: bool = True, steps: int = STEPS) -> CheckResult:
+    """``steps`` SGD steps of ``family`` eager, with aotdist and (``whole_model``) with
+    whole-model ``torch.compile``, on one batch from the same weights, each step from the
+    same random seed; losses, gradients and buffers compared after every step."""
     import aotdist
 
     family = resolve(family) if isinstance(family, str) else family
     start = time.perf_counter()
-    result = CheckResult(family.name, family.kind, family.source)
+    result = CheckResult(family.name, family.kind, family.source, steps=steps)
+    rtol = tolerance(backend)
     try:
         model, inputs = family.build(seed)
+        # as built (stochastic depth on): how the user trains it, so reuse is judged there
+        as_built = copy.deepcopy(model) if stochastic_depth(model) else None
+        without_randomness(model)
         reference, whole = copy.deepcopy(model), copy.deepcopy(model)
-        result.loss_eager = _step(family, reference, inputs).item()
+        eager = _Run()
+        _train(family, reference, inputs, steps=steps, seed=seed, record=eager)
+        result.loss_eager = eager.losses[0]
     except Exception as exc:  # noqa: BLE001 - the tiny build itself fails: not aotdist's
         if family.source == "user":
             raise
@@ -233,35 +390,74 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
         try:
             aotdist.compile_regions(model, backend=backend)
             with aotdist.metrics.track(model) as m:
-                loss = _step(family, model, inputs)
+                diff = _train(family, model, inputs, steps=steps, seed=seed, against=eager,
+                              rtol=rtol)
         except Exception as exc:  # noqa: BLE001 - classified below against torch.compile
             crashed = exc
             result.error = first_line(exc, 400)
     result.warnings = _region_warnings(caught)
+    del model
     whole_zeros = None
     if whole_model:
         try:
-            _step(family, _compile_whole(whole, backend), inputs)
-            result.whole_model_grad_diff, whole_ok, whole_zeros = _grad_diff(
-                whole, reference, rtol=tolerance(backend))
+            whole_diff = _train(family, whole, inputs, steps=steps, seed=seed, against=eager,
+                                rtol=rtol, call=_compile_whole(whole, backend))
+            result.whole_model_grad_diff, whole_zeros = whole_diff.grad, whole_diff.zeros
             # torch's own miscompile: whole-model compile runs, but not as eager does
-            result.whole_model = "trains" if whole_ok else (
-                f"wrong gradients (grad diff {result.whole_model_grad_diff:.1e})")
+            result.whole_model = "trains" if whole_diff.ok else (
+                f"wrong gradients (grad diff {whole_diff.grad:.1e})"
+                if whole_diff.grad_bad or not whole_diff.loss_ok
+                else f"wrong buffers (buffer diff {whole_diff.buffer:.1e})")
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             result.whole_model = f"fails: {first_line(exc, 400)}"
+    del whole
     if crashed is not None:
         result.status = ("crash" if result.whole_model in ("trains", "")
                          else "torch.compile fails too")
         if result.status == "crash":
             result.error = "".join(traceback.format_exception(crashed))[-3000:]
     else:
-        _judge(result, m, loss, model, reference, backend, whole_zeros=whole_zeros)
+        result.loss_aotdist = diff.first_loss
+        _verdict(result, m, diff, whole_zeros=whole_zeros)
         if result.status == "parity" and result.whole_model.startswith("wrong"):
             result.notes.setdefault("gradients", (
                 "whole-model torch.compile's gradients are off eager's too: the compiler's "
                 "bug, not the regions'; try backend aot_eager or another torch version"))
+        if as_built is not None and result.ok:
+            _judge_as_built(result, family, as_built, inputs, backend, seed)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _judge_as_built(result: CheckResult, family: Family, model: nn.Module,
+                    inputs: dict[str, Any], backend: str, seed: int) -> None:
+    """Reuse with the model's stochastic depth on (one step, not compared: masks are
+    random): ``result.stochastic_depth`` is that status; where it is worse than with
+    stochastic depth off, it is the status, its notes prefixed."""
+    import aotdist
+
+    probe = CheckResult(result.name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            aotdist.compile_regions(model, backend=backend)
+            with aotdist.metrics.track(model) as m:
+                _train(family, model, inputs, steps=1, seed=seed)
+        except Exception as exc:  # noqa: BLE001 - an aotdist crash with the user's setting
+            result.stochastic_depth = "crash"
+            result.status = "crash"
+            result.error = ("with stochastic depth on: "
+                            + "".join(traceback.format_exception(exc))[-3000:])
+            return
+    probe.warnings = _region_warnings(caught)
+    _classify(probe, m, probe.warnings)
+    result.stochastic_depth = probe.status
+    rank = ("reused", "partly reused", "demoted", "eager!")
+    if probe.status in rank and result.status in rank and (
+            rank.index(probe.status) > rank.index(result.status)):
+        result.status = probe.status
+        for name, why in probe.notes.items():
+            result.notes.setdefault(name, f"stochastic depth on: {why}")
 
 
 def _fsdp_rank(rank: int, world_size: int, spec: str, backend: str, seed: int,

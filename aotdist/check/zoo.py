@@ -1,4 +1,6 @@
-"""``aotdist zoo``: every family checked in a fresh process, and ``docs/models.md``."""
+"""``aotdist zoo``: every family checked in a fresh process, and its table: the listed
+families (``docs/models.md``), timm's architectures and torchtitan's models
+(``docs/models-timm-torchtitan.md``)."""
 
 from __future__ import annotations
 
@@ -10,13 +12,30 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 
-from aotdist.check.families import FAMILIES, causal_lm_types
-from aotdist.check.runner import FAILING, CheckResult
+from aotdist.check.families import FAMILIES, TIMM_MODELS, TITAN_MODELS, causal_lm_types
+from aotdist.check.runner import FAILING, STEPS, CheckResult
 
-__all__ = ["default_memory_limit_gb", "limit_memory", "render", "run_zoo"]
+__all__ = ["SOURCES", "default_memory_limit_gb", "limit_memory", "render", "run_zoo",
+           "source_specs"]
 
 # Families the zoo also checks under FSDP2 hooks mode on 2 ranks: dense, MoE, encoder.
 FSDP_FAMILIES = ("llama", "qwen3_moe", "bert")
+
+# What ``aotdist zoo --source`` checks: the listed families, timm's, torchtitan's.
+SOURCES = ("families", "timm", "torchtitan")
+
+
+def source_specs(source: str) -> list[str]:
+    """The specs a source's sweep checks (``families``: :data:`FAMILIES`; ``timm``:
+    ``timm:ARCH`` of :data:`TIMM_MODELS`; ``torchtitan``: ``titan:NAME``)."""
+    if source == "families":
+        return [f.name for f in FAMILIES]
+    if source == "timm":
+        return [f"timm:{f.name}" for f in TIMM_MODELS]
+    if source == "torchtitan":
+        return [f"titan:{name}" for name in TITAN_MODELS]
+    raise ValueError(f"unknown source {source!r}: one of {', '.join(SOURCES)}")
+
 
 STATUS_MEANING = {
     "reused": "every region compiled once, one subgraph for all its instances",
@@ -93,13 +112,21 @@ def _one(spec: str, *, backend: str, fsdp: int, timeout: float,
 def run_zoo(names: Sequence[str] | None = None, *, backend: str = "aot_eager",
             fsdp_names: Sequence[str] = FSDP_FAMILIES, fsdp_ranks: int = 2,
             timeout: float = 600.0, memory_gb: float | None = None,
-            progress: Callable[[str], None] | None = print) -> list[CheckResult]:
-    """Checks each family (all of :data:`FAMILIES` when ``names`` is ``None``) in a fresh
-    process, then ``fsdp_names`` under FSDP2 on ``fsdp_ranks`` gloo ranks. Each process's
-    address space is capped at ``memory_gb`` GiB (default: half the physical memory; 0:
-    no cap), so a tiny config whose build asks for more reads "not built"."""
+            progress: Callable[[str], None] | None = print,
+            source: str | Sequence[str] = "families") -> list[CheckResult]:
+    """Checks each family (when ``names`` is ``None``: every one of ``source``, one of
+    :data:`SOURCES` or several) in a fresh process, then those of ``fsdp_names`` under
+    FSDP2 on ``fsdp_ranks`` gloo ranks (beyond the listed families: only those checked).
+    Each process's address space is capped at ``memory_gb`` GiB (default: half the
+    physical memory; 0: no cap), so a tiny config whose build asks for more reads "not
+    built"."""
     memory_gb = default_memory_limit_gb() if memory_gb is None else memory_gb
-    names = [f.name for f in FAMILIES] if names is None else list(names)
+    sources = [source] if isinstance(source, str) else list(source)
+    if names is None:
+        names = [spec for s in sources for spec in source_specs(s)]
+    names = list(names)
+    if sources != ["families"]:  # FSDP2 rows of the listed families belong to their page
+        fsdp_names = [n for n in fsdp_names if n in names]
     if "all" in names:  # the listed families and every causal LM of the installed transformers
         listed = [f.name for f in FAMILIES]
         names = listed + [f"hf:{t}" for t in causal_lm_types() if t not in listed]
@@ -137,30 +164,59 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def render(results: Sequence[CheckResult], *, backend: str = "aot_eager") -> str:
-    """The markdown of ``docs/models.md``: one row per check, the statuses explained."""
+_TITLES = {"families": "Model families", "timm": "timm models",
+           "torchtitan": "torchtitan models"}
+_LIBRARIES = {"families": ("transformers",), "timm": ("timm",), "torchtitan": ("torchtitan",)}
+
+
+def render(results: Sequence[CheckResult], *, backend: str = "aot_eager",
+           source: str | Sequence[str] = "families") -> str:
+    """The markdown of a sweep's page (``docs/models.md`` for the listed families): one row
+    per check, the statuses explained."""
+    import importlib
+    import importlib.metadata
+
     import torch
 
-    try:
-        import transformers
-        versions = f"torch {torch.__version__.split('+')[0]}, transformers {transformers.__version__}"
-    except ImportError:
-        versions = f"torch {torch.__version__.split('+')[0]}"
+    sources = [source] if isinstance(source, str) else list(source)
+    found = [f"torch {torch.__version__.split('+')[0]}"]
+    for library in dict.fromkeys(lib for s in sources for lib in _LIBRARIES.get(s, ())):
+        try:
+            found.append(f"{library} {importlib.metadata.version(library)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    versions = ", ".join(found)
     single = [r for r in results if not r.fsdp and r.status != "not built"]
     reused = sum(r.status == "reused" for r in single)
     failing = [r for r in results if r.status in FAILING]
+    built = {
+        "families": "each family is built from its config, shrunk to a few layers of width "
+                    "64 with random weights",
+        "timm": "each architecture is built by `timm.create_model(arch, pretrained=False, "
+                "num_classes=10, drop_path_rate=0.1)` with random weights, at 64 pixels "
+                "where it takes an `img_size` (fewer blocks where it takes `depth`), in "
+                "train mode",
+        "torchtitan": "each model is built from torchtitan's own model code (its debug "
+                      "flavor: 3 blocks, fewer experts, SDPA attention) with random weights",
+    }
+    steps = max((r.steps for r in results), default=STEPS)
     lines = [
-        "# Model families" + ("" if backend == "aot_eager" else f", backend {backend}"),
+        "# " + " and ".join(_TITLES.get(s, s) for s in sources)
+        + ("" if backend == "aot_eager" else f", backend {backend}"),
         "",
-        "Generated by `aotdist zoo` (do not edit): each family is built from its config, "
-        "shrunk to a few layers of width 64 with random weights, and trained one step on "
-        f"CPU with backend `{backend}` ({versions}), eagerly, with whole-model "
-        "`torch.compile` and with aotdist, on the same weights and batch, with dropout and "
-        "stochastic depth off (random masks are not comparable). Check your own "
+        f"Generated by `aotdist zoo{''.join(f' --source {s}' for s in sources if s != 'families')}` "
+        "(do not edit): " + "; ".join(built.get(s, s) for s in sources) + ". Each is "
+        f"trained {steps} SGD step(s) on CPU with backend `{backend}` ({versions}), eagerly, "
+        "with whole-model `torch.compile` and with aotdist, from the same weights, batch and "
+        "random seed per step, with dropout and stochastic depth off (random masks are not "
+        "comparable); losses, gradients and buffers (running statistics) are compared "
+        "after every step. A model built with stochastic depth on is compiled once more as "
+        "built, and its regions' reuse judged there (Stochastic depth on). Check your own "
         "model the same way with `aotdist check module:factory`. Grad diff: the largest "
         "difference of a parameter's gradient from eager, relative to that gradient's largest "
         "value (or to a thousandth of the model's largest gradient, where that is larger), "
-        "for aotdist and (in brackets) whole-model `torch.compile`.",
+        "for aotdist and (in brackets) whole-model `torch.compile`; buffers are measured "
+        "the same way.",
         "",
         f"{reused} of {len(single)} families keep every region as one reused subgraph; "
         f"{len(failing)} check(s) fail"
@@ -168,13 +224,14 @@ def render(results: Sequence[CheckResult], *, backend: str = "aot_eager") -> str
            "config(s) do not build." if any(r.status == "not built" for r in results) else "."),
         "",
         "| Family | Kind | Regions (instances) | aotdist | Whole-model torch.compile "
-        "| Loss diff | Grad diff: aotdist (whole-model) | Notes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| Loss diff | Grad diff: aotdist (whole-model) | Buffer diff | Stochastic depth on "
+        "| Notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         regions = ", ".join(f"{n} ({s['instances']})" for n, s in r.regions.items()) or "-"
-        diff = ("-" if r.loss_aotdist is None or r.loss_eager is None
-                else f"{abs(r.loss_aotdist - r.loss_eager):.0e}")
+        diff = "-" if r.loss_diff is None else f"{r.loss_diff:.0e}"
+        buffers = "-" if r.max_buffer_diff is None else f"{r.max_buffer_diff:.0e}"
         grad = "-" if r.max_grad_diff is None else f"{r.max_grad_diff:.0e}"
         if r.whole_model_grad_diff is not None:
             grad += f" ({r.whole_model_grad_diff:.0e})"
@@ -185,7 +242,8 @@ def render(results: Sequence[CheckResult], *, backend: str = "aot_eager") -> str
         if r.status in FAILING and r.error:
             notes = (notes + "; " if notes else "") + r.error.strip().splitlines()[-1][:200]
         lines.append(f"| {_cell(name)} | {_cell(r.kind)} | {_cell(regions)} | {r.status} "
-                     f"| {_cell(whole[:120])} | {diff} | {grad} | {_cell(notes)} |")
+                     f"| {_cell(whole[:120])} | {diff} | {grad} | {buffers} "
+                     f"| {r.stochastic_depth or '-'} | {_cell(notes)} |")
     lines += ["", "Statuses:", ""]
     lines += [f"- **{k}**: {v}" for k, v in STATUS_MEANING.items()]
     return "\n".join(lines) + "\n"
