@@ -329,16 +329,19 @@ def _cmd_zoo(args) -> int:
     import os
 
     from aotdist.check import FAILING, render, run_zoo
-    from aotdist.check.zoo import FSDP_FAMILIES
+    from aotdist.check.zoo import FSDP_FAMILIES, SOURCES
 
+    unknown = [s for s in args.source if s not in SOURCES]
+    if unknown:
+        raise _UsageError(f"--source {unknown[0]}: the sources are {', '.join(SOURCES)}")
     results = run_zoo(args.families, backend=args.backend,
                       fsdp_names=FSDP_FAMILIES if args.fsdp_families is None
                       else args.fsdp_families, fsdp_ranks=args.fsdp, timeout=args.timeout,
-                      memory_gb=args.memory_limit)
+                      memory_gb=args.memory_limit, source=args.source)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            f.write(render(results, backend=args.backend))
+            f.write(render(results, backend=args.backend, source=args.source))
         print(f"wrote {args.out}")
     named = {n.rpartition(":")[2] for n in args.families or () if n != "all"}
     failing = [r.name for r in results if r.status in FAILING
@@ -476,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
                        "in a fresh process, then a few under FSDP2, and writes the table "
                        "(--out). Exit 1 when a family fails or one you named is not built.")
     z.add_argument("--families", type=_csv, default=None, help="default: the listed families; all: also every causal LM of the installed transformers")
+    z.add_argument("--source", type=_csv, default=["families"], help="whose models, when "
+                   "--families is not given: families (the listed transformers and "
+                   "torchvision ones), timm (40+ architectures, stochastic depth on), "
+                   "torchtitan (its Llama 3, Qwen 3, Qwen 3 MoE, DeepSeek-V3); several "
+                   "comma-separated")
     z.add_argument("--fsdp-families", type=_csv, default=None,
                    help="also checked under FSDP2 (default llama,qwen3_moe,bert)")
     z.add_argument("--fsdp", type=int, default=2, help="ranks for those (1: none)")
