@@ -31,6 +31,7 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist.backends.aot import REBUILT, aot_backend, backend_name, storage_resized_inputs
+from aotdist.backends.hoist import hoist_buffer_updates
 from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_chain
 from aotdist.log import rank_zero_warn
 
@@ -165,6 +166,8 @@ class RecordingBackend:
         return getattr(self.inner, name)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        if torch.is_grad_enabled():  # a training graph: buffer updates leave the regions
+            hoist_buffer_updates(gm)
         if self.dry_run:  # a trial (aotdist.compile.isolate): trace the joint graph, stop
             if not storage_resized_inputs(gm):
                 aot_eager, _ = _compat.aot_eager_parts()

@@ -176,8 +176,8 @@ class TinyResNet(nn.Module):
 
 
 class CountingBlock(nn.Module):
-    """Adds each batch's mean to a buffer of its own in place in training: a region that
-    ``invoke_subgraph`` cannot take as a subgraph (BatchNorm's update aotdist handles)."""
+    """Adds each batch's mean to a buffer of its own in place in training: an update that
+    ``invoke_subgraph`` refuses, which aotdist applies after the region's call."""
 
     def __init__(self, dim: int = 8):
         super().__init__()
@@ -188,6 +188,16 @@ class CountingBlock(nn.Module):
         if self.training:
             self.seen.add_(x.detach().mean(0))
         return torch.relu(self.lin(x))
+
+
+class ReadAfterUpdateBlock(CountingBlock):
+    """Reads its buffer after updating it in place in training: a region aotdist cannot
+    take the update out of, so it is demoted."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen.add_(x.detach().mean(0))
+        return torch.relu(self.lin(x)) + self.seen
 
 
 class AliasingBlock(nn.Module):

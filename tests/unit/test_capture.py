@@ -13,7 +13,7 @@ from torch import nn
 
 import aotdist
 from aotdist.testing import TinyGPT, TinyResNet, example_inputs
-from aotdist.testing.models import CountingBlock, GPTBlock
+from aotdist.testing.models import CountingBlock, GPTBlock, ReadAfterUpdateBlock
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -266,21 +266,22 @@ def test_capture_with_inductor_uses_the_options_of_compile_regions(monkeypatch):
 
 
 def test_a_region_mutating_buffers_in_training_is_demoted_and_reported():
-    # invoke_subgraph rejects in-place buffer mutation in training: capture must demote
-    # the region as compile_regions does, not crash.
-    model = nn.Sequential(CountingBlock(), CountingBlock(), CountingBlock()).train()
+    # invoke_subgraph rejects in-place buffer mutation in training, and a region that reads
+    # the buffer after its update keeps it: capture must demote the region as
+    # compile_regions does, not crash.
+    model = nn.Sequential(*[ReadAfterUpdateBlock() for _ in range(3)]).train()
     x = torch.randn(2, 8)
     stats = {n: b.clone() for n, b in model.named_buffers()}
     with pytest.warns(aotdist.RegionCompileWarning, match="cannot be a reusable subgraph"):
         cap = aotdist.capture(model, x, loss_fn=_loss)
-    assert list(cap.demoted) == ["CountingBlock"]
-    assert "mutation" in cap.demoted["CountingBlock"]
-    region = cap.regions["CountingBlock"]
-    assert region.demoted == cap.demoted["CountingBlock"]
+    assert list(cap.demoted) == ["ReadAfterUpdateBlock"]
+    assert "mutation" in cap.demoted["ReadAfterUpdateBlock"]
+    region = cap.regions["ReadAfterUpdateBlock"]
+    assert region.demoted == cap.demoted["ReadAfterUpdateBlock"]
     assert region.call_sites == [] and region.inlined == 3
     mutated = {m["input"] for m in cap.mutations if m["kind"] == "data"}
     assert {"0.seen", "2.seen"} <= mutated
-    assert "demoted: CountingBlock" in cap.summary()
+    assert "demoted: ReadAfterUpdateBlock" in cap.summary()
     assert json.loads(json.dumps(cap.to_dict()))["demoted"] == cap.demoted
     assert "_aotdist_state" not in vars(model)  # unmarked again, buffers as before
     for n, b in model.named_buffers():

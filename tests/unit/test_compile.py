@@ -17,8 +17,8 @@ import aotdist
 from aotdist import metrics
 from aotdist.backends.recording import RecordingBackend
 from aotdist.testing import AliasingNet, TinyGPT, TinyResNet, TinyViT, example_inputs
-from aotdist.testing.models import CountingBlock, GPTBlock
-from aotdist.testing.parity import assert_parity
+from aotdist.testing.models import CountingBlock, GPTBlock, ReadAfterUpdateBlock
+from aotdist.testing.parity import assert_parity, assert_training_parity
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -345,14 +345,49 @@ def test_batchnorm_training_region_is_reused_and_its_running_stats_follow_eager(
     assert type(model.stages[0][0].bn1) is nn.BatchNorm2d
 
 
-def test_a_region_mutating_its_own_buffer_in_training_is_demoted_and_correct():
-    model, reference = _pair(nn.Sequential(CountingBlock(4), CountingBlock(4), CountingBlock(4)))
+def test_a_region_reading_its_buffer_after_updating_it_is_demoted_and_correct():
+    model, reference = _pair(nn.Sequential(nn.Linear(4, 4), *[ReadAfterUpdateBlock(4)
+                                                              for _ in range(3)]))
     aotdist.compile_regions(model, backend="aot_eager")
     x = torch.randn(2, 4)
     with pytest.warns(aotdist.RegionCompileWarning, match="buffer mutations"):
         assert_parity(model, reference, (x,))
     for (n, b), (_, r) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
         torch.testing.assert_close(b, r, msg=f"buffer {n}")
+
+
+@pytest.mark.parametrize("grad_mode", ["detached", "no_grad"])
+def test_a_buffer_update_in_training_leaves_the_region_which_stays_reused(grad_mode):
+    class Block(CountingBlock):  # torchtitan's MoE counts tokens per expert this way
+        def forward(self, x):
+            out = torch.relu(self.lin(x))
+            if self.training:
+                with torch.no_grad() if grad_mode == "no_grad" else contextlib.nullcontext():
+                    counts = torch.histc(out.detach().float(), bins=4, min=0, max=1)
+                    self.seen.add_(counts * self.seen.new_ones(()))
+            return out
+
+    model, reference = _pair(nn.Sequential(nn.Linear(4, 4), *[Block(4) for _ in range(3)]))
+    aotdist.compile_regions(model, backend="aot_eager")
+    batches = [(torch.randn(2, 4),) for _ in range(3)]
+    with warnings.catch_warnings(record=True) as caught, metrics.track(model) as m:
+        warnings.simplefilter("always")
+        assert_training_parity(model, reference, batches)  # buffers compared every step
+    assert not [w for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)]
+    assert (m.regions["Block"].call_sites, m.regions["Block"].subgraphs) == (3, 1), m.summary()
+    assert model[1].seen.sum() > 0
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_buffer_update_leaves_the_region_with_inductor():
+    model, reference = _pair(nn.Sequential(nn.Linear(4, 4), *[CountingBlock(4) for _ in range(3)]))
+    aotdist.compile_regions(model, backend="inductor")
+    with metrics.track(model) as m:
+        assert_training_parity(model, reference, [(torch.randn(2, 4),) for _ in range(2)],
+                               rtol=1e-3, atol=1e-5)
+    assert (m.regions["CountingBlock"].call_sites, m.regions["CountingBlock"].subgraphs) == (3, 1)
 
 
 def test_no_regions_warns_and_still_compiles():
