@@ -15,6 +15,7 @@ failure isolation does; per-region frames: the first instance whose output diffe
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -192,16 +193,19 @@ def first_step_check(model: nn.Module, state: RegionState, compiled: Callable[[]
     ``frames``: per-region frames (FSDP2 hooks mode), whose region instances run their
     hooks eagerly: the culprit is the first instance whose output differs."""
     rtol = tolerance(state.backend_name)
+    start = time.perf_counter()
     with _dropout_off(model), _same_state(model) as put_back:
         with _instance_outputs(model, state, frames) as calls:
             got = _step(model, compiled)
             put_back()
+            compiled_s = time.perf_counter() - start
             with torch.compiler.set_stance("force_eager"):
                 want = _step(model, eager)
         put_back()
         result = _compare(got, want, rtol)
-        _log.info("first-step check: %s: %s", "passed" if result.ok else "FAILED",
-                  result.describe())
+        _log.info("first-step check: %s: %s (compiled step with its compile %.2f s; eager "
+                  "step and comparison %.2f s)", "passed" if result.ok else "FAILED",
+                  result.describe(), compiled_s, time.perf_counter() - start - compiled_s)
         if result.ok:
             return result
         if frames:

@@ -33,6 +33,9 @@ class _Block(nn.Module):
         return x + self.norm(self.conv(x))
 
 
+VERIFY = {"compile": {"backend": "aot_eager", "verify": True}}
+
+
 def _cnn():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 1), _Block(), _Block(), _Block(), nn.Flatten())
@@ -113,3 +116,40 @@ def test_graph_mode_fsdp_refuses_the_check_with_the_fix():
         {"fsdp": {"enabled": True, "mode": "graph"}, "compile": {"verify": True}})
     with pytest.raises(aotdist.ConfigError, match="fsdp.mode: hooks"):
         check_graph_config(config)
+
+
+def test_the_accelerate_hook_runs_the_check(monkeypatch):
+    pytest.importorskip("accelerate")
+    from accelerate.hooks import add_hook_to_module
+    from aotdist.callbacks import RegionalCompileHook
+
+    monkeypatch.setattr(batchnorm, "_reproduced", lambda cls: True)
+    model = _cnn()
+    add_hook_to_module(model, RegionalCompileHook(VERIFY))
+    with pytest.raises(aotdist.RegionMismatchError, match="_Block"):
+        model(_x())
+
+
+def test_the_lightning_callback_runs_the_check(monkeypatch, tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from aotdist.callbacks import RegionalCompile
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _cnn()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    monkeypatch.setattr(batchnorm, "_reproduced", lambda cls: True)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False,
+                         callbacks=[RegionalCompile(VERIFY)], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_x()), batch_size=2)
+    with pytest.raises(aotdist.RegionMismatchError, match="_Block"):
+        trainer.fit(Module(), data)
