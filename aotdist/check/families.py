@@ -240,10 +240,11 @@ def _consistent(config, overrides: dict[str, Any]) -> None:
 
 def hf_family(model_type: str, kind: str, *, auto: str = "AutoModelForCausalLM",
               seq: int = 12, notes: str = "", inputs: Callable | None = None,
-              **overrides: Any) -> Family:
-    """A ``transformers`` family: the ``auto`` class built ``from_config`` on the tiny
-    config; the batch is 2 random token sequences of length ``seq`` that are also the
-    labels (or what ``inputs(config, generator)`` returns)."""
+              name: str | None = None, **overrides: Any) -> Family:
+    """A ``transformers`` family (called ``name``, default ``model_type``): the ``auto``
+    class built ``from_config`` on the tiny config; the batch is 2 random token sequences
+    of length ``seq`` that are also the labels (or what ``inputs(config, generator)``
+    returns)."""
 
     def build(seed: int):
         import transformers
@@ -261,7 +262,15 @@ def hf_family(model_type: str, kind: str, *, auto: str = "AutoModelForCausalLM",
             batch = {"input_ids": ids, "labels": ids}
         return model, batch
 
-    return Family(model_type, kind, build, "transformers", notes)
+    return Family(name or model_type, kind, build, "transformers", notes)
+
+
+def _with_cache(model_type: str, kind: str, **overrides: Any) -> Family:
+    """``model_type`` as users call it in training: ``model(input_ids=ids, labels=ids)``
+    with the config's default ``use_cache=True`` (the other rows build with
+    ``use_cache=False``), 16 tokens past a sliding window of 8 where it has one."""
+    return hf_family(model_type, f"{kind}, default cache (use_cache=True)", seq=16,
+                     name=f"{model_type}+cache", use_cache=True, **overrides)
 
 
 def torchvision_family(name: str, kind: str, *, size: int = 32, batch: int = 2,
@@ -329,6 +338,12 @@ FAMILIES: tuple[Family, ...] = (
               attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
               expert_layer_offset=1, use_mamba_kernels=False, mamba_d_state=8,
               mamba_dt_rank=8),
+    # both cache settings: a sliding-window family called as users call it
+    _with_cache("llama", "dense decoder"),
+    _with_cache("mistral", "dense decoder, sliding window", sliding_window=8),
+    _with_cache("phi3", "dense decoder, fused QKV", sliding_window=8),
+    _with_cache("qwen3_moe", "MoE decoder", decoder_sparse_step=1, mlp_only_layers=[],
+                sliding_window=8, use_sliding_window=True),
     hf_family("bert", "encoder", auto="AutoModelForMaskedLM", inputs=_masked),
     hf_family("t5", "encoder-decoder", auto="AutoModelForSeq2SeqLM", inputs=_seq2seq,
               num_heads=4, relative_attention_num_buckets=8),
