@@ -505,3 +505,30 @@ def test_convnext_inductor_layout_optimization_torch_bug():
     ``aotdist.backends.named.inductor_options`` can leave the option alone there."""
     pytest.importorskip("torchvision")
     _convnext_inductor_parity({"layout_optimization": True})
+
+
+def _torch_version() -> tuple[int, int]:
+    return tuple(int(v) for v in torch.__version__.split(".")[:2])
+
+
+@pytest.mark.timeout(120)
+def test_llama_dynamic_sequence_lengths_one_graph_one_subgraph_as_eager():
+    """``dynamic=True`` over varying sequence lengths: the first call compiles one graph in
+    which every decoder layer calls one subgraph; other lengths compile nothing more, and
+    each length trains as eager does."""
+    model = _llama()
+    reference = copy.deepcopy(model)
+    aotdist.compile_regions(model, backend="aot_eager", dynamic=True)
+    for i, length in enumerate((16, 24, 40, 56)):
+        ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(i))
+        with _caught_warnings() as caught, aotdist.metrics.track(model) as m:
+            assert_parity(model, reference, (ids,))
+        if i == 0:
+            st = _stats(m, "LlamaDecoderLayer")
+            assert (m.graphs, st.call_sites) == (1, 3), m.summary()
+            if _torch_version() >= (2, 14):
+                assert st.subgraphs == 1 and not _region_warnings(caught), m.summary()
+            else:  # torch 2.11 traces the first layer apart under dynamic shapes: named
+                assert st.subgraphs == 2 and "LlamaDecoderLayer" in str(_region_warnings(caught))
+        else:
+            assert m.graphs == 0 and not m.recompiles, (length, m.summary())
