@@ -48,7 +48,7 @@ def hoist_buffer_updates(gm: fx.GraphModule) -> list[str]:
         if _is_invoke(node) and node.args[0].op == "get_attr":
             bodies.setdefault(node.args[0].target, []).append(node)
     for name, calls in bodies.items():
-        body = getattr(gm, name)
+        body = gm.get_submodule(name)
         changed += [f"{name}.{n}" for n in hoist_buffer_updates(body)]  # innermost first
         updates = _take_updates(body)
         if not updates:

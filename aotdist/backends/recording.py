@@ -36,7 +36,7 @@ from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_c
 from aotdist.log import rank_zero_warn
 
 __all__ = ["DryRunDone", "GraphRecord", "RecordingBackend", "append_record", "graph_log_cursor",
-           "module_path_to_fqn", "records_since", "stack_fqns"]
+           "module_path_to_fqn", "records_since", "stack_fqns", "submodule"]
 
 # Every RecordingBackend appends here, so track() can see graphs compiled in its window;
 # readers hold a cursor (graph_log_cursor) and ask for the records since (records_since).
@@ -117,9 +117,18 @@ def _nodes_outside_regions(gm: torch.fx.GraphModule, invoke) -> Iterator[torch.f
         if isinstance(node.target, _compat.higher_order_operator_type() or ()):
             for arg in node.args:
                 if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
-                    body = getattr(gm, str(arg.target), None)
+                    body = submodule(gm, arg.target)
                     if isinstance(body, torch.fx.GraphModule):
                         yield from _nodes_outside_regions(body, invoke)
+
+
+def submodule(gm: torch.fx.GraphModule, target: object) -> Any:
+    """The submodule a ``get_attr`` names, dotted paths included (a subgraph nested in a
+    subgraph: ``repeated_subgraph7.repeated_subgraph1``); ``None`` if there is none."""
+    try:
+        return gm.get_submodule(str(target))
+    except AttributeError:
+        return None
 
 
 def stack_fqns(node: torch.fx.Node, prefix: str = "") -> list[str]:
@@ -324,7 +333,7 @@ def _complex_regions(gm: torch.fx.GraphModule, node_regions: dict[str, str]) -> 
         nodes = [node, *(a for a in node.args[2:] if isinstance(a, torch.fx.Node))]
         body = node.args[0]
         if isinstance(body, torch.fx.Node) and body.op == "get_attr":
-            sub = getattr(gm, str(body.target), None)
+            sub = submodule(gm, body.target)
             if isinstance(sub, torch.fx.GraphModule):
                 nodes += list(sub.graph.nodes)
         if any(_has_complex(n.meta.get("example_value", n.meta.get("val"))) for n in nodes):
@@ -372,9 +381,10 @@ def _warn_autograd_function_splits(gm: torch.fx.GraphModule, node_regions: dict[
     for region, names in bodies.items():
         if len(names) < 2:
             continue
+        graphs = [b.graph for name in names
+                  if isinstance(b := submodule(gm, name), torch.fx.GraphModule)]
         if not any("trampoline_autograd_apply" in getattr(n.target, "__name__", "")
-                   for name in names for n in getattr(gm, name).graph.nodes
-                   if n.op == "call_function"):
+                   for g in graphs for n in g.nodes if n.op == "call_function"):
             continue
         rank_zero_warn(
             f"aotdist region {region!r}: its call sites compiled as {len(names)} distinct "

@@ -17,7 +17,7 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist.backends.aot import storage_resized_inputs
-from aotdist.backends.recording import RecordingBackend, module_path_to_fqn, stack_fqns
+from aotdist.backends.recording import RecordingBackend, module_path_to_fqn, stack_fqns, submodule
 from aotdist.capture.graphs import GraphCapture, analyse_graph, tensor_info
 from aotdist.capture.report import Capture
 from aotdist.fsdp import fsdp_params
@@ -180,7 +180,7 @@ class Recorder:
         for node in gm.graph.nodes:
             if invoke is None or node.target is not invoke:
                 continue
-            sub = getattr(gm, str(node.args[0].target), None)
+            sub = submodule(gm, node.args[0].target)
             fqns = [f for f in stack_fqns(node, entry.prefix) if f in self.fqn_to_region]
             region = self.report.regions.get(self.fqn_to_region[fqns[-1]]) if fqns else None
             if region is None or not isinstance(sub, torch.fx.GraphModule):

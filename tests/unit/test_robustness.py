@@ -505,3 +505,24 @@ def test_a_backend_failure_is_named_by_its_cause_not_by_the_backend_object():
             "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace")
     reason = _first_line_of_cause(text)
     assert reason == "the compiler backend raised RuntimeError: index 196 is out of bounds"
+
+
+def test_a_subgraph_nested_in_a_subgraph_is_found_by_its_dotted_name():
+    """torch names a subgraph inside another by a dotted path
+    (``repeated_subgraph7.repeated_subgraph1``); looking it up as one attribute failed in
+    aotdist's backend, which demoted timm's LeViT blocks."""
+    from aotdist.backends.recording import _warn_autograd_function_splits, submodule
+
+    inner = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    root = nn.Module()
+    root.outer = nn.ModuleDict({"inner": inner, "other": inner})
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    calls = [graph.call_function(torch.add, (graph.get_attr(f"outer.{name}"), x))
+             for name in ("inner", "other")]
+    graph.output(calls[-1])
+    gm = torch.fx.GraphModule(root, graph)
+    assert submodule(gm, "outer.inner") is inner and submodule(gm, "outer.nothing") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no autograd.Function here: nothing to warn about
+        _warn_autograd_function_splits(gm, {c.name: "Block" for c in calls})
