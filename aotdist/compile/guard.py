@@ -245,8 +245,12 @@ def _demote(model: nn.Module, state: RegionState, name: str, reason: str) -> Non
     if state.checkpoint:  # inline, but still checkpointed
         apply_region_class(model, state, name, nested=False)
     state.demoted[name] = reason
-    hint = (" The region writes a tensor into an object passed to it (a KV cache?): for "
-            "training, pass use_cache=False." if "side effect" in reason else "")
+    hint = (" The region writes a tensor into an object passed to it (a KV cache?), and "
+            "torch cannot return that tensor from a reused subgraph (it is a view of one the "
+            "subgraph returns or takes, as transformers' sliding-window cache layers keep); "
+            "no handling inside the region keeps the model's result, so for training pass "
+            "use_cache=False (model(..., use_cache=False) or model.config.use_cache = False), "
+            "which keeps the region reused." if _stores_into_an_argument(reason) else "")
     region = state.plan.by_name(name)
     if "buffer mutation" in reason and (own := sorted({
             n for f in region.fqns for n in overridden_batchnorms(model.get_submodule(f))})):
@@ -259,6 +263,12 @@ def _demote(model: nn.Module, state: RegionState, name: str, reason: str) -> Non
         f"as usual); exclude it or fix the cause to regain reuse.{hint}",
         RegionCompileWarning, stacklevel=5,
     )
+
+
+def _stores_into_an_argument(reason: str) -> bool:
+    """torch's words for a tensor made in the region and kept by an object passed to it
+    (torch 2.14: a side effect; 2.11: a node used outside the graph it was made in)."""
+    return "side effect" in reason or "does not belong to this Graph" in reason
 
 
 def _note(exc: BaseException, text: str) -> None:

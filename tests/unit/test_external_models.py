@@ -532,3 +532,34 @@ def test_llama_dynamic_sequence_lengths_one_graph_one_subgraph_as_eager():
                 assert st.subgraphs == 2 and "LlamaDecoderLayer" in str(_region_warnings(caught))
         else:
             assert m.graphs == 0 and not m.recompiles, (length, m.summary())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_sliding_window_model_with_its_default_cache_says_to_turn_it_off():
+    """Phi-3 called as users call it in training (``use_cache`` left at its default, True):
+    the cache's sliding-window layers keep a view of the keys, which torch cannot return
+    from a reused subgraph; the layers compile inline, train as eager, and the warning
+    names the fix, with which the layers share one subgraph."""
+    transformers = pytest.importorskip("transformers")
+    from aotdist.check.families import hf_config
+
+    config = hf_config("phi3", sliding_window=8)
+    config.use_cache = True
+    for use_cache in (None, False):  # None: the config's default, as users call it
+        torch.manual_seed(0)
+        lm = transformers.AutoModelForCausalLM.from_config(config).train()
+        reference = copy.deepcopy(lm)
+        aotdist.compile_regions(lm, backend="aot_eager")
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        kwargs = {} if use_cache is None else {"use_cache": use_cache}
+        with _caught_warnings() as caught, aotdist.metrics.track(lm) as m:
+            got = lm(input_ids=ids, labels=ids, **kwargs).loss
+            got.backward()
+        want = reference(input_ids=ids, labels=ids, **kwargs).loss
+        torch.testing.assert_close(got, want)
+        st = _stats(m, "Phi3DecoderLayer")
+        if use_cache is None:
+            assert "use_cache=False" in " ".join(_region_warnings(caught)), m.summary()
+        else:
+            assert (st.call_sites, st.subgraphs) == (3, 1) and not _region_warnings(caught)
