@@ -172,16 +172,25 @@ def _same_state(model: nn.Module) -> Iterator[Callable[[], None]]:
 
 @contextlib.contextmanager
 def _dropout_off(model: nn.Module) -> Iterator[int]:
-    """Dropout modules in eval mode (their masks differ compiled and eager)."""
+    """Dropout modules in eval mode and the stochastic depth aotdist made a tensor at rate
+    0 (no recompile: the rate is data), for both runs: their masks differ compiled and
+    eager (Inductor's random stream, the swapped draw)."""
     drops = [m for m in model.modules()
              if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
+    depths = [(m, type(m)._aotdist_dp_name) for m in model.modules()
+              if "_aotdist_dp_base" in vars(type(m))]
+    rates = [getattr(m, name) for m, name in depths]
     for m in drops:
         m.training = False
+    for m, name in depths:
+        setattr(m, name, 0.0)
     try:
         yield len(drops)
     finally:
         for m in drops:
             m.training = True
+        for (m, name), rate in zip(depths, rates, strict=True):
+            setattr(m, name, rate)
 
 
 def first_step_check(model: nn.Module, state: RegionState, compiled: Callable[[], object],

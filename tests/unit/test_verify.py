@@ -153,3 +153,23 @@ def test_the_lightning_callback_runs_the_check(monkeypatch, tmp_path):
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_x()), batch_size=2)
     with pytest.raises(aotdist.RegionMismatchError, match="_Block"):
         trainer.fit(Module(), data)
+
+
+def test_stochastic_depth_is_off_for_the_check_and_keeps_its_rate():
+    tv = pytest.importorskip("torchvision")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.drop = nn.Linear(8, 8), tv.ops.StochasticDepth(0.5, "row")
+
+        def forward(self, x):
+            return x + self.drop(torch.tanh(self.fc(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Block(), Block(), Block())
+    aotdist.compile_regions(model, backend="aot_eager", verify=True)
+    with record_logs() as logs:  # the compiled draw is another stream: compared at rate 0
+        model(torch.randn(4, 8)).sum().backward()
+    assert any("first-step check: passed" in r.getMessage() for r in logs)
+    assert model[1].drop.p == 0.5 and model[1].drop._aotdist_keep.item() == 0.5
