@@ -1,0 +1,43 @@
+"""Models nobody here wrote, trained 3 SGD steps against eager: timm networks whose
+BatchNorm is timm's ``BatchNormAct2d`` (a BatchNorm subclass with its own forward: batch
+norm, then an activation) and torchtitan's MoE model from its own code."""
+
+from __future__ import annotations
+
+import pytest
+
+from aotdist.check import check_family
+from aotdist.check.families import titan_unavailable
+from aotdist.compile.verify import tolerance
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+
+
+def _trains_with_parity(result) -> None:
+    assert result.ok and result.steps == 3, result.line() + "\n" + result.error
+    assert result.status in ("reused", "partly reused"), result.line()
+    rtol = tolerance("aot_eager")
+    assert result.max_grad_diff <= rtol and result.max_buffer_diff <= rtol, result.line()
+    assert result.max_loss_diff <= rtol * max(1.0, abs(result.loss_eager)), result.line()
+    if result.status == "partly reused":  # what is not kept is named
+        assert set(result.notes) - {"gradients"} <= set(result.regions), result.line()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch", ["efficientnet_b0", "regnetx_002"])
+def test_timm_batchnorm_act_networks_train_with_eager_s_losses_gradients_and_statistics(arch):
+    pytest.importorskip("timm")
+    result = check_family(f"timm:{arch}", whole_model=False)
+    _trains_with_parity(result)
+    assert result.stochastic_depth, result.line()  # built with drop_path_rate=0.1
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_torchtitan_moe_models_train_with_parity(name):
+    pytest.importorskip("torchtitan")
+    missing = titan_unavailable(name)
+    if missing:
+        pytest.skip(missing)
+    result = check_family(f"titan:{name}", whole_model=False)
+    _trains_with_parity(result)
