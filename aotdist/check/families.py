@@ -379,7 +379,8 @@ def timm_family(arch: str, kind: str = "timm model", *, size: int | None = None,
                 batch: int = 2, img_size: bool = True, notes: str = "",
                 **kwargs: Any) -> Family:
     """A ``timm.create_model(arch)`` with random weights, 10 classes and stochastic depth
-    on (``drop_path_rate=0.1``, timm's usual training setting), in train mode; ``kwargs``
+    on (``drop_path_rate=0.1``, timm's usual training setting, where the architecture has
+    it), in train mode; ``kwargs``
     shrink it where timm takes them (``depth``, ``embed_dim``). The batch is ``batch``
     random images of ``size`` pixels square, passed as ``img_size`` where the
     architecture takes one (``img_size``), else its default input size."""
@@ -391,7 +392,14 @@ def timm_family(arch: str, kind: str = "timm model", *, size: int | None = None,
         args = {"pretrained": False, "num_classes": 10, "drop_path_rate": 0.1, **kwargs}
         if size is not None and img_size:
             args["img_size"] = size
-        model = timm.create_model(arch, **args).train()
+        try:
+            model = timm.create_model(arch, **args)
+        except TypeError as exc:  # an architecture without stochastic depth (GhostNet)
+            if "drop_path_rate" not in str(exc):
+                raise
+            del args["drop_path_rate"]
+            model = timm.create_model(arch, **args)
+        model.train()
         shape = (3, size, size) if size is not None else tuple(
             model.pretrained_cfg.get("input_size", (3, 224, 224)))
         g = torch.Generator().manual_seed(seed + 1)
