@@ -205,6 +205,8 @@ class RecordingBackend:
                   _compat.remembered_isa_loads(), _compat.rerooted_autotune_lookups()):
                 compiled = self._compile(gm, example_inputs, rebuild=bool(complex_regions))
         except Exception as exc:
+            if inner := _nested_regions_failing(exc, self.plan):
+                raise RegionCaptureError(inner, f"{_NESTED}{_first_error_line(exc)})") from exc
             failing = _regions_named_in(exc, node_regions)
             if failing:
                 raise RegionCaptureError(failing, _first_error_line(exc)) from exc
@@ -345,6 +347,23 @@ def _has_complex(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.is_complex()
     return isinstance(value, (list, tuple)) and any(_has_complex(v) for v in value)
+
+
+_NESTED = ("torch cannot trace this region's subgraph inside another region's here (its "
+           "subgraph nested in a subgraph is looked up by a dotted name: ")
+
+
+def _nested_regions_failing(exc: BaseException, plan: Any) -> list[str]:
+    """The regions with an instance inside another region's instance, when ``exc`` is torch
+    failing to look up a subgraph nested in a subgraph (torch 2.14's AOT trace of nested
+    ``invoke_subgraph``: ``no attribute 'repeated_subgraph7.repeated_subgraph1'``): those
+    are compiled inline in the outer region, which stays reused."""
+    if plan is None or not any(re.search(r"has no attribute '\w+\.\w+'", str(e))
+                               for e in exception_chain(exc)):
+        return []
+    outer = [f for r in plan for f in r.fqns]
+    return [r.name for r in plan
+            if any(f.startswith(o + ".") for f in r.fqns for o in outer)]
 
 
 def _regions_named_in(exc: BaseException, node_regions: dict[str, str]) -> list[str]:

@@ -526,3 +526,41 @@ def test_a_subgraph_nested_in_a_subgraph_is_found_by_its_dotted_name():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no autograd.Function here: nothing to warn about
         _warn_autograd_function_splits(gm, {c.name: "Block" for c in calls})
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class _MlpBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.mlp = nn.Linear(8, 8), _Mlp()
+
+    def forward(self, x):
+        return x + self.mlp(self.a(x))
+
+
+def test_a_region_nested_in_another_never_costs_the_outer_its_reuse():
+    """timm's LeViT: its MLP class is a region whose instances sit inside its blocks (a
+    region too) and outside them. torch 2.14 fails to trace the nested subgraph (a dotted
+    lookup); the inner region is then compiled inline in the outer one, which stays one
+    reused subgraph, and training matches eager."""
+    from aotdist.testing import assert_training_parity
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Mlp(), _MlpBlock(), _MlpBlock(), _MlpBlock())
+    reference = copy.deepcopy(model)
+    aotdist.compile_regions(model, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught, metrics.track(model) as m:
+        warnings.simplefilter("always")
+        assert_training_parity(model, reference, [(torch.randn(2, 8),)] * 2)
+    block = m.regions["_MlpBlock"]
+    assert (block.call_sites, block.subgraphs) == (3, 1) and "_MlpBlock" not in m.demoted
+    if "_Mlp" in m.demoted:  # named, with torch's reason
+        assert any("'_Mlp'" in str(w.message) for w in caught), m.summary()
