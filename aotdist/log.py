@@ -21,7 +21,8 @@ import sys
 import sysconfig
 import warnings
 
-__all__ = ["LOGGER_NAME", "get_logger", "is_user_file", "rank_zero_warn", "user_stacklevel"]
+__all__ = ["LOGGER_NAME", "get_logger", "is_user_file", "rank_zero_info", "rank_zero_warn",
+           "user_stacklevel"]
 
 LOGGER_NAME = "aotdist"
 
@@ -40,6 +41,11 @@ def get_logger(name: str | None = None) -> logging.Logger:
     if not name.startswith(LOGGER_NAME + "."):
         name = f"{LOGGER_NAME}.{name}"
     return logging.getLogger(name)
+
+
+def rank_zero_info(logger: logging.Logger, message: str, *args) -> None:
+    """``logger.info`` on rank 0 (or without a process group), DEBUG on the other ranks."""
+    logger.log(logging.INFO if _rank() in (None, 0) else logging.DEBUG, message, *args)
 
 
 def _rank() -> int | None:

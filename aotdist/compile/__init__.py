@@ -257,7 +257,10 @@ def restore(model: nn.Module) -> nn.Module:
         return model
     # Instances sharded after marking keep FSDP's class; their forward becomes plain eager.
     unmark_regions(model, neutralize=True)
-    if isinstance(_compat.compiled_call(model), RegionGuardedCall):
+    call = _compat.compiled_call(model)
+    if isinstance(call, RegionGuardedCall):
         _compat.set_compiled_call(model, None)
+    elif callable(getattr(call, "uncompile", None)):  # graph-mode FSDP: keep its shards
+        call.uncompile(model)
     del model.__dict__[STATE_ATTR]
     return model

@@ -10,6 +10,7 @@ with a ``RegionCompileWarning`` each time. Parsing torch's error text lives here
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +28,12 @@ from aotdist.compile.verify import first_step_check
 from aotdist.errors import OrderingError, RegionCaptureError, RegionCompileWarning
 from aotdist.errors import exception_chain as _chain
 from aotdist.fsdp import fsdp_modules
-from aotdist.log import rank_zero_warn
+from aotdist.log import get_logger, rank_zero_info, rank_zero_warn
 
 __all__ = ["CallModes", "EvalExample", "RegionGuardedCall", "mark_dynamic_inputs",
            "replay_outcomes"]
+
+_log = get_logger(__name__)
 
 
 def is_training(module: nn.Module) -> bool:
@@ -133,6 +136,11 @@ class RegionGuardedCall:
                     state.reuse_checked = True
                     report_reuse(self._model_ref, state)
                 return out
+        if first:  # the wait a user sees: say what compiles, then how long it took
+            started = time.perf_counter()
+            rank_zero_info(_log, "compiling %s: %s, backend %s (the first call compiles; the "
+                           "ones after reuse it)", type(self._model_ref).__name__,
+                           _regions_text(state), state.backend_name or "a callable")
         for _ in range(2 * len(state.plan) + 2):
             try:
                 out = self._run(*args, **kwargs)
@@ -143,6 +151,9 @@ class RegionGuardedCall:
             if first:
                 state.reuse_checked = True
                 report_reuse(self._model_ref, state)
+                rank_zero_info(_log, "compiled %s in %.1f s (%d graph(s))",
+                               type(self._model_ref).__name__, time.perf_counter() - started,
+                               compiled_graphs(state))
             if keep:  # aotdist.cache.save traces it again (precompile)
                 state.example, state.example_from = (args, kwargs), before
             if keep_eval and (graphs := compiled_graphs(state) - before):  # 0: a hit
@@ -269,6 +280,11 @@ def _stores_into_an_argument(reason: str) -> bool:
     """torch's words for a tensor made in the region and kept by an object passed to it
     (torch 2.14: a side effect; 2.11: a node used outside the graph it was made in)."""
     return "side effect" in reason or "does not belong to this Graph" in reason
+
+
+def _regions_text(state: RegionState) -> str:
+    regions = [f"{r.name} x{r.count}" for r in state.plan if r.name not in state.demoted]
+    return f"{len(regions)} region(s) ({', '.join(regions[:4])}{', ...' if len(regions) > 4 else ''})"
 
 
 def _note(exc: BaseException, text: str) -> None:

@@ -593,7 +593,11 @@ def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: st
     (x,), _ = example_inputs(model, 2, generator=torch.Generator().manual_seed(3))
     before = model(x)
     aotdist.restore(model)
+    torch._dynamo.reset()  # a restored model must not compile again: count its frames
+    frames = torch._dynamo.utils.counters["frames"]["total"]
     after = model(x)
+    after.sum().backward()  # a training step, after restore
+    out["restore_frames"] = torch._dynamo.utils.counters["frames"]["total"] - frames
     out["restore_same"] = torch.allclose(before, after, rtol=1e-5, atol=1e-6)
     out["restore_compiled"] = aotdist.compile.is_compiled(model)
     out["breaking"] = _graph_break_region(rank, world_size)
@@ -737,6 +741,7 @@ def test_restore_and_graph_break_fallback(modes):
     (rank0, rank1), _, _ = modes
     for rank, res in enumerate((rank0, rank1)):
         assert res["restore_same"] and not res["restore_compiled"]
+        assert res["restore_frames"] == 0  # eager after restore: Dynamo compiled nothing
         # the warnings are rank 0's alone; rank 1 logs them at DEBUG (aotdist.log)
         brk, scaled = res["breaking"], res["scaled"]
         assert brk["grads_ok"] and scaled["grads_ok"]

@@ -58,3 +58,17 @@ def test_core_warnings_still_reach_a_single_process():
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.warns(aotdist.RegionCompileWarning, match="no repeated regions"):
         aotdist.compile_regions(net, backend="eager")
+
+
+def test_the_first_compile_says_what_it_compiles_and_how_long_it_took():
+    from aotdist.testing import TinyGPT, example_inputs
+
+    model = aotdist.compile_regions(TinyGPT(depth=3), backend="aot_eager")
+    (x,), _ = example_inputs(model)
+    with record_logs(level=logging.INFO) as logs:
+        model(x).sum().backward()
+        model(x).sum().backward()  # reused: says nothing more
+    said = [r.getMessage() for r in logs if r.levelno == logging.INFO]
+    assert len(said) == 2, said
+    assert said[0].startswith("compiling TinyGPT: 1 region(s) (GPTBlock x3), backend aot_eager")
+    assert said[1].startswith("compiled TinyGPT in ") and said[1].endswith("(1 graph(s))")
