@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from aotdist import _compat
-from aotdist.compile.batchnorm import overridden_batchnorms
+from aotdist.compile.fixes.batchnorm import overridden_batchnorms
 from aotdist.compile.isolate import Trials
 from aotdist.compile.marking import apply_region_class, unmark_region
 from aotdist.compile.reuse import report_reuse

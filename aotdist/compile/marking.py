@@ -22,8 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from aotdist import _compat
-from aotdist.compile.batchnorm import restore_batchnorms, swap_batchnorms
-from aotdist.compile.droppath import restore_drop_paths, swap_drop_paths
+from aotdist.compile.fixes import apply_fixes, restore_fixes
 from aotdist.compile.state import STATE_ATTR, RegionState
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan, find_regions
@@ -356,8 +355,8 @@ def apply_region_class(model: nn.Module, state: RegionState, name: str, *,
     state.classes[name] = cls
     for fqn in region.fqns:
         model.get_submodule(fqn).__class__ = cls
-        for swap in (swap_batchnorms, swap_drop_paths) if nested else ():
-            swap(model.get_submodule(fqn))  # made traceable as one subgraph
+        if nested:
+            apply_fixes(model.get_submodule(fqn))  # made traceable as one subgraph
         state.marked[fqn] = name
 
 
@@ -372,8 +371,7 @@ def unmark_region(model: nn.Module, state: RegionState, name: str, *,
     region = state.plan.by_name(name)
     for fqn in region.fqns:
         mod = model.get_submodule(fqn)
-        for restore in (restore_batchnorms, restore_drop_paths):
-            restore(mod)
+        restore_fixes(mod)
         base = getattr(type(mod), "_aotdist_base", None)
         if base is None:
             continue

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import aotdist
-from aotdist.compile import batchnorm
+from aotdist.compile.fixes import batchnorm
 from aotdist.testing import assert_training_parity, record_logs
 
 

@@ -21,9 +21,9 @@ import types
 import torch
 from torch import nn
 
-from aotdist.compile import droppath_reference as reference
+from aotdist.compile.fixes import droppath_reference as reference
 
-__all__ = ["restore_drop_paths", "swap_drop_paths"]
+__all__ = ["restore", "same_code", "swap"]
 
 _KEEP = "_aotdist_keep"  # the buffer: 1 - rate
 
@@ -123,7 +123,7 @@ def _class(base: type, name: str) -> type:
     })
 
 
-def swap_drop_paths(module: nn.Module) -> list[nn.Module]:
+def swap(module: nn.Module) -> list[nn.Module]:
     """Gives each stochastic-depth module under ``module`` the class above; returns them."""
     swapped = []
     device = next((p.device for p in module.parameters()), None)
@@ -142,8 +142,8 @@ def swap_drop_paths(module: nn.Module) -> list[nn.Module]:
     return swapped
 
 
-def restore_drop_paths(module: nn.Module) -> None:
-    """Undoes :func:`swap_drop_paths` under ``module``."""
+def restore(module: nn.Module) -> None:
+    """Undoes :func:`swap` under ``module``."""
     for mod in module.modules():
         base = vars(type(mod)).get("_aotdist_dp_base")
         if base is None:

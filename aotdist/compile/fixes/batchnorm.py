@@ -22,7 +22,7 @@ from torch import nn
 
 from aotdist import _compat
 
-__all__ = ["overridden_batchnorms", "restore_batchnorms", "swap_batchnorms", "update_op"]
+__all__ = ["overridden_batchnorms", "restore", "swap", "update_op"]
 
 _LIB = "aotdist::update_batch_norm_stats"
 
@@ -94,7 +94,7 @@ def overridden_batchnorms(module: nn.Module) -> list[str]:
                    and "_aotdist_bn_base" not in vars(type(m)) and not _reproduced(type(m))})
 
 
-def swap_batchnorms(module: nn.Module) -> list[nn.Module]:
+def swap(module: nn.Module) -> list[nn.Module]:
     """Gives each BatchNorm under ``module`` whose forward is torch's own the class above;
     returns the modules swapped."""
     swapped = []
@@ -111,8 +111,8 @@ def swap_batchnorms(module: nn.Module) -> list[nn.Module]:
     return swapped
 
 
-def restore_batchnorms(module: nn.Module) -> None:
-    """Undoes :func:`swap_batchnorms` under ``module``."""
+def restore(module: nn.Module) -> None:
+    """Undoes :func:`swap` under ``module``."""
     for mod in module.modules():
         base = vars(type(mod)).get("_aotdist_bn_base")
         if base is not None:
