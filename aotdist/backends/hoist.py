@@ -27,6 +27,9 @@ __all__ = ["hoist_buffer_updates"]
 _log = get_logger(__name__)
 _IN_PLACE_OPERATORS = {operator.iadd: "add_", operator.isub: "sub_", operator.imul: "mul_",
                        operator.itruediv: "div_"}
+# in-place draws: moved after the call, they would take other numbers from the RNG stream
+_RANDOM = {"bernoulli_", "cauchy_", "exponential_", "geometric_", "log_normal_", "normal_",
+           "random_", "uniform_"}
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,8 @@ def _is_invoke(node: fx.Node) -> bool:
 
 def _in_place(node: fx.Node) -> str | None:
     """The in-place method ``node`` calls, if any."""
-    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
+    if (node.op == "call_method" and node.target.endswith("_")
+            and not node.target.startswith("_") and node.target not in _RANDOM):
         return node.target
     if node.op == "call_function":
         return _IN_PLACE_OPERATORS.get(node.target)
