@@ -192,7 +192,7 @@ def test_the_zoo_writes_to_a_fresh_directory_by_default(tmp_path, monkeypatch, c
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("aotdist.check.run_zoo",
                         lambda *a, **kw: [CheckResult("llama", status="reused")])
-    monkeypatch.setattr("aotdist.check.render", lambda results, backend: "the table\n")
+    monkeypatch.setattr("aotdist.check.render", lambda results, **kw: "the table\n")
     assert main(["zoo", "--families", "llama"]) == 0
     assert (tmp_path / "zoo-out" / "models.md").read_text() == "the table\n"
     assert not (tmp_path / "docs").exists()
