@@ -371,7 +371,9 @@ def unmark_region(model: nn.Module, state: RegionState, name: str, *,
     region = state.plan.by_name(name)
     for fqn in region.fqns:
         mod = model.get_submodule(fqn)
-        restore_fixes(mod)
+        if not any(fqn.startswith(outer + ".") and region_name not in state.demoted
+                   for outer, region_name in state.marked.items()):
+            restore_fixes(mod)  # inside a live region's instance, the fixes are that region's
         base = getattr(type(mod), "_aotdist_base", None)
         if base is None:
             continue

@@ -531,10 +531,10 @@ def test_a_subgraph_nested_in_a_subgraph_is_found_by_its_dotted_name():
 class _Mlp(nn.Module):
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(8, 8)
+        self.fc, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
 
     def forward(self, x):
-        return torch.relu(self.fc(x))
+        return torch.relu(self.norm(self.fc(x)))
 
 
 class _MlpBlock(nn.Module):
@@ -547,10 +547,11 @@ class _MlpBlock(nn.Module):
 
 
 def test_a_region_nested_in_another_never_costs_the_outer_its_reuse():
-    """timm's LeViT: its MLP class is a region whose instances sit inside its blocks (a
-    region too) and outside them. torch 2.14 fails to trace the nested subgraph (a dotted
-    lookup); the inner region is then compiled inline in the outer one, which stays one
-    reused subgraph, and training matches eager."""
+    """timm's LeViT: its MLP class (with BatchNorm) is a region whose instances sit inside
+    its blocks (a region too) and outside them. torch 2.14 fails to trace the nested
+    subgraph (a dotted lookup); the inner region is then compiled inline in the outer one,
+    which keeps its BatchNorm fix and stays one reused subgraph; training matches eager,
+    running statistics included."""
     from aotdist.testing import assert_training_parity
 
     torch.manual_seed(0)
