@@ -1,7 +1,8 @@
 """Does aotdist train this model? ``aotdist check`` and ``aotdist zoo``.
 
-:func:`check_family` runs one training step eager, with whole-model ``torch.compile`` and
-with aotdist on the same weights and batch, and classifies what aotdist did with each
+:func:`check_family` trains three SGD steps eager, with whole-model ``torch.compile`` and
+with aotdist from the same weights, batches and seeds, compares losses, gradients and
+buffers after each, and classifies what aotdist did with each
 region (:class:`CheckResult`); :func:`check_fsdp` does the same under FSDP2 on several
 gloo ranks. :func:`run_zoo` checks every family in :data:`FAMILIES` (tiny random-weight
 ``transformers`` and ``torchvision`` builds), each in a fresh process, and writes the

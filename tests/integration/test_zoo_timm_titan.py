@@ -24,7 +24,7 @@ def _trains_with_parity(result) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("arch", ["efficientnet_b0", "regnetx_002"])
+@pytest.mark.parametrize("arch", ["regnetx_002"])  # efficientnet_b0 too: aotdist zoo
 def test_timm_batchnorm_act_networks_train_with_eager_s_losses_gradients_and_statistics(arch):
     pytest.importorskip("timm")
     result = check_family(f"timm:{arch}", whole_model=False)
@@ -33,7 +33,7 @@ def test_timm_batchnorm_act_networks_train_with_eager_s_losses_gradients_and_sta
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_moe"])  # deepseek_v3 too: aotdist zoo
 def test_torchtitan_moe_models_train_with_parity(name):
     pytest.importorskip("torchtitan")
     missing = titan_unavailable(name)
