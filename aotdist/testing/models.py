@@ -200,6 +200,27 @@ class ReadAfterUpdateBlock(CountingBlock):
         return torch.relu(self.lin(x)) + self.seen
 
 
+class BatchNormRelu(nn.BatchNorm2d):
+    """BatchNorm with a forward of its own, an activation after the norm (as timm's
+    ``BatchNormAct2d``): what aotdist's BatchNorm fix must leave as written."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(x))
+
+
+class ConvNormBlock(nn.Module):
+    """A residual convolution block around a norm class (BatchNorm or a subclass)."""
+
+    def __init__(self, channels: int = 8, norm: type[nn.Module] = nn.BatchNorm2d):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = norm(channels)
+        self.out = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(self.norm(self.conv(x)))
+
+
 class AliasingBlock(nn.Module):
     """A block that passes its second input through unchanged: an output aliasing an input."""
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import aotdist
@@ -21,6 +20,7 @@ from aotdist.testing import (
     record_logs,
     run_distributed,
 )
+from aotdist.testing.models import BatchNormRelu, ConvNormBlock
 
 pytestmark = pytest.mark.slow  # two spawns of 2 ranks: about a minute on 2 cores
 
@@ -55,26 +55,13 @@ def test_training_with_the_check_matches_eager_on_two_ranks():
         assert len(checks) == 1 and "passed" in checks[0], checks
 
 
-class _BatchNormRelu(nn.BatchNorm2d):
-    def forward(self, x):
-        return F.relu(super().forward(x))
-
-
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv, self.norm = nn.Conv2d(4, 4, 3, padding=1), _BatchNormRelu(4)
-
-    def forward(self, x):
-        return x + self.norm(self.conv(x))
-
-
 def _wrong_region(rank: int, world_size: int):
     from aotdist.compile.fixes import batchnorm
 
     batchnorm._reproduced = lambda cls: True  # the isinstance swap aotdist once had
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 1), _Block(), _Block(), _Block(), nn.Flatten())
+    model = nn.Sequential(nn.Conv2d(3, 4, 1),
+                          *[ConvNormBlock(4, BatchNormRelu) for _ in range(3)], nn.Flatten())
     aotdist.parallelize(model, config=CONFIG)
     x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(rank))
     try:
@@ -85,4 +72,4 @@ def _wrong_region(rank: int, world_size: int):
 
 
 def test_a_wrong_region_stops_every_rank_and_is_named():
-    assert run_distributed(_wrong_region, 2, timeout=300) == [["_Block"], ["_Block"]]
+    assert run_distributed(_wrong_region, 2, timeout=300) == [["ConvNormBlock"], ["ConvNormBlock"]]

@@ -22,13 +22,7 @@ from torch import nn
 import aotdist
 from aotdist import metrics
 from aotdist.testing import assert_training_parity
-
-
-class _BatchNormRelu(nn.BatchNorm2d):
-    """An activation after the norm: the forward aotdist must not replace."""
-
-    def forward(self, x):
-        return F.relu(super().forward(x))
+from aotdist.testing.models import BatchNormRelu, ConvNormBlock
 
 
 class _ScaledBatchNorm(nn.BatchNorm2d):
@@ -42,20 +36,9 @@ class _ScaledBatchNorm(nn.BatchNorm2d):
         return 2.0 * out
 
 
-class _Block(nn.Module):
-    def __init__(self, norm: type[nn.Module]):
-        super().__init__()
-        self.conv = nn.Conv2d(8, 8, 3, padding=1)
-        self.norm = norm(8)
-        self.out = nn.Conv2d(8, 8, 1)
-
-    def forward(self, x):
-        return x + self.out(self.norm(self.conv(x)))
-
-
 def _net(norm: type[nn.Module]) -> nn.Module:
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *[_Block(norm) for _ in range(3)])
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *[ConvNormBlock(8, norm) for _ in range(3)])
     for block in net[1:]:  # blocks whose norms differ too
         nn.init.uniform_(block.norm.weight, 0.5, 1.5)
         nn.init.uniform_(block.norm.bias, -0.5, 0.5)
@@ -76,13 +59,13 @@ def _train_compiled(model, reference, *, backend="aot_eager"):
                if issubclass(w.category, aotdist.RegionCompileWarning)]
 
 
-@pytest.mark.parametrize("norm", [_BatchNormRelu, _ScaledBatchNorm], ids=["act", "own_bn"])
+@pytest.mark.parametrize("norm", [BatchNormRelu, _ScaledBatchNorm], ids=["act", "own_bn"])
 def test_a_batchnorm_subclass_with_its_own_forward_trains_as_eager(norm):
     model = _net(norm)
     reference = copy.deepcopy(model)
     m, warned = _train_compiled(model, reference)
     assert norm.__name__ in " ".join(warned), warned  # the demotion names the class
-    assert list(m.demoted) == ["_Block"], m.summary()
+    assert list(m.demoted) == ["ConvNormBlock"], m.summary()
     assert type(model[1].norm) is norm  # never swapped
     assert model[1].norm.num_batches_tracked.item() == 3
 
@@ -92,17 +75,17 @@ def test_torch_s_own_batchnorm_still_shares_one_subgraph_in_the_same_model():
     reference = copy.deepcopy(model)
     m, warned = _train_compiled(model, reference)
     assert not warned and not m.demoted, m.summary()
-    assert (m.regions["_Block"].call_sites, m.regions["_Block"].subgraphs) == (3, 1)
+    assert (m.regions["ConvNormBlock"].call_sites, m.regions["ConvNormBlock"].subgraphs) == (3, 1)
 
 
 @pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_batchnorm_subclass_with_its_own_forward_trains_as_eager_with_inductor():
-    model = _net(_BatchNormRelu)
+    model = _net(BatchNormRelu)
     reference = copy.deepcopy(model)
     m, warned = _train_compiled(model, reference, backend="inductor")
-    assert "_BatchNormRelu" in " ".join(warned) and list(m.demoted) == ["_Block"]
+    assert "BatchNormRelu" in " ".join(warned) and list(m.demoted) == ["ConvNormBlock"]
 
 
 def test_timm_batchnorm_act_keeps_its_activation():

@@ -11,34 +11,20 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import aotdist
 from aotdist.compile.fixes import batchnorm
 from aotdist.testing import assert_training_parity, record_logs
-
-
-class _BatchNormRelu(nn.BatchNorm2d):
-    def forward(self, x):
-        return F.relu(super().forward(x))
-
-
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv, self.norm = nn.Conv2d(4, 4, 3, padding=1), _BatchNormRelu(4)
-
-    def forward(self, x):
-        return x + self.norm(self.conv(x))
-
+from aotdist.testing.models import BatchNormRelu, ConvNormBlock
 
 VERIFY = {"compile": {"backend": "aot_eager", "verify": True}}
 
 
 def _cnn():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 1), _Block(), _Block(), _Block(), nn.Flatten())
+    return nn.Sequential(nn.Conv2d(3, 4, 1), *[ConvNormBlock(4, BatchNormRelu) for _ in range(3)],
+                         nn.Flatten())
 
 
 def _x():
@@ -46,14 +32,14 @@ def _x():
 
 
 def test_a_region_that_computes_wrong_is_named_before_any_step(monkeypatch):
-    # the isinstance swap aotdist once had: it replaced _BatchNormRelu's forward
+    # the isinstance swap aotdist once had: it replaced BatchNormRelu's forward
     monkeypatch.setattr(batchnorm, "_reproduced", lambda cls: True)
     model = _cnn()
     before = copy.deepcopy(model.state_dict())
     aotdist.compile_regions(model, backend="aot_eager", verify=True)
-    with pytest.raises(aotdist.RegionMismatchError, match=r"region\(s\) \['_Block'\]") as err:
+    with pytest.raises(aotdist.RegionMismatchError, match=r"region\(s\) \['ConvNormBlock'\]") as err:
         model(_x())
-    assert err.value.regions == ["_Block"]
+    assert err.value.regions == ["ConvNormBlock"]
     assert err.value.comparison.grad_diff > 1e-2
     for key, value in model.state_dict().items():  # buffers put back: nothing trained
         torch.testing.assert_close(value, before[key], msg=key)
@@ -126,7 +112,7 @@ def test_the_accelerate_hook_runs_the_check(monkeypatch):
     monkeypatch.setattr(batchnorm, "_reproduced", lambda cls: True)
     model = _cnn()
     add_hook_to_module(model, RegionalCompileHook(VERIFY))
-    with pytest.raises(aotdist.RegionMismatchError, match="_Block"):
+    with pytest.raises(aotdist.RegionMismatchError, match="ConvNormBlock"):
         model(_x())
 
 
@@ -151,7 +137,7 @@ def test_the_lightning_callback_runs_the_check(monkeypatch, tmp_path):
                          enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=tmp_path)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_x()), batch_size=2)
-    with pytest.raises(aotdist.RegionMismatchError, match="_Block"):
+    with pytest.raises(aotdist.RegionMismatchError, match="ConvNormBlock"):
         trainer.fit(Module(), data)
 
 
