@@ -19,6 +19,7 @@ import importlib
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -278,14 +279,17 @@ class _Run:
 
 def _train(family: Family, model: nn.Module, inputs: dict[str, Any], *, steps: int,
            seed: int, record: _Run | None = None, against: _Run | None = None,
-           rtol: float = 0.0, call: nn.Module | None = None) -> _Diff | None:
+           rtol: float = 0.0, call: nn.Module | None = None,
+           after_first: Callable[[], None] | None = None) -> _Diff | None:
     """``steps`` SGD steps of ``model`` (run as ``call``, default itself: a
     ``torch.compile`` wrapper of it) on ``inputs``, each from the same random seed whichever
     way the model runs; ``record`` keeps each step (eager), or each step is compared
-    ``against`` eager's record."""
+    ``against`` eager's record. ``after_first`` is called once the first step is done."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     diff = _Diff() if against is not None else None
     for i in range(steps):
+        if i == 1 and after_first is not None:
+            after_first()
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(seed + 1000 + i)  # the same random stream for every way, per step
         loss = _step(family, model if call is None else call, inputs).item()
@@ -389,9 +393,18 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
         warnings.simplefilter("always")
         try:
             aotdist.compile_regions(model, backend=backend)
-            with aotdist.metrics.track(model) as m:
+            # regions are classified by the first step; a later step that compiles is named
+            with contextlib.ExitStack() as later:
+                m = later.enter_context(aotdist.metrics.track(model))
+                after = []
                 diff = _train(family, model, inputs, steps=steps, seed=seed, against=eager,
-                              rtol=rtol)
+                              rtol=rtol, after_first=lambda _model=model: (
+                                  later.close(), after.append(
+                                      later.enter_context(aotdist.metrics.track(_model)))))
+            if after and after[0].graphs:
+                result.notes.setdefault("later steps", (
+                    f"steps 2-{steps} compiled {after[0].graphs} more graph(s) "
+                    f"({'; '.join(str(r) for r in after[0].recompiles)[:200] or 'a new frame'})"))
         except Exception as exc:  # noqa: BLE001 - classified below against torch.compile
             crashed = exc
             result.error = first_line(exc, 400)

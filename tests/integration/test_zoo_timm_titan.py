@@ -20,7 +20,7 @@ def _trains_with_parity(result) -> None:
     assert result.max_grad_diff <= rtol and result.max_buffer_diff <= rtol, result.line()
     assert result.max_loss_diff <= rtol * max(1.0, abs(result.loss_eager)), result.line()
     if result.status == "partly reused":  # what is not kept is named
-        assert set(result.notes) - {"gradients"} <= set(result.regions), result.line()
+        assert set(result.notes) - {"gradients", "later steps"} <= set(result.regions), result.line()
 
 
 @pytest.mark.timeout(900)
