@@ -15,11 +15,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
 def _trains_with_parity(result) -> None:
     assert result.ok and result.steps == 3, result.line() + "\n" + result.error
-    assert result.status in ("reused", "partly reused"), result.line()
+    # BatchNormAct2d runs as timm wrote it, updating its statistics in place: torch 2.11
+    # refuses that in a reused subgraph, so there its regions are demoted, each named
+    assert result.status in ("reused", "partly reused", "demoted"), result.line()
     rtol = tolerance("aot_eager")
     assert result.max_grad_diff <= rtol and result.max_buffer_diff <= rtol, result.line()
     assert result.max_loss_diff <= rtol * max(1.0, abs(result.loss_eager)), result.line()
-    if result.status == "partly reused":  # what is not kept is named
+    if result.status in ("partly reused", "demoted"):  # what is not kept is named
         assert set(result.notes) - {"gradients", "later steps"} <= set(result.regions), result.line()
 
 
