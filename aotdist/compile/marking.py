@@ -187,7 +187,8 @@ def _contiguous_stream(fn: Callable) -> Callable:
     A block's output usually feeds the next instance as its input (the residual stream).
     Where the block computes it in another layout (torchvision's ViT: a transposed
     ``(batch, seq, dim)`` out of its attention), the first call site's input is contiguous
-    and every later one's is not, and torch compiles the region twice. The copy costs a
+    and every later one's is not, and torch compiles the region twice (its subgraph in
+    a whole-model graph, its frame under FSDP2's hooks alike). The copy costs a
     kernel in the forward and one in the backward (ViT: 1-3% of a step, against a second
     compile of the block); values are unchanged, only the output's strides.
     """
@@ -262,8 +263,9 @@ def _region_class(base: type, region: str, *, count: int = 2, clone_aliases: boo
             marked = _dealiased_inputs(marked)
     else:
         marked = fwd
-    # For frames mode: the same forward without invoke_subgraph, with a code object of its own.
-    plain = _compat.unique_code_function(base.forward, f"{region}_frame")
+    # For frames mode: the same forward without invoke_subgraph, with a code object of its own;
+    # its residual stream made contiguous too, or each frame compiles twice (ViT).
+    plain = _compat.unique_code_function(_contiguous_stream(base.forward), f"{region}_frame")
     if checkpoint:
         marked, plain = _checkpointed(marked), _checkpointed(plain)
     namespace = {

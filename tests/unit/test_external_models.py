@@ -160,6 +160,43 @@ def test_vit_train_parity_and_metrics():
     assert m2.frames_compiled == 0 and m2.recompiles == [], m2.summary()
 
 
+@contextlib.contextmanager
+def _one_rank_group():
+    """A gloo world of one rank in this process: FSDP2's real hooks, nothing spawned."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_vit_under_fsdp2_hooks_compiles_each_block_frame_once():
+    # The README's `accelerate launch` recipe: FSDP2 hooks mode, each region one compiled
+    # frame. The frame's residual stream leaves in MultiheadAttention's transposed layout,
+    # so block 0 (contiguous input) and blocks 1-2 compiled two frames, and the user was
+    # told to call .contiguous() inside torchvision; aotdist returns it contiguous itself.
+    model = _vit().train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, 32, 32)
+    with _one_rank_group():
+        aotdist.parallelize(model, config={"fsdp": {"enabled": True},
+                                           "compile": {"backend": "aot_eager"}})
+        with _caught_warnings() as caught, aotdist.metrics.track(model) as m:
+            out = model(x)
+            out.sum().backward()
+        ref = reference(x)
+        ref.sum().backward()
+        torch.testing.assert_close(out, ref)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+    assert _region_warnings(caught) == [] and m.reuse == {}, m.summary()
+    st = _stats(m, "EncoderBlock")
+    assert (m.mode, st.call_sites, st.standalone_graphs) == ("frames", 3, 1), m.summary()
+
+
 def _compiled_eval_matches(model: nn.Module, block_fqns) -> aotdist.metrics.CompileMetrics:
     """Compiles ``model`` in eval mode and checks one no-grad forward against eager: same
     output, no region warning but a named reuse loss, no graph break. Returns the forward's metrics."""
