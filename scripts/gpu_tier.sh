@@ -94,7 +94,7 @@ if [[ $SHORT == 1 ]]; then
         --out "$BENCH_OUT/probe.json"
     [[ -n "${SKIP_BENCH:-}" ]] && exit $status
     run timeout 150 "$PY" -m aotdist.cli bench --device cuda --model gpt --depths 32 \
-        --strategies full,accelerate,aotdist --repeats 1 ${BENCH_MODE:+--mode "$BENCH_MODE"} \
+        --strategies full,accelerate,aotdist --repeats 1 ${BENCH_MODE:+--compile-mode "$BENCH_MODE"} \
         --out "$BENCH_OUT"
     exit $status
 fi

@@ -86,7 +86,7 @@ def _one(spec: str, *, backend: str, fsdp: int, timeout: float,
         cmd = [sys.executable, "-m", "aotdist.cli", "check", spec, "--backend", backend,
                "--json", out]
         if fsdp:
-            cmd += ["--fsdp", str(fsdp)]
+            cmd += ["--nproc", str(fsdp)]
         if memory_gb > 0:
             cmd += ["--memory-limit", str(memory_gb)]
         try:

@@ -27,7 +27,7 @@ CONFIGS = {
 
 
 def _capture_all(rank: int, world_size: int, out_dir: str) -> dict:
-    from aotdist.cli import _inspect
+    from aotdist.cli.capture import inspect_rank
 
     results = {}
     for name, config in CONFIGS.items():
@@ -39,8 +39,8 @@ def _capture_all(rank: int, world_size: int, out_dir: str) -> dict:
         d["grads_none"] = all(p.grad is None for p in model.parameters())
         d["summary"] = cap.summary()
         results[name] = d
-    # The CLI's per-rank body (``aotdist inspect --nproc 2 --fsdp --out DIR``).
-    results["cli"] = _inspect(rank, world_size, {
+    # The CLI's per-rank body (``aotdist inspect --nproc 2 --out DIR``).
+    results["cli"] = inspect_rank(rank, world_size, {
         "model": "gpt", "depth": 2, "fsdp": True, "float8": False, "out": out_dir,
         "backend": "aot_eager"})
     return results

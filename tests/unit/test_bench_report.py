@@ -287,11 +287,11 @@ def test_bench_models_a_transformers_llama_and_blocks_in_a_module_dict():
 
 def test_mesh_option_asks_for_matching_ranks(tmp_path):
     from aotdist.bench import run_bench
-    from aotdist.cli import _mesh
+    from aotdist.cli.parser import mesh
 
-    assert _mesh("2x2") == (2, 2) and _mesh("1X4") == (1, 4)
+    assert mesh("2x2") == (2, 2) and mesh("1X4") == (1, 4)
     with pytest.raises(Exception, match="REPLICASxSHARDS"):
-        _mesh("2x")
+        mesh("2x")
     for cases in ([Case("gpt", 2, "aotdist", nproc=2)], [Case("gpt", 2, "aotdist")]):
         with pytest.raises(ConfigError, match="--mesh 2x2 needs --nproc 4"):
             run_bench(cases, mesh=(2, 2), out=tmp_path)

@@ -92,7 +92,7 @@ def test_a_factory_in_the_working_directory_is_checked(user_dir, capsys):
     assert capsys.readouterr().out.startswith("clifactories:build: ")
 
 
-@pytest.mark.parametrize("more", [[], ["--fsdp", "2"]], ids=["", "fsdp"])
+@pytest.mark.parametrize("more", [[], ["--nproc", "2"]], ids=["", "fsdp"])
 def test_a_factory_that_raises_is_one_screen_naming_the_user_s_line(user_dir, capsys, more):
     assert main(["check", "clifactories:broken", *more]) == 1
     lines = _screen(capsys)
@@ -172,9 +172,11 @@ def test_version_and_help_show_what_runs_by_default(capsys):
     assert "``" not in capsys.readouterr().out  # no raw RST
 
 
-@pytest.mark.parametrize("argv, ranks", [
-    (["--fsdp", "2"], 2), (["--nproc", "2", "--fsdp"], 2), (["--fsdp", "2", "--nproc", "2"], 2)])
-def test_inspect_spells_fsdp_ranks_as_check_does(monkeypatch, capsys, argv, ranks):
+@pytest.mark.parametrize("argv, ranks, fsdp", [
+    (["--nproc", "2"], 2, True), (["--fsdp", "2"], 2, True), (["--nproc", "2", "--fsdp"], 2, True),
+    (["--fsdp", "2", "--nproc", "2"], 2, True), (["--fsdp"], 1, True)])
+def test_inspect_spells_ranks_as_every_subcommand_and_keeps_the_old_spelling(
+        monkeypatch, capsys, argv, ranks, fsdp):
     seen = {}
 
     def run_distributed(fn, nproc, opts, **kwargs):
@@ -183,9 +185,42 @@ def test_inspect_spells_fsdp_ranks_as_check_does(monkeypatch, capsys, argv, rank
 
     monkeypatch.setattr("aotdist.launch.run_distributed", run_distributed)
     assert main(["inspect", "--model", "gpt", *argv]) == 0
-    assert seen == {"nproc": ranks, "fsdp": True}
+    assert seen == {"nproc": ranks, "fsdp": fsdp}
+    assert ("old spelling; use --nproc" in capsys.readouterr().err) == ("--fsdp" in argv)
     assert main(["inspect", "--fsdp", "2", "--nproc", "3"]) == 2
     assert "--fsdp 2 and --nproc 3 disagree" in capsys.readouterr().err
+
+
+def _options(command: str, capsys) -> str:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    return text[text.index("options:"):]
+
+
+def test_every_subcommand_spells_the_shared_options_alike_with_the_code_s_defaults(capsys):
+    from aotdist.bench import MAIN_SETTINGS
+    from aotdist.config import FSDPConfig
+
+    for command in ("check", "zoo", "bench", "inspect"):  # each one trains
+        options = _options(command, capsys)
+        for flag in ("--nproc N", "--backend", "--memory-limit GB", "--timeout", "--debug"):
+            assert flag in options, (command, flag)
+        assert "--fsdp " not in options and "--mode " not in options, command  # hidden aliases
+    for command in ("check", "inspect"):
+        assert f"(default: {FSDPConfig().mode})" in _options(command, capsys)
+    assert f"(default {MAIN_SETTINGS.repeats}, 1 with --quick)" in _options("bench", capsys)
+
+
+def test_old_spellings_still_work(monkeypatch, capsys):
+    from aotdist.cli import build_parser
+
+    seen = {}
+    monkeypatch.setattr("aotdist.check.run_zoo", lambda *a, **kw: seen.update(kw) or [])
+    assert main(["zoo", "--fsdp", "3", "--out", ""]) == 0 and seen["fsdp_ranks"] == 3
+    args = build_parser().parse_args(["bench", "--mode", "reduce-overhead"])
+    assert args.compile_mode == "reduce-overhead"
+    assert "old spelling; use --compile-mode" in capsys.readouterr().err
 
 
 def test_the_zoo_writes_to_a_fresh_directory_by_default(tmp_path, monkeypatch, capsys):
