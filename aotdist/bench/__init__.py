@@ -1,10 +1,12 @@
-"""``aotdist bench``: compile time, step time and memory of the strategies, side by side.
+"""``aotdist bench``: time to the first N steps, compile time, step time and memory of the
+strategies, side by side.
 
 Every measurement runs in a fresh process with its own empty compiler cache directory
-(:mod:`aotdist.bench.runner`), so compile times are cold. Cells repeat round robin and
-every ratio is computed within one repeat, then reported as a median with its spread
-(:mod:`aotdist.bench.stats`); steady-step ratios come from strategies timed side by side
-in one process (*paired* runs, :func:`aotdist.bench.runner.measure_paired`).
+(:mod:`aotdist.bench.runner`), so compile times are cold; a ``warm`` cell then restarts on
+the caches its run left. Cells repeat round robin and every ratio is computed within one
+repeat, then reported as a median with its spread (:mod:`aotdist.bench.stats`,
+:mod:`aotdist.bench.timeto`); steady steps come from strategies timed side by side in one
+process (*paired* runs, :func:`aotdist.bench.runner.measure_paired`).
 
 Entry point: :func:`run_bench`. The main job (``aotdist bench`` with no arguments) is
 :data:`MAIN_JOB` with :data:`~aotdist.bench.plan.MAIN_SETTINGS`; ``--quick`` is
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from aotdist.bench.plan import (
     ALL_STRATEGIES,
+    FULL_JOB,
     MAIN_JOB,
     MAIN_SETTINGS,
     QUICK_JOB,
@@ -40,23 +43,27 @@ from aotdist.bench.plan import (
 )
 from aotdist.bench.report import load_snapshot, write_report
 from aotdist.bench.runner import PHASE_PREFIX, RESULT_PREFIX
-from aotdist.bench.stats import fresh_start_s
+from aotdist.bench.stats import PEERS, fresh_start_s, restart_s
 from aotdist.errors import BenchError, ConfigError, MissingDependencyError
 
-__all__ = ["ALL_STRATEGIES", "MAIN_JOB", "MAIN_SETTINGS", "QUICK_JOB", "QUICK_SETTINGS", "Case",
-           "SubBench", "interleave", "plan_cases", "run_bench"]
+__all__ = ["ALL_STRATEGIES", "FULL_JOB", "MAIN_JOB", "MAIN_SETTINGS", "QUICK_JOB", "QUICK_SETTINGS",
+           "Case", "SubBench", "interleave", "plan_cases", "run_bench"]
 
 
 def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
     """One measurement; ``*+cache``: a cold run that saves the artifact bundle, then
-    a warm run (fresh process, empty Inductor cache) that starts from it."""
+    a warm run (fresh process, empty Inductor cache) that starts from it. A ``warm`` cell
+    restarts instead (:func:`_restart`; a ``+cache`` one with its bundle)."""
     if not case.strategy.endswith("+cache"):
-        return _measure_once(case, **kwargs)
+        return _restart(case, _measure_once, **kwargs)
     from aotdist.bench.strategies import ARTIFACTS_ENV
 
-    kwargs.pop("seed", None)  # a fresh start: the probes in both runs, as in a new cache dir
+    if not case.warm:  # a fresh start: the probes in both runs, as in a new cache dir
+        kwargs.pop("seed", None)
     kwargs.pop("keep_cache", None)
     with tempfile.TemporaryDirectory(prefix="aotdist-bench-artifacts-") as artifacts:
+        if case.warm:
+            return _restart(case, _measure_once, env={ARTIFACTS_ENV: artifacts}, **kwargs)
         cold = _measure_once(case, env={ARTIFACTS_ENV: artifacts}, **kwargs)
         kwargs["progress"]("        warm start from the saved artifacts (fresh process)")
         if kwargs.get("profile_dir"):  # the warm run's profiles beside the cold run's
@@ -68,17 +75,40 @@ def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
             "warm_precompile_reason": warm.get("precompile_reason")}
 
 
+def _restart(case: Case, measure: Callable[..., dict], **kwargs) -> dict:
+    """``measure`` once; for a ``warm`` cell in a cache dir of its own, then a restart: a
+    second fresh process on the same ``TORCHINDUCTOR_CACHE_DIR``, as a user restarting on
+    the same machine (a ``+cache`` strategy also finds its artifact bundle). Its set-up
+    and first step (:func:`~aotdist.bench.stats.restart_s`) go into ``warm_restart_s``."""
+    if not case.warm:
+        return measure(case, **kwargs)
+    seed, keep = kwargs.pop("seed", None), kwargs.pop("keep_cache", None)
+    with tempfile.TemporaryDirectory(prefix="aotdist-bench-kept-") as kept:
+        if seed:
+            shutil.copytree(seed, kept, dirs_exist_ok=True)
+        cold = measure(case, cache_dir=kept, keep_cache=keep, **kwargs)
+        kwargs["progress"]("        warm restart on the kept compiler caches (fresh process)")
+        kwargs.update(steps=2, warmup=0, profile_dir=None)  # its first step is the figure
+        warm = measure(case, cache_dir=kept, **kwargs)
+    return {**cold, "warm_restart_s": restart_s(warm), "warm_restart_apply_s": warm["apply_s"],
+            "warm_restart_first_step_s": warm["first_step_s"],
+            "warm_restart_cache_load": warm.get("cache_load")}
+
+
 def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
                   device: str, float8: bool, timeout: float, replicate: int = 1,
                   mode: str | None = None,
                   profile_dir: str | None, progress: Callable[[str], None],
                   env: dict | None = None, seed: str | None = None,
-                  keep_cache: str | None = None, paired_rounds: int = 0) -> dict:
+                  keep_cache: str | None = None, paired_rounds: int = 0,
+                  cache_dir: str | None = None) -> dict:
     """One run in a fresh process whose Inductor cache dir starts as a copy of ``seed``
-    (empty without one); ``keep_cache``: merge that dir into this folder after a run
-    that succeeded (compiled artifacts are content-addressed, so runs can share one)."""
-    with tempfile.TemporaryDirectory(prefix="aotdist-bench-cache-") as cache, \
+    (empty without one), or is ``cache_dir`` itself, kept as the run leaves it;
+    ``keep_cache``: merge that dir into this folder after a run that succeeded
+    (compiled artifacts are content-addressed, so runs can share one)."""
+    with tempfile.TemporaryDirectory(prefix="aotdist-bench-cache-") as temp, \
             tempfile.TemporaryFile(mode="w+") as stderr:
+        cache = cache_dir or temp
         if seed:
             shutil.copytree(seed, cache, dirs_exist_ok=True)
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache,
@@ -147,7 +177,8 @@ def _seed_isa_probes(where: str, *, backend: str, device: str,
     return where
 
 
-PAIRED = ("aotdist", "full", "accelerate", "eager")  # strategies the paired runs time
+# strategies the paired runs time
+PAIRED = ("aotdist", "aotdist+fx", "full", "accelerate", "per_block", "eager")
 
 
 def _paired_cells(cases: Sequence[Case]) -> list[Case]:
@@ -159,7 +190,19 @@ def _paired_cells(cases: Sequence[Case]) -> list[Case]:
             names = found.setdefault((c.model, c.depth), [])
             names += [] if c.strategy in names else [c.strategy]
     return [Case(model, depth, ",".join(names)) for (model, depth), names in found.items()
-            if "aotdist" in names and ({"full", "accelerate"} & set(names))]
+            if "aotdist" in names and (set(PEERS) & set(names))]
+
+
+def _skip_unavailable(cases: list[Case], progress: Callable[[str], None]) -> tuple[list, list]:
+    """The cells this build can run, and a note per strategy whose cells were left out."""
+    from aotdist.bench.strategies import get_strategy
+
+    why = {s: get_strategy(s).unavailable() for s in dict.fromkeys(c.strategy for c in cases)
+           if get_strategy(s).unavailable}
+    why = {s: text for s, text in why.items() if text}
+    for text in why.values():
+        progress(f"skipped: {text}")
+    return [c for c in cases if c.strategy not in why], list(why.values())
 
 
 def _warm_dir(root: str, case: Case, rep: int, pairs: set[tuple[str, int]]) -> str | None:
@@ -224,7 +267,8 @@ def _check_mesh(mesh: tuple[int, int] | None, cases: Sequence[Case]) -> int:
 
 def _label(case: Case) -> str:
     ranks = f" x{case.nproc} ranks FSDP2" if case.nproc > 1 else ""
-    return f"{case.strategy} {case.model} depth={case.depth}{ranks}"
+    warm = " (+ warm restart)" if case.warm else ""
+    return f"{case.strategy} {case.model} depth={case.depth}{ranks}{warm}"
 
 
 def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
@@ -270,6 +314,7 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
                           f"warmup={warmup}, repeats={repeats}")
     _check_mode(mode, backend=backend, device=device)
     cases = plan_cases() if cases is None else list(cases)
+    cases, skipped = _skip_unavailable(cases, progress)
     replicate = _check_mesh(mesh, cases)
     _check_model_dependencies(cases)
     order = interleave(cases, repeats)
@@ -303,7 +348,7 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
         # Steady-step ratios: separate processes minutes apart disagree by tens of percent
         # on a shared machine, so each depth's strategies also run side by side in one.
         # Their compiles are not measured, so they load what the first repeat compiled.
-        paired, failed, rounds = [], [], 2 * repeats
+        paired, failed, rounds = [], [], max(4, 2 * repeats)
         for case in paired_cells:
             progress(f"[paired] {case.model} depth={case.depth}: {case.strategy.replace(',', ', ')}"
                      f" in one process, {rounds} interleaved rounds of {steps} steps "
@@ -326,5 +371,5 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
                 "order": [[rep, asdict(c)] for rep, c in order],
                 "duration_s": time.perf_counter() - started,
                 "load_start": load_start, "load_end": load_snapshot(),
-                "paired_failures": failed}
+                "paired_failures": failed, "skipped": skipped}
     return write_report(runs, out, settings=settings, paired=paired)

@@ -19,30 +19,35 @@ from dataclasses import dataclass
 
 from aotdist.errors import ConfigError
 
-__all__ = ["ALL_STRATEGIES", "MAIN_JOB", "QUICK_JOB", "Case", "JobSettings", "SubBench",
-           "interleave", "plan_cases"]
+__all__ = ["ALL_STRATEGIES", "FULL_JOB", "MAIN_JOB", "QUICK_JOB", "WARM_SUFFIX", "Case",
+           "JobSettings", "SubBench", "interleave", "plan_cases"]
 
-ALL_STRATEGIES = ("eager", "full", "accelerate", "aotdist")
+ALL_STRATEGIES = ("eager", "full", "accelerate", "per_block", "aotdist")
+WARM_SUFFIX = "+warm"  # --strategies full+warm: the cell also times a warm restart
 
 
 @dataclass(frozen=True)
 class Case:
-    """One cell: a model at a depth, compiled one way, on ``nproc`` ranks."""
+    """One cell: a model at a depth, compiled one way, on ``nproc`` ranks; ``warm``: each
+    run is followed by a restart, a second fresh process on the compiler caches it left."""
 
     model: str
     depth: int
     strategy: str
     nproc: int = 1
+    warm: bool = False
 
 
 @dataclass(frozen=True)
 class SubBench:
-    """A group of cells the report compares with each other."""
+    """A group of cells the report compares with each other; ``warm``: the strategies
+    whose cells also time a warm restart."""
 
     model: str
     depths: tuple[int, ...]
     nproc: int = 1
     strategies: tuple[str, ...] = ALL_STRATEGIES
+    warm: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,43 +59,59 @@ class JobSettings:
     repeats: int
 
 
-# The main job: 19 cells x 2 repeats, each run a fresh process, then the paired runs
+# The main job: what a user waits for, time to the first N steps (T(N)) against every
+# peer, at the depths people train. Each run is a fresh process; then the paired runs
 # (each depth's strategies side by side in one process, 4 interleaved rounds, loading what
-# the first repeat compiled). It took 11.8 minutes on a quiet 2-core Intel Xeon with
-# inductor (about 17 s per run); 2-core AMD EPYCs take about twice as long per run.
-# - GPT at depths 2, 8 and 32 carries every target: step time at every depth, cold
-#   compile and its growth, saved-for-backward and peak memory.
-# - GPT at depth 64 (Accelerate and aotdist; a whole-model compile there takes minutes)
-#   shows whether compile stays flat in depth.
-# - Two models whose blocks nobody here wrote: transformers' Llama (decoder layers in a
-#   ModuleList), and GPT with its blocks in an nn.ModuleDict, where Accelerate's
-#   compile_regions finds no blocks and compiles the whole model (so that model has no
-#   separate full cell).
-# Two repeats (not three) make room for them; the step ratios come from the paired
-# rounds, four per depth. Left out (still available with --model / --nproc):
-# torchvision's ViT (blocks in an nn.Sequential: Accelerate's cell equals full) and the
-# FSDP2 groups (gloo step times on CPU say little about NCCL on GPUs).
-MAIN_JOB = (SubBench("gpt", (2, 8, 32)),
-            SubBench("gpt", (64,), strategies=("accelerate", "aotdist")),
-            SubBench("llama", (8,), strategies=("full", "accelerate", "aotdist")),
-            SubBench("dictgpt", (8,), strategies=("accelerate", "aotdist")))
-MAIN_SETTINGS = JobSettings(steps=20, warmup=3, repeats=2)
+# the first repeat compiled) give the steady steps, and each round one T(N) ratio. One
+# repeat keeps it within 15 minutes on a quiet 2-core Intel Xeon even where runs take
+# twice the 17 s they took on the machine of docs/bench/bench-cpu.md (the estimate, from
+# per-cell times: docs/bench/README.md); --repeats 2 adds spreads to the cold compiles.
+# - GPT at depths 8, 32 and 64 against full, Accelerate and per-block compile (no full at
+#   64: a whole-model compile there takes minutes; full's T(10000) is judged at 32);
+#   depth 8 also restarts every strategy on its kept compiler caches (warm T(100)),
+#   aotdist without and with its artifact cache.
+# - transformers' Llama at depth 32 (decoder layers in a ModuleList; no full: minutes).
+# - GPT with its blocks in an nn.ModuleDict at depth 8, where Accelerate's compile_regions
+#   finds no blocks and compiles the whole model (so that model has no separate full cell).
+# Left out (in the --full job): full at depth 64, Llama at 8 and 64 and its full cells, the
+# ModuleDict model at 32, eager. Still available with --model / --nproc: torchvision's
+# ViT and the FSDP2 groups (gloo step times on CPU say little about NCCL on GPUs).
+_PEERS_AND_AOTDIST = ("full", "accelerate", "per_block", "aotdist")
+_WARM = (*_PEERS_AND_AOTDIST, "aotdist+cache")
+MAIN_JOB = (SubBench("gpt", (8,), strategies=_WARM, warm=_WARM),
+            SubBench("gpt", (32,), strategies=_PEERS_AND_AOTDIST),
+            SubBench("gpt", (64,), strategies=_PEERS_AND_AOTDIST[1:]),
+            SubBench("llama", (32,), strategies=_PEERS_AND_AOTDIST[1:]),
+            SubBench("dictgpt", (8,), strategies=_PEERS_AND_AOTDIST[1:]))
+MAIN_SETTINGS = JobSettings(steps=20, warmup=3, repeats=1)
 
-# `aotdist bench --quick`: one depth, one run per strategy, few steps (< 2 min with
-# inductor on a quiet 2-core CPU). For developers; its ratios carry no spread.
-QUICK_JOB = (SubBench("gpt", (2,)),)
+# `aotdist bench --full` (plan_cases(full=True)): the whole matrix the targets name (GPT
+# and Llama at depths 8, 32 and 64 against every peer, the ModuleDict model at 8 and 32,
+# warm restarts at depth 8 of both); with 2 repeats about an hour on a quiet 2-core CPU.
+FULL_JOB = (SubBench("gpt", (8,), strategies=("eager", *_WARM), warm=_WARM),
+            SubBench("gpt", (32, 64), strategies=ALL_STRATEGIES),
+            SubBench("llama", (8,), strategies=("eager", *_WARM), warm=_WARM),
+            SubBench("llama", (32, 64), strategies=ALL_STRATEGIES),
+            SubBench("dictgpt", (8, 32), strategies=_PEERS_AND_AOTDIST[1:]))
+
+# `aotdist bench --quick`: one depth, one run per compiling strategy, few steps (about 2
+# min with inductor on a quiet 2-core CPU). For developers; its T(N) spreads come from
+# the paired rounds only.
+QUICK_JOB = (SubBench("gpt", (2,), strategies=_PEERS_AND_AOTDIST),)
 QUICK_SETTINGS = JobSettings(steps=5, warmup=1, repeats=1)
 
 
 def plan_cases(*, models: Sequence[str] | None = None, depths: Sequence[int] | None = None,
                nprocs: Sequence[int] | None = None,
-               strategies: Sequence[str] | None = None, quick: bool = False) -> list[Case]:
+               strategies: Sequence[str] | None = None, quick: bool = False,
+               full: bool = False) -> list[Case]:
     """The cells to measure, in order (one repeat; :func:`interleave` repeats them).
 
     With ``models``, ``depths`` and ``nprocs`` all ``None``: the main job
-    (:data:`MAIN_JOB`), or :data:`QUICK_JOB` with ``quick``, restricted to
-    ``strategies`` when given. Otherwise the grid of the given values, defaulting to GPT,
-    depths 2, 8, 32 (2 with ``quick``), one process.
+    (:data:`MAIN_JOB`), :data:`QUICK_JOB` with ``quick`` or :data:`FULL_JOB` with
+    ``full``, restricted to ``strategies`` when given. Otherwise the grid of the given
+    values, defaulting to GPT, depths 2, 8, 32 (2 with ``quick``), one process. A strategy
+    named with :data:`WARM_SUFFIX` (``aotdist+warm``) gives ``warm`` cells.
 
     Raises:
         ConfigError: An unknown strategy or model, or a depth or rank count below 1.
@@ -99,7 +120,7 @@ def plan_cases(*, models: Sequence[str] | None = None, depths: Sequence[int] | N
     from aotdist.bench.strategies import get_strategy
 
     for s in strategies or ():
-        get_strategy(s)
+        get_strategy(s.removesuffix(WARM_SUFFIX))
     bad = [m for m in models or () if m not in MODELS]
     if bad:
         raise ConfigError(f"unknown bench model(s) {bad}; choose from {', '.join(MODELS)}")
@@ -107,15 +128,16 @@ def plan_cases(*, models: Sequence[str] | None = None, depths: Sequence[int] | N
         raise ConfigError(f"depths and --nproc must be >= 1; got depths={depths}, "
                           f"nproc={nprocs}")
     if models is None and depths is None and nprocs is None:
-        subs = QUICK_JOB if quick else MAIN_JOB
+        subs = QUICK_JOB if quick else FULL_JOB if full else MAIN_JOB
     else:
         default_depths = (2,) if quick else (2, 8, 32)
         # On several ranks, aotdist's graph-mode FSDP runs beside the FSDP2 strategies.
         subs = tuple(SubBench(m, tuple(depths or default_depths), nproc=n,
                               strategies=ALL_STRATEGIES + (("aotdist-graph",) if n > 1 else ()))
                      for m in (models or ("gpt",)) for n in (nprocs or (1,)))
-    return [Case(sb.model, d, s, sb.nproc) for sb in subs for d in sb.depths
-            for s in (strategies or sb.strategies)]
+    return [Case(sb.model, d, s.removesuffix(WARM_SUFFIX), sb.nproc,
+                 warm=s.endswith(WARM_SUFFIX) or s in sb.warm)
+            for sb in subs for d in sb.depths for s in (strategies or sb.strategies)]
 
 
 def interleave(cases: Sequence[Case], repeats: int) -> list[tuple[int, Case]]:

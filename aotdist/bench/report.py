@@ -21,6 +21,7 @@ from aotdist.bench.stats import (
     group_of,
     summarize_cells,
 )
+from aotdist.bench.timeto import time_to_steps
 
 __all__ = ["TARGETS", "compute_ratios", "evaluate_targets", "group_of", "load_snapshot",
            "machine_description", "write_report"]
@@ -130,6 +131,7 @@ def _markdown(report: dict) -> str:
              f"cell, run round robin (every cell once per repeat), each run a fresh process "
              f"with an empty compiler cache; run took {settings['duration_s'] / 60:.1f} min."
              + (" PROFILED: timings inflated." if settings.get("profiled") else ""), "",
+             *_time_to_steps_lines(report), "### Diagnostics: compile, step, memory", "",
              "Figures: median [min-max] over the repeats. Cold compile = first step wall time "
              f"- median steady step. {_isa_line(results)}Peak memory: {memory_metric}. Saved for backward: bytes "
              "of the unique storages the training step's forward saves for backward "
@@ -168,25 +170,94 @@ def _markdown(report: dict) -> str:
     lines += ["", "Ratios: computed per repeat from the two runs of that repeat (they ran side "
               "by side); value = median of the per-repeat ratios [min-max]. Ratios marked "
               "(paired) are per round of the paired runs above instead; their repeats column "
-              "counts rounds.", "",
+              "counts rounds. The T(N) ratios are in the first table (all of them in "
+              "bench.json).", "",
               "| ratio | value [min-max] | repeats | median numerator / denominator |",
               "|---|---|---|---|"]
     lines += [f"| {k}{' (paired)' if v.get('source') == 'paired' else ''} | {v['value']:.2f}x "
               f"[{v['min']:.2f}-{v['max']:.2f}] | {v['repeats']} | "
               f"{v['numerator']:.4g} / {v['denominator']:.4g} |"
-              for k, v in report["ratios"].items()]
+              for k, v in report["ratios"].items() if v.get("source") != "time to steps"]
     lines += ["", "Targets: met = every repeat meets the bound, missed = none does, "
               "noisy = the spread straddles it (this run cannot tell).", "",
               "| group | target | depth | value [min-max] | verdict |", "|---|---|---|---|---|"]
-    lines += [f"| {t['group']} | {t['target']} | {t['depth']} | {t['value']:.2f}x "
-              f"[{t['min']:.2f}-{t['max']:.2f}] | "
+    lines += [f"| {t['group']} | {t['target']} | {t['depth']} | {_value(t)} | "
               f"{'**missed**' if t['verdict'] == 'missed' else t['verdict']} |"
               for t in report["targets"]]
     notes = sorted({f"{r['strategy']} on {group_of(r)}: {r['notes']}"
                     for r in results if r.get("notes")})
+    notes += [f"skipped: {s}" for s in settings.get("skipped") or []]
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _value(r: dict) -> str:
+    """``median [min-max]`` of a ratio (``0.95x [0.90-1.10]``) or of a step count
+    (``849 [700-never] steps``; ``None`` is never)."""
+    if r.get("unit") != "steps":
+        return f"{r['value']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]"
+
+    def n(v):
+        return "never" if v is None else f"{v:.0f}"
+
+    return f"{n(r['value'])} [{n(r['min'])}-{n(r['max'])}] steps"
+
+
+def _seconds(sp: dict | None) -> str:
+    if not sp:
+        return "-"
+    return f"{sp['median']:.1f}" + (f" [{sp['min']:.1f}-{sp['max']:.1f}]" if sp["n"] > 1 else "")
+
+
+def _time_to_steps_lines(report: dict) -> list[str]:
+    """The lead table: T(N) per strategy, aotdist's ratio to the best peer, crossovers."""
+    tts = report.get("time_to_steps") or {}
+    if not tts.get("cells"):
+        return []
+    ns, w = [str(n) for n in tts["horizons"]], str(tts["warm_horizon"])
+    ratios, crossings = report["ratios"], tts["crossovers"]
+    lines = ["### Time to the first N steps", "",
+             "T(N) = cold compile + N x steady step (paired where a paired run timed the "
+             "strategy), in seconds, median [min-max] over the repeats; each ratio is "
+             "computed within a repeat against the best peer of that repeat (full, "
+             "accelerate, per_block: whichever measured). Warm T(N) = a restart's set-up "
+             "and first step on the compiler caches the cold run left (the strategy's "
+             "apply included) + N x the same step. Crossover: the step count from which "
+             "aotdist stays ahead of the peer (never: its step is slower).", ""]
+    for group in dict.fromkeys(c["group"] for c in tts["cells"]):
+        cells = [c for c in tts["cells"] if c["group"] == group]
+        warm = any(c.get("warm_T") for c in cells)
+        lines += [f"#### {group}", "", "| depth | strategy | " + " | ".join(
+            f"T({int(n):,})" for n in ns) + (f" | warm T({w})" if warm else "") + " |",
+            "|---|---|" + "---|" * (len(ns) + warm)]
+        for c in sorted(cells, key=lambda c: (c["depth"], c["strategy"])):
+            lines.append(f"| {c['depth']} | {c['strategy']} | " + " | ".join(
+                _seconds(c["T"].get(n)) for n in ns)
+                + (f" | {_seconds((c.get('warm_T') or {}).get(w))}" if warm else "") + " |")
+            key = f"{group}: T({{}}) {c['strategy']}/best peer @depth{c['depth']}"
+            if key.format(ns[0]) in ratios or ratios.get(f"{group}: warm T({w}) {c['strategy']}"
+                                                         f"/best peer @depth{c['depth']}"):
+                cols = [_best(ratios.get(key.format(n))) for n in ns]
+                if warm:
+                    cols.append(_best(ratios.get(f"{group}: warm T({w}) {c['strategy']}/best "
+                                                 f"peer @depth{c['depth']}")))
+                lines.append(f"| {c['depth']} | **{c['strategy']} / best peer** | "
+                             + " | ".join(cols) + " |")
+        rows = sorted((k.split(" @depth")[1], k.split(": crossover ")[1].split(" @")[0], v)
+                      for k, v in crossings.items() if k.startswith(f"{group}: crossover "))
+        if rows:
+            lines += ["", "| depth | stays ahead of the peer from step |", "|---|---|"]
+            lines += [f"| {d} | {pair}: {_value(v)} |" for d, pair, v in
+                      sorted(rows, key=lambda r: (int(r[0]), r[1]))]
+        lines.append("")
+    return lines
+
+
+def _best(r: dict | None) -> str:
+    if not r:
+        return "-"
+    return _value(r) + (f" ({r['best_peer']})" if r.get("best_peer") else "")
 
 
 def _warm_lines(results: list[dict]) -> list[str]:
@@ -286,14 +357,17 @@ def write_report(runs: list[dict], out: Path, *, settings: dict | None = None,
 
     Returns:
         The report: ``results`` (one entry per cell, medians and spreads), ``runs``,
-        ``ratios``, ``targets``, ``settings``, ``machine`` and ``plot``.
+        ``ratios`` (the T(N) ones too), ``time_to_steps`` (:func:`aotdist.bench.timeto.
+        time_to_steps`), ``targets``, ``settings``, ``machine`` and ``plot``.
     """
     out.mkdir(parents=True, exist_ok=True)
     results = summarize_cells(runs)
-    ratios = compute_ratios(runs, paired)
+    tts = time_to_steps(runs, paired)
+    ratios = {**tts["ratios"], **compute_ratios(runs, paired)}
     report = {"machine": machine_description(), "settings": dict(settings or {}),
               "results": results, "runs": runs, "paired": list(paired or []), "ratios": ratios,
-              "targets": evaluate_targets(results, ratios)}
+              "time_to_steps": tts,
+              "targets": evaluate_targets(results, {**ratios, **tts["crossovers"]})}
     report["settings"].setdefault("duration_s", 0.0)
     for key, default in (("backend", "?"), ("device", "?"), ("float8", False), ("warmup", 0),
                          ("steps", 0), ("repeats", 1)):

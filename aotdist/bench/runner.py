@@ -87,7 +87,8 @@ def _saved_for_backward(model, run_model, opt, x, y, *, cuda_graphs: bool = Fals
 
 def _build(spec: dict, name: str, *, fsdp: bool = False) -> tuple:
     """The seeded model (the same weights for every rank and strategy) and strategy
-    ``name`` applied to it: ``(strategy, model, module to call, strategy notes)``."""
+    ``name`` applied to it: ``(strategy, model, module to call, strategy notes, seconds
+    the strategy's apply took)``."""
     import torch
 
     from aotdist.bench.models import build_bench_model
@@ -99,7 +100,9 @@ def _build(spec: dict, name: str, *, fsdp: bool = False) -> tuple:
     notes = strategy.notes(model) if strategy.notes else ""
     setup = Setup(backend=spec["backend"], fsdp=fsdp, float8=spec["float8"],
                   replicate=spec.get("replicate", 1) if fsdp else 1, mode=spec.get("mode"))
-    return strategy, model, strategy.apply(model, setup), notes
+    start = time.perf_counter()  # a warm restart counts this: loading artifacts is in it
+    run_model = strategy.apply(model, setup)
+    return strategy, model, run_model, notes, time.perf_counter() - start
 
 
 def _fsdp_mesh_shape(model) -> list[int] | None:
@@ -145,14 +148,16 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
     """
     import torch
 
-    from aotdist import metrics
+    from aotdist import _compat, metrics
 
     device = spec["device"]
     _phase(rank, f"build {spec['model']} depth {spec['depth']}, apply {spec['strategy']}")
-    # first: a warm start's bundle load in parallelize imports the compiler too, and the
-    # cold step does not count these imports either
-    _import_compiler_stack()
-    strategy, model, run_model, notes = _build(spec, spec["strategy"], fsdp=world_size > 1)
+    # first, in every strategy alike: a warm start's bundle load in parallelize imports the
+    # compiler too, the cold step does not count these imports, and the memory baseline
+    # holds the compiler's code
+    _compat.import_compiler_stack()
+    strategy, model, run_model, notes, apply_s = _build(spec, spec["strategy"],
+                                                         fsdp=world_size > 1)
     isa_probe_s = _probe_cpu_isa(spec, strategy)
     memory = MemoryProbe(device)  # baseline: after imports, model build and strategy
     opt, x, y, step = _training(spec, model, run_model, rank)
@@ -195,7 +200,8 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
         "device": device,
         "float8": spec["float8"], "batch": spec["batch"], "rank": rank,
         "fsdp_mesh": _fsdp_mesh_shape(model),
-        "first_step_s": first, "isa_probe_s": isa_probe_s, "steady_step_s": steady, "step_times_s": times,
+        "first_step_s": first, "isa_probe_s": isa_probe_s, "apply_s": apply_s,
+        "steady_step_s": steady, "step_times_s": times,
         "steady_step_iqr_s": [q[0], q[2]], "compile_s": compile_s,
         "compile_split_s": phases.split(m, compile_s=compile_s),
         **memory.report(), **saved,
@@ -236,7 +242,7 @@ def measure_paired(spec: dict, strategies: list[str], slices: int) -> dict:
         warnings.simplefilter("ignore")
         for name in strategies:
             _phase(0, f"build {spec['model']} depth {spec['depth']}, apply {name}, compile")
-            _, model, run_model, _ = _build(spec, name)
+            _, model, run_model, *_ = _build(spec, name)
             steps[name] = _training(spec, model, run_model)[-1]
             first[name] = steps[name]()
             for _ in range(spec["warmup"]):
@@ -293,14 +299,6 @@ def _cache_fields(model) -> dict:
     load = state["load"]
     return {"cache_load": str(load.status), "cache_load_s": state["load_s"],
             "precompile_reason": load.precompile_reason}
-
-
-def _import_compiler_stack() -> None:
-    """Imports what compiling loads lazily, in every strategy (eager too) alike, so the
-    memory baseline holds the compiler's code and peak memory measures the run."""
-    from aotdist import _compat
-
-    _compat.import_compiler_stack()
 
 
 def _barrier(world_size: int):

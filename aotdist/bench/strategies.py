@@ -8,7 +8,8 @@ so the only difference is how it compiles.
 
 New strategies (``aotdist+cache``: the artifact cache) register themselves
 with :func:`register_strategy`; the CLI and the report pick them up from
-:data:`STRATEGIES`.
+:data:`STRATEGIES`. A strategy that needs something this build may lack says so through
+``unavailable`` (its cells are then skipped with that note, not failed).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class Strategy:
         compiles: ``False`` for eager (its compile time is 0 by definition).
         notes: ``notes(model) -> str``: what the strategy did on this model, when it
             differs from what its name promises (empty otherwise).
+        unavailable: ``unavailable() -> str``: why this build cannot run the strategy
+            (empty when it can); the bench skips its cells with that note.
     """
 
     name: str
@@ -71,13 +74,15 @@ class Strategy:
     description: str
     compiles: bool = True
     notes: Callable[[nn.Module], str] | None = None
+    unavailable: Callable[[], str] | None = None
 
 
 STRATEGIES: dict[str, Strategy] = {}
 
 
 def register_strategy(name: str, *, description: str, compiles: bool = True,
-                      notes: Callable[[nn.Module], str] | None = None):
+                      notes: Callable[[nn.Module], str] | None = None,
+                      unavailable: Callable[[], str] | None = None):
     """Decorator registering ``apply(model, setup)`` as strategy ``name``.
 
     Raises:
@@ -88,7 +93,7 @@ def register_strategy(name: str, *, description: str, compiles: bool = True,
         if name in STRATEGIES:
             raise ConfigError(f"bench strategy {name!r} is registered twice; pick another name")
         STRATEGIES[name] = Strategy(name=name, apply=fn, description=description,
-                                    compiles=compiles, notes=notes)
+                                    compiles=compiles, notes=notes, unavailable=unavailable)
         return fn
 
     return decorator
@@ -180,6 +185,30 @@ def _aotdist(model: nn.Module, setup: Setup) -> nn.Module:
     })
 
 
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: every instance of the regions aotdist's plan finds."""
+    import aotdist
+
+    return [model.get_submodule(fqn) for region in aotdist.find_regions(model)
+            for fqn in region.fqns]
+
+
+@register_strategy("per_block", description="block.compile(fullgraph=True) on each repeated "
+                   "block (those aotdist's plan finds, wherever they live), in place, as "
+                   "torchtitan applies it; under FSDP2 before fully_shard, torchtitan's order")
+def _per_block(model: nn.Module, setup: Setup) -> nn.Module:
+    _float8(model, setup)
+    blocks = _blocks(model)
+    if not blocks:
+        raise ConfigError("bench strategy per_block found no repeated blocks in the model. "
+                          "Fix: use a model with repeated blocks, or strategy full.")
+    for block in blocks:  # nn.Module.compile: the module stays, its call is compiled
+        block.compile(fullgraph=True, **setup.compile_kwargs())
+    if setup.fsdp:
+        _shard(model, setup)
+    return model
+
+
 @register_strategy("aotdist-graph", description="aotdist.parallelize with fsdp.mode: graph "
                    "under --nproc: DTensor shards, all-gather / reduce-scatter inside the one "
                    "whole-model graph, regions invoke_subgraph (as aotdist in one process)",
@@ -192,6 +221,29 @@ def _aotdist_graph(model: nn.Module, setup: Setup) -> nn.Module:
         "compile": setup.compile_kwargs(),
         "fsdp": {"enabled": setup.fsdp, "mode": "graph" if setup.fsdp else "hooks",
                  "replicate_degree": setup.replicate},
+        "float8": {"enabled": setup.float8},
+    })
+
+
+def _outer_unavailable() -> str:
+    import dataclasses
+
+    from aotdist.config import CompileConfig
+
+    if "outer" in {f.name for f in dataclasses.fields(CompileConfig)}:
+        return ""
+    return "this build's aotdist config has no compile.outer key: aotdist+fx skipped"
+
+
+@register_strategy("aotdist+fx", description="aotdist.parallelize with compile.outer: fx "
+                   "(each distinct region body compiled once by Inductor, the graph around "
+                   "the regions not lowered)", unavailable=_outer_unavailable)
+def _aotdist_fx(model: nn.Module, setup: Setup) -> nn.Module:
+    import aotdist
+
+    return aotdist.parallelize(model, config={
+        "compile": {**setup.compile_kwargs(), "outer": "fx"},
+        "fsdp": {"enabled": setup.fsdp, "replicate_degree": setup.replicate},
         "float8": {"enabled": setup.float8},
     })
 

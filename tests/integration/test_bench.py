@@ -58,17 +58,25 @@ def test_bench_writes_report_with_measured_ratios(tmp_path):
                 for v in (r["compile_s"], r["steady_step_s"], r["peak_mem_mib"])}
     measured |= {r["saved_activation_bytes"] for r in results.values()}
     # Steady-step ratios: from the paired runs (one process per single-process depth, the
-    # strategies side by side in 2 rounds), one ratio per round.
+    # strategies side by side in 4 rounds), one ratio per round.
     paired = {p["depth"]: p for p in report["paired"]}
-    assert sorted(paired) == [1, 2] and all(p["slices"] == 2 for p in paired.values())
+    assert sorted(paired) == [1, 2] and all(p["slices"] == 4 for p in paired.values())
     assert paired[1]["slice_step_s"].keys() == {"eager", "full", "aotdist"}
     step = ratios.pop("gpt: step aotdist/full @depth1")
     rounds = paired[1]["slice_step_s"]
-    assert step["source"] == "paired" and step["repeats"] == 2
+    assert step["source"] == "paired" and step["repeats"] == 4
     assert [r["value"] for r in step["per_round"]] == pytest.approx(
         [a / f for a, f in zip(rounds["aotdist"], rounds["full"], strict=True)])
     assert "### Steady step side by side (paired runs)" in md
     ratios.pop("gpt: step aotdist/full @depth2")
+    # T(N): each paired round with the cell's cold compile
+    tts = {k: ratios.pop(k) for k in list(ratios) if ratios[k].get("source") == "time to steps"}
+    t100 = tts["gpt: T(100) aotdist/full @depth1"]
+    cold = {s: results[(s, 1, 1)]["compile_s"] for s in ("aotdist", "full")}
+    assert t100["repeats"] == 4 and [r["numerator"] for r in t100["per_repeat"]] == pytest.approx(
+        [cold["aotdist"] + 100 * rounds["aotdist"][r["round"]] for r in t100["per_repeat"]])
+    assert [r["denominator"] for r in t100["per_repeat"]] == pytest.approx(
+        [cold["full"] + 100 * rounds["full"][r["round"]] for r in t100["per_repeat"]])
     for ratio in ratios.values():
         assert ratio.get("source") != "paired"
         assert ratio["numerator"] in measured and ratio["denominator"] in measured
@@ -87,7 +95,9 @@ def test_bench_quick_runs_end_to_end(tmp_path, capsys):
     s = report["settings"]
     assert (s["repeats"], s["steps"], s["warmup"]) == (1, 5, 1)
     assert {(r["strategy"], r["depth"]) for r in report["results"]} == {
-        (st, 2) for st in ("eager", "full", "accelerate", "aotdist")}
+        (st, 2) for st in ("full", "accelerate", "per_block", "aotdist")}
+    assert "gpt: T(1000) aotdist/best peer @depth2" in report["ratios"]
+    assert "### Time to the first N steps" in (out / "bench.md").read_text()
     assert len(s["load_start"]["loadavg"]) == 3 and s["load_end"]["cpus"] >= 1
     assert all(len(r["step_times_s"]) == 5 for r in report["results"])
     assert "gpt: saved aotdist/full @depth2" in report["ratios"]

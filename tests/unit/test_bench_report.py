@@ -13,6 +13,7 @@ from aotdist.bench.report import compute_ratios, evaluate_targets, write_report
 from aotdist.bench.saved import SavedBytes
 from aotdist.bench.stats import summarize_cells, verdict
 from aotdist.bench.strategies import STRATEGIES, get_strategy, register_strategy
+from aotdist.bench.timeto import time_to_steps
 from aotdist.errors import ConfigError
 
 
@@ -20,24 +21,26 @@ def test_default_plan_is_the_main_job():
     cases = plan_cases()
     assert len(cases) == sum(len(sb.depths) * len(sb.strategies) for sb in MAIN_JOB)
     assert {(c.model, c.depth, c.nproc) for c in cases} == {
-        *(("gpt", d, 1) for d in (2, 8, 32, 64)), ("llama", 8, 1), ("dictgpt", 8, 1)}
+        *(("gpt", d, 1) for d in (8, 32, 64)), ("llama", 32, 1), ("dictgpt", 8, 1)}
     gpt = {(c.depth, c.strategy) for c in cases if c.model == "gpt"}
-    assert {s for d, s in gpt if d < 64} == {"eager", "full", "accelerate", "aotdist"}
-    assert {s for d, s in gpt if d == 64} == {"accelerate", "aotdist"}  # no minutes-long full
-    # every model has aotdist and a peer; every cell runs at least twice
-    assert all({"aotdist", "accelerate"} <= {c.strategy for c in cases if c.model == m}
+    assert {s for d, s in gpt if d == 32} == {"full", "accelerate", "per_block", "aotdist"}
+    assert {s for d, s in gpt if d == 64} == {"accelerate", "per_block", "aotdist"}  # no
+    # minutes-long full; every model has aotdist and its peers
+    assert all({"aotdist", "accelerate", "per_block"} <= {c.strategy for c in cases
+                                                          if c.model == m}
                for m in ("gpt", "llama", "dictgpt"))
-    assert MAIN_SETTINGS.repeats >= 2
+    assert MAIN_SETTINGS.repeats >= 1
     only = plan_cases(strategies=["aotdist"])
-    assert {c.strategy for c in only} == {"aotdist"} and len(only) == 6
+    assert {c.strategy for c in only} == {"aotdist"} and len(only) == 5
 
 
 def test_quick_plan_is_one_depth_one_repeat():
     cases = plan_cases(quick=True)
-    assert cases == [Case("gpt", 2, s) for s in ("eager", "full", "accelerate", "aotdist")]
+    assert cases == [Case("gpt", 2, s) for s in ("full", "accelerate", "per_block", "aotdist")]
     assert QUICK_SETTINGS.repeats == 1 and QUICK_SETTINGS.steps < MAIN_SETTINGS.steps
     assert plan_cases(depths=[4], quick=True) == [Case("gpt", 4, s) for s in
-                                                  ("eager", "full", "accelerate", "aotdist")]
+                                                  ("eager", "full", "accelerate", "per_block",
+                                                   "aotdist")]
 
 
 def test_interleave_is_round_robin_over_repeats():
@@ -86,9 +89,7 @@ def test_ratios_and_targets_come_from_the_results():
     assert not any(k.startswith("gpt fsdp2x2") for k in ratios)  # no peer in its group
     assert ratios["gpt: memory aotdist/full @depth32"]["value"] == pytest.approx(110 / 160)
     targets = {(t["target"], t["depth"]): t for t in evaluate_targets(results, ratios)}
-    compile_full = "cold compile: aotdist <= 0.2x full at depth >= 32"
-    assert targets[compile_full, 32]["verdict"] == "missed"  # 0.37
-    assert (compile_full, 2) not in targets  # largest depth only
+    assert not any("0.2x full" in t[0] for t in targets)  # withdrawn: below depth 2's compile
     assert targets["steady step: aotdist <= 1.0x full", 32]["verdict"] == "missed"
     assert targets["steady step: aotdist <= 1.0x full", 32]["met"] is False
     assert targets["steady step: aotdist <= 1.0x full", 2]["verdict"] == "missed"  # every depth
@@ -162,13 +163,13 @@ def test_verdicts_met_missed_and_noisy():
     assert verdict({"min": 0.9, "max": 1.0}, "<", 1.0) == "noisy"
     assert verdict({"min": 1.0, "max": 1.2}, "<", 1.0) == "missed"
     runs = _three_repeats()
-    ratios = compute_ratios(runs)
+    ratios = {**compute_ratios(runs), **time_to_steps(runs)["ratios"]}
     targets = {(t["target"], t["depth"]): t for t in evaluate_targets(summarize_cells(runs),
                                                                       ratios)}
-    t = targets["cold compile: aotdist <= 0.2x full at depth >= 32", 32]
-    assert (t["verdict"], t["met"], t["min"], t["max"]) == ("missed", False,
-                                                            pytest.approx(0.3),
-                                                            pytest.approx(0.5))
+    t = targets["T(10000): aotdist <= 1.0x full", 32]  # 309/430, 624/860, 315/430
+    assert (t["verdict"], t["met"], t["min"], t["max"]) == ("met", True,
+                                                            pytest.approx(309 / 430),
+                                                            pytest.approx(315 / 430))
     assert targets["steady step: aotdist <= 1.0x full", 2]["verdict"] == "noisy"  # 1.0-1.2
     assert targets["steady step: aotdist <= 1.0x full", 32]["verdict"] == "met"  # 0.75
     growth = targets["compile growth from the smallest depth: aotdist <= 1.1x", 32]
@@ -214,8 +215,8 @@ def test_report_contents(tmp_path):
     assert "float8 False, cold step + 3 warm-up + 20 timed steps" in md  # no mesh: no HSDP
     assert "| aotdist | 32 | 15.00 [9.00-24.00] | 30.00 [30.00-60.00] | 6 [6-6] |" in md
     assert "| gpt: compile aotdist/full @depth32 | 0.40x [0.30-0.50] | 3 | 15 / 30 |" in md
-    assert ("| gpt | cold compile: aotdist <= 0.2x full at depth >= 32 | 32 | 0.40x [0.30-0.50] "
-            "| **missed** |") in md
+    assert ("| gpt | cold T(100): aotdist <= 1.0x the best peer | 2 | 0.92x [0.91-0.93] "
+            "| met |") in md
     assert "| gpt | steady step: aotdist <= 1.0x full | 32 | 0.75x [0.75-0.75] | met |" in md
     quiet = {**settings, "load_end": {"loadavg": [0.2, 0.2, 0.2], "cpus": 2}}
     write_report(runs, tmp_path / "quiet", settings=quiet)
@@ -261,7 +262,8 @@ def test_saved_bytes_counts_a_subclass_by_its_inner_tensors():
 
 def test_graph_mode_fsdp_runs_beside_fsdp2_on_several_ranks():
     two = plan_cases(nprocs=[2], depths=[2])
-    assert {c.strategy for c in two} == {"eager", "full", "accelerate", "aotdist", "aotdist-graph"}
+    assert {c.strategy for c in two} == {"eager", "full", "accelerate", "per_block", "aotdist",
+                                         "aotdist-graph"}
     one = plan_cases(nprocs=[1], depths=[2])
     assert "aotdist-graph" not in {c.strategy for c in one}
 
@@ -332,9 +334,8 @@ def test_paired_cells_one_per_single_process_depth_with_aotdist_and_a_peer():
     cases = plan_cases() + plan_cases(nprocs=[2], depths=[8])
     cells = _paired_cells(cases)
     assert [(c.model, c.depth, c.nproc) for c in cells] == [
-        ("gpt", 2, 1), ("gpt", 8, 1), ("gpt", 32, 1), ("gpt", 64, 1), ("llama", 8, 1),
-        ("dictgpt", 8, 1)]
-    assert cells[0].strategy.split(",") == ["eager", "full", "accelerate", "aotdist"]
+        ("gpt", 8, 1), ("gpt", 32, 1), ("gpt", 64, 1), ("llama", 32, 1), ("dictgpt", 8, 1)]
+    assert cells[0].strategy.split(",") == ["full", "accelerate", "per_block", "aotdist"]
     assert _paired_cells(plan_cases(strategies=["aotdist", "eager"])) == []
     assert _paired_cells([Case("gpt", 4, "aotdist+cache"), Case("gpt", 4, "full")]) == []
 
@@ -427,12 +428,6 @@ def test_targets_of_the_main_job_shape():
     runs = results + whole + graph
     targets = {(t["group"], t["target"], t["depth"]): t
                for t in evaluate_targets(runs, compute_ratios(runs))}
-    t = targets["gpt", "cold compile: aotdist <= 0.2x full at depth >= 32", 32]
-    assert (t["value"], t["verdict"]) == (pytest.approx(0.25), "missed")
-    assert not any("0.2x full" in k[1] and k[2] != 32 for k in targets)
-    shallow = [results[0], results[5]]  # full and aotdist at depth 2 only: not judged
-    assert not any("0.2x full" in t["target"]
-                   for t in evaluate_targets(shallow, compute_ratios(shallow)))
     growth = "compile growth from the smallest depth: aotdist <= 1.1x"
     assert targets["gpt", growth, 32]["value"] == pytest.approx(1.25)
     assert (targets["gpt", growth, 64]["value"], targets["gpt", growth, 64]["verdict"]) == (
