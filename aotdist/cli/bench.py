@@ -26,7 +26,7 @@ def _run(args: argparse.Namespace) -> int:
     job = QUICK_SETTINGS if args.quick else MAIN_SETTINGS
     try:
         cases = plan_cases(models=args.model, depths=args.depths, nprocs=args.nproc,
-                           strategies=args.strategies, quick=args.quick)
+                           strategies=args.strategies, quick=args.quick, full=args.full)
     except ConfigError as exc:
         print(f"aotdist bench: {exc}", file=sys.stderr)
         return 2
@@ -60,12 +60,13 @@ def register(sub) -> None:
         sub, "bench", summary="compile time, step time and memory per strategy",
         description="Compile time, step time and memory of eager, whole-model torch.compile, "
         "per-block compile (Accelerate's compile_regions) and aotdist, side by side. Without "
-        "--model, --depths and --nproc: the main job (GPT at depths 2, 8, 32 with "
-        "every strategy and at depth 64 with Accelerate and aotdist, transformers' Llama "
-        f"and a ModuleDict GPT at depth 8; {main.repeats} repeats run round robin, "
-        f"{main.steps} timed steps, then the strategies side by side in one process per "
-        "depth), about 12 minutes on a quiet 2-core Intel Xeon (twice that on slower cores "
-        f"or under load); with --quick, GPT at depth 2, {quick.repeats} repeat, "
+        "--model, --depths and --nproc: the main job (time to the first 100, 1,000 and "
+        "10,000 steps against whole-model, Accelerate's and per-block compile: GPT at depths "
+        "8, 32 and 64, transformers' Llama at 32, a ModuleDict GPT at 8, warm restarts at "
+        f"GPT 8; {main.repeats} repeat, {main.steps} timed steps, then the strategies side "
+        "by side in one process per depth), estimated at 8-15 minutes on a quiet 2-core "
+        "Intel Xeon; --full: the whole matrix; with --quick, GPT at depth 2, "
+        f"{quick.repeats} repeat, "
         f"{quick.steps} timed steps (about 2 minutes there, up to twice that under load). "
         "With any of --model/--depths/--nproc: their grid.")
     b.add_argument("--model", type=cli.csv, default=None, help="gpt, vit, resnet, llama "
@@ -77,7 +78,8 @@ def register(sub) -> None:
     b.add_argument("--strategies", type=cli.csv, default=None,
                    help=f"comma-separated, default {', '.join(ALL_STRATEGIES)}; also "
                    f"{', '.join(s for s in STRATEGIES if s not in ALL_STRATEGIES)} (-graph: "
-                   "graph-mode FSDP; +cache: warm starts from the artifact cache)")
+                   "graph-mode FSDP; +cache: warm starts from the artifact cache); a +warm "
+                   "suffix (aotdist+warm) adds a warm restart on the kept compiler caches")
     cli.add_backend(b, default=cli.default_of(run_bench, "backend"),
                     help="torch.compile backend of every compiling strategy")
     b.add_argument("--compile-mode", default=cli.default_of(run_bench, "mode"),
@@ -87,6 +89,9 @@ def register(sub) -> None:
     cli.add_old_spelling(b, "--mode", "--compile-mode", choices=COMPILE_MODES)
     b.add_argument("--quick", action="store_true", help="the developers' job: one depth, one "
                    "repeat, few steps (no spreads: do not judge targets from it)")
+    b.add_argument("--full", action="store_true", help="the main job's whole matrix: GPT and "
+                   "Llama at depths 8, 32 and 64 against every peer, ModuleDict GPT at 8 and "
+                   "32, warm restarts at depth 8 (about an hour with --repeats 2)")
     b.add_argument("--steps", type=int, default=None, help="steady steps timed per run "
                    f"(median; default {main.steps}, {quick.steps} with --quick)")
     b.add_argument("--warmup", type=int, default=None, help="untimed steps after the cold one "

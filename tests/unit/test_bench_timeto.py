@@ -5,6 +5,7 @@ runs)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -309,3 +310,18 @@ def test_the_outer_key_decides_whether_aotdist_fx_can_run():
 
     has = "outer" in {f.name for f in dataclasses.fields(CompileConfig)}
     assert (get_strategy("aotdist+fx").unavailable() == "") == has
+
+
+def test_the_full_flag_runs_the_whole_matrix(tmp_path, monkeypatch):
+    from aotdist.cli import main
+
+    seen = []
+
+    @functools.wraps(bench.run_bench)  # the parser reads its defaults from the signature
+    def fake(cases, **kwargs):
+        seen.append(cases)
+        return {}
+
+    monkeypatch.setattr(bench, "run_bench", fake)
+    assert main(["bench", "--full", "--out", str(tmp_path)]) == 0
+    assert seen == [plan_cases(full=True)]
