@@ -28,15 +28,14 @@ from torch import nn
 
 from aotdist.check.families import (
     FAMILIES,
-    TIMM_MODELS,
     Family,
     hf_family,
     stochastic_depth,
-    timm_family,
-    titan_family,
     torchvision_family,
     without_randomness,
 )
+from aotdist.check.families_timm import TIMM_MODELS, timm_family
+from aotdist.check.families_titan import titan_family
 from aotdist.compile.verify import compare_grads, tolerance
 from aotdist.errors import first_line
 
@@ -121,7 +120,7 @@ def resolve(spec: str) -> Family:
     """A family from a spec: a name in :data:`FAMILIES`, ``hf:TYPE`` (a ``transformers``
     model type, causal LM unless listed), ``torchvision:NAME``, ``timm:ARCH`` (a
     ``timm.create_model`` architecture), ``titan:NAME`` (a torchtitan model:
-    :data:`~aotdist.check.families.TITAN_MODELS`), or ``module:factory`` (a
+    :data:`~aotdist.check.families_titan.TITAN_MODELS`), or ``module:factory`` (a
     zero-argument function returning ``(model, inputs)``, ``inputs`` a dict of keyword
     arguments or a tuple of positional ones)."""
     kind, _, rest = spec.partition(":")

@@ -12,7 +12,9 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 
-from aotdist.check.families import FAMILIES, TIMM_MODELS, TITAN_MODELS, causal_lm_types
+from aotdist.check.families import FAMILIES, causal_lm_types
+from aotdist.check.families_timm import TIMM_MODELS
+from aotdist.check.families_titan import TITAN_MODELS
 from aotdist.check.runner import FAILING, STEPS, CheckResult
 
 __all__ = ["SOURCES", "default_memory_limit_gb", "limit_memory", "render", "run_zoo",

@@ -142,7 +142,8 @@ def test_gemma4_s_layers_name_torch_s_reason_and_its_fix_gives_one_subgraph():
     import transformers
 
     from aotdist import metrics
-    from aotdist.check.families import hf_config, without_randomness
+    from aotdist.check.families import without_randomness
+    from aotdist.check.tiny_config import hf_config
 
     modeling = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
     config = hf_config("gemma4_text", num_hidden_layers=12)

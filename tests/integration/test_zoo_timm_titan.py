@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from aotdist.check import check_family
-from aotdist.check.families import titan_unavailable
+from aotdist.check.families_titan import titan_unavailable
 from aotdist.compile.verify import tolerance
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]

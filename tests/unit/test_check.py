@@ -245,7 +245,7 @@ def test_tiny_configs_shrink_nested_configs_and_turn_their_dropout_off():
     # full size they made the "tiny" Gemma 3 too big to build, and Emu3's text config kept
     # its attention dropout (a parity failure in eager against eager).
     pytest.importorskip("transformers")
-    from aotdist.check.families import hf_config
+    from aotdist.check.tiny_config import hf_config
 
     gemma3 = hf_config("gemma3")
     assert gemma3.text_config.hidden_size == 64 and gemma3.vision_config.hidden_size == 64

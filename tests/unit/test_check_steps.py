@@ -9,13 +9,9 @@ from torch import nn
 
 import aotdist
 from aotdist.check import check_family, resolve
-from aotdist.check.families import (
-    Family,
-    stochastic_depth,
-    timm_family,
-    titan_unavailable,
-    without_randomness,
-)
+from aotdist.check.families import Family, stochastic_depth, without_randomness
+from aotdist.check.families_timm import timm_family
+from aotdist.check.families_titan import titan_unavailable
 from aotdist.check.runner import STEPS
 
 pytestmark = pytest.mark.filterwarnings("ignore")

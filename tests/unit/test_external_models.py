@@ -579,7 +579,7 @@ def test_a_sliding_window_model_with_its_default_cache_says_to_turn_it_off():
     from a reused subgraph; the layers compile inline, train as eager, and the warning
     names the fix, with which the layers share one subgraph."""
     transformers = pytest.importorskip("transformers")
-    from aotdist.check.families import hf_config
+    from aotdist.check.tiny_config import hf_config
 
     config = hf_config("phi3", sliding_window=8)
     config.use_cache = True
