@@ -13,7 +13,7 @@ one cold step (compile; in one process later strategies can load kernels the ear
 compiled, so these are not the bench's cold compiles) and 3 warm-up steps, then times
 ``--rounds`` rounds of ``--steps`` steps of every strategy, the order rotating per round.
 ``aotdist+inline`` (only when ``--strategies`` names it) is aotdist with every region call
-flattened before Inductor (docs/performance.md, lever 1). The ratios (aotdist and
+flattened before Inductor (docs/bench/levers.md, lever 1). The ratios (aotdist and
 aotdist+inline over each peer) are computed per round and reported as median, min and
 max. A strategy that fails is recorded with its traceback; the others go on.
 """
