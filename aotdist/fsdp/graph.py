@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from aotdist import _compat
+from aotdist._compat.checkpoint import quiet_checkpoint_notice
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, RegionCompileWarning
 from aotdist.log import rank_zero_warn
@@ -291,6 +292,8 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
                           f"mesh; got {mesh.ndim}-D {mesh}. Fix: pass mesh=init_device_mesh("
                           "device_type, (replicas, shards)).")
     fc = config.fsdp
+    if fc.reshard_after_forward:  # the gathers' checkpoint: torch's notice is not the user's
+        quiet_checkpoint_notice(_recompute_context)
     shard_dim = mesh.ndim - 1
     group = mesh.get_group(shard_dim)
     replicate = mesh.get_group(0).group_name if mesh.ndim == 2 else None

@@ -1,5 +1,10 @@
-"""The multi-process runner, re-exported for tests: it lives in :mod:`aotdist.launch`."""
+"""The multi-process runner, re-exported for tests (it lives in :mod:`aotdist.launch`), and
+process groups in the test's own process: one gloo rank, or a fake world of several."""
 
+import contextlib
+from collections.abc import Iterator
+
+from aotdist._compat.distributed import fake_store
 from aotdist.launch import (
     DistributedTestError,
     DistributedTimeoutError,
@@ -7,4 +12,36 @@ from aotdist.launch import (
     run_distributed,
 )
 
-__all__ = ["DistributedTestError", "DistributedTimeoutError", "free_port", "run_distributed"]
+__all__ = ["DistributedTestError", "DistributedTimeoutError", "fake_world", "free_port",
+           "one_rank_group", "run_distributed"]
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A gloo world of one rank in this process: FSDP2's real hooks and graph-mode FSDP's
+    collectives, nothing spawned (a test of what one rank compiles, not of communication)."""
+    import torch.distributed as dist
+
+    with _world("gloo", dist.HashStore(), 1):
+        yield
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A world of ``world_size`` ranks in this process, this one rank 0, whose collectives
+    do nothing (torch's ``fake`` backend): for tracing collectives and for every
+    rank-dependent step (meshes, shard shapes), never for values."""
+    with _world("fake", fake_store(), world_size):
+        yield
+
+
+@contextlib.contextmanager
+def _world(backend: str, store, world_size: int) -> Iterator[None]:
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, store=store, rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():  # else the code under test ended it (Accelerate's end_training)
+            dist.destroy_process_group()

@@ -17,6 +17,7 @@ import aotdist
 from aotdist import metrics
 from aotdist.backends.recording import RecordingBackend
 from aotdist.testing import AliasingNet, TinyGPT, TinyResNet, TinyViT, example_inputs
+from aotdist.testing.distributed import fake_world
 from aotdist.testing.models import CountingBlock, GPTBlock, ReadAfterUpdateBlock
 from aotdist.testing.parity import assert_parity, assert_training_parity
 
@@ -569,7 +570,7 @@ def test_bucket_collectives_merges_independent_collectives():
         inputs = [torch.randn(4, 8) for _ in range(4)] + [torch.randn(8, 8)]
         return make_fx(step, tracing_mode="fake")(*inputs)
 
-    with _fake_process_group():  # the merge asks the group for this rank
+    with fake_world(2):  # the merge asks the group for this rank
         gm = traced()
         assert count_collectives(gm) == {"all_gather": 4, "reduce_scatter": 4,
                                          "all_reduce": 0}
@@ -580,19 +581,6 @@ def test_bucket_collectives_merges_independent_collectives():
         small = traced()
         assert bucket_collectives(small, 300 / 2**20) == {"all_gather": 4,
                                                           "reduce_scatter": 4, "all_reduce": 0}
-
-
-@contextlib.contextmanager
-def _fake_process_group():
-    """A world of 2 on the fake backend (no communication), for tracing collectives."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _region_call_graph(out_of_sub):

@@ -255,3 +255,47 @@ def test_compile_mode_dynamic_and_options_reach_inductor(compile_cfg, monkeypatc
          None if compile_cfg["dynamic"] else compile_cfg["dynamic"])]
     assert not m.demoted, m.summary()
     assert m.frames_compiled >= 1
+
+
+def test_graph_mode_fsdp_logs_no_activation_checkpointing_notice_but_a_user_s_ac_does(
+        monkeypatch):
+    # Graph-mode FSDP recomputes its all-gathers in backward through a selective checkpoint
+    # (a context_fn), and torch logged "Detected that context_fn is passed to
+    # torch.utils.checkpoint under torch.compile" (8 lines under 2-rank `aotdist inspect`)
+    # to users who asked for no checkpointing. A user's own such checkpoint still logs it.
+    import logging
+
+    import torch._higher_order_ops.wrap as wrap
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from aotdist.testing.distributed import one_rank_group
+
+    # torch says it once a process (functools.cache): uncached here, so every one is seen
+    monkeypatch.setattr(wrap, "warning_once", lambda log, *a, **k: log.warning(*a, **k))
+    notices = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notices.append(record.getMessage())
+    logging.getLogger(wrap.__name__).addHandler(handler)
+    try:
+        model = build_model("gpt", depth=2)
+        reference = copy.deepcopy(model)
+        (x,), _ = example_inputs(model)
+        with one_rank_group():
+            aotdist.parallelize(model, config={"fsdp": {"enabled": True, "mode": "graph"},
+                                               **AOT_EAGER})
+            out = model(x)
+            out.float().mean().backward()
+        torch.testing.assert_close(out, reference(x))
+        assert notices == []
+
+        def user_context():
+            return create_selective_checkpoint_contexts(lambda *a, **k: None)
+
+        @torch.compile(backend="aot_eager")
+        def users(t):
+            return checkpoint(torch.sin, t, use_reentrant=False, context_fn=user_context)
+
+        users(torch.randn(4, requires_grad=True)).sum().backward()
+        assert notices and all("context_fn is passed" in n for n in notices)
+    finally:
+        logging.getLogger(wrap.__name__).removeHandler(handler)
