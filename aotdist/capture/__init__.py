@@ -23,6 +23,7 @@ from torch import nn
 from aotdist import _compat
 from aotdist.backends.aot import aot_backend, backend_name
 from aotdist.backends.recording import RecordingBackend
+from aotdist.capture.graphs import name_code
 from aotdist.capture.recorder import Recorder
 from aotdist.capture.report import Capture, RegionCapture
 from aotdist.compile.guard import RegionGuardedCall
@@ -209,6 +210,10 @@ def _finish(report: Capture, recorder: Recorder, calls: dict, model: nn.Module) 
         region.num_subgraphs = len(region.forward)
         stats = report.metrics.regions.get(region.name)
         region.inlined = stats.inlined if stats is not None else 0
+        if stats is not None and report.mode == CompileMode.FRAMES:
+            # the step's own frames, whatever the model was compiled with before (nothing,
+            # under `aotdist inspect`: metrics would read no call sites, mode graph)
+            stats.call_sites, stats.subgraphs = len(region.call_sites), region.num_subgraphs
         for g in region.forward if report.mode == CompileMode.FRAMES else ():
             for inp in g.inputs:  # named after the instance compiled first: make relative
                 if inp["kind"] not in ("parameter", "buffer"):
@@ -226,3 +231,8 @@ def _finish(report: Capture, recorder: Recorder, calls: dict, model: nn.Module) 
                     "graph": f"graph{entry.index}", "input": name, "param": name,
                     **{k: v for k, v in info.items() if k != "unsharded"}})
         entry.examples = []
+    report.metrics.mode = report.mode
+    graphs = [*report.graphs, *(g for r in report.regions.values() for g in (*r.forward,
+                                                                            *r.backward))]
+    for g in {id(g): g for g in graphs}.values():  # frames: a region's graph is top-level too
+        name_code(g)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GraphCapture", "analyse_graph", "classify_desc", "tensor_info"]
+__all__ = ["GraphCapture", "analyse_graph", "classify_desc", "name_code", "tensor_info"]
 
 # Dynamo-level names of a graph's flat inputs: PlainAOTInput idx -> (kind, name)
 InputNames = dict[int, tuple[str, str]]
@@ -75,6 +75,44 @@ class GraphCapture:
     def to_dict(self) -> dict:
         """JSON-able copy without the ``GraphModule`` (``code`` is kept)."""
         return {k: v for k, v in vars(self).items() if k != "gm"}
+
+
+_NAMED_KINDS = ("parameter", "buffer", "input", "activation")
+
+
+def name_code(cap: GraphCapture) -> None:
+    """Writes the inputs' names into ``cap.code`` in place of AOTAutograd's placeholder
+    names (``primals_1`` -> ``ln1_weight``, ``blocks_0_ln1_weight``; a backward graph's
+    saved inputs after the forward's), once every name is known. Only the graph's own
+    code: a nested subgraph's class below it keeps its names. ``cap.gm`` keeps torch's
+    names, and each input's ``placeholder`` says which was renamed."""
+    lines = cap.code.splitlines(keepends=True)
+    own = []  # the top-level class's lines, not those of a subgraph's class printed in it
+    nested = False
+    for line in lines:
+        if re.match(r"    \S", line):
+            nested = line.startswith("    class ")
+        own.append(not nested)
+    taken = set(re.findall(r"\w+", re.sub(r"#.*", "", cap.code)))  # comments quote source
+    renames: dict[str, str] = {}
+    for inp in cap.inputs:
+        old, name = inp.get("placeholder"), inp.get("name") or ""
+        kind = inp.get("saved_kind", inp.get("kind"))
+        if not old or name == old or kind not in _NAMED_KINDS:
+            continue
+        ident = re.sub(r"\W+", "_", name.split(" | ")[0]).strip("_")
+        if not ident or ident[0].isdigit():
+            ident = f"_{ident}"
+        new, n = ident, 1
+        while new in taken:
+            new, n = f"{ident}_{n}", n + 1
+        taken.add(new)
+        renames[old] = new
+    if not renames:
+        return
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, renames)) + r")\b")
+    cap.code = "".join(pattern.sub(lambda m: renames[m.group(1)], line) if mine else line
+                       for line, mine in zip(lines, own, strict=True))
 
 
 def _dim(d) -> int | str:

@@ -57,6 +57,14 @@ def test_gpt_regions_call_sites_subgraphs_and_param_names():
         assert inp["sources"] == [f"{b}.{inp['name']}" for b in blocks]
         shape = list(model.get_submodule(blocks[0]).get_parameter(inp["name"]).shape)
         assert inp["shape"] == shape
+    # The readable code says which tensor each input is (capture.md), in the forward and in
+    # the backward, which saves some of them; the GraphModule keeps torch's placeholders.
+    signature = region.forward_code.split("def forward(self, ")[1].split("\n")[0]
+    assert re.findall(r"(\w+): \"", signature) == [
+        "activation", *(n.replace(".", "_") for n, _ in model.blocks[0].named_parameters())]
+    assert "ln1_weight" in region.backward_code
+    assert not re.search(r"\bprimals_\d", region.forward_code + region.backward_code)
+    assert any(n.name.startswith("primals_") for n in region.forward_gm.graph.nodes)
     # Top-level forward: every model parameter appears once, by its FQN; the tokens are input.
     fw = cap.graphs[0]
     assert fw.kind == "forward" and cap.graphs[1].kind == "backward"
@@ -66,11 +74,33 @@ def test_gpt_regions_call_sites_subgraphs_and_param_names():
     assert sum(1 for i in fw.inputs if i["kind"] == "input") == 1
     # Op counts: three invoke_subgraph calls in the forward graph.
     assert fw.op_counts["invoke_subgraph"] == 3
+    assert "blocks_2_mlp_proj_bias" in fw.code.split("class ")[1]  # its own, not a subgraph's
     # The model is as it was: no marking left, no gradients, same weights as the reference.
     assert "_aotdist_state" not in vars(model) and type(model.blocks[0]).__bases__ == (nn.Module,)
     assert all(p.grad is None for p in model.parameters())
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_frames_capture_of_a_sharded_model_reports_one_story(capsys):
+    # `aotdist inspect --fsdp`: parallelize shards without compiling, capture compiles each
+    # region's frame. Its metrics line read "mode graph ... 0 call sites, 0 distinct
+    # subgraph(s)" above a table of "frames ... sites 4 subgr 1".
+    from aotdist.testing.distributed import one_rank_group
+
+    model = TinyGPT(depth=3)
+    (x,), _ = example_inputs(model)
+    with one_rank_group():
+        aotdist.parallelize(model, config={"fsdp": {"enabled": True},
+                                           "compile": {"enabled": False}})
+        cap = aotdist.capture(model, x, loss_fn=_loss)
+    region, st = cap.regions["GPTBlock"], cap.metrics.regions["GPTBlock"]
+    assert cap.mode == cap.metrics.mode == "frames"
+    assert region.call_sites == [f"blocks.{i}" for i in range(3)]
+    assert (st.call_sites, st.subgraphs) == (3, region.num_subgraphs) == (3, 1), cap.summary()
+    assert "mode frames" in cap.metrics.summary()
+    assert "GPTBlock: 3 instances, 3 call sites, 1 distinct subgraph(s)" in cap.metrics.summary()
+    assert "ln1_weight" in region.forward_code  # named relative to the block here too
 
 
 def test_saved_for_backward_matches_autograd_pack_hook():
