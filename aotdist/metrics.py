@@ -69,6 +69,9 @@ class CompileMetrics:
     # its guards did not cover (each compiled as usual), with the failing guard
     precompiled: bool = False
     precompile_misses: list[str] = field(default_factory=list)
+    # how Inductor compiled the graphs that call regions: "fx" (region bodies only, the
+    # glue unlowered: compile.outer), "inductor" (lowered whole), both, or "" (no such graph)
+    outer: str = ""
 
     @property
     def num_graph_breaks(self) -> int:
@@ -89,6 +92,7 @@ class CompileMetrics:
             f" | frames {_n(self.frames_compiled)} | graphs {self.graphs} | "
             f"graph breaks {self.num_graph_breaks} | recompiles {len(self.recompiles)}"
             + (f" | mode {self.mode}" if self.mode else "")
+            + (f" | outer {self.outer}" if self.outer else "")
             + (" | saved graph loaded" if self.precompiled else ""),
         ]
         for name, st in self.regions.items():
@@ -291,6 +295,8 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
             subgraphs.setdefault(name, set()).update(ids)
         for name, fqns in rec.inlined.items():
             inlined.setdefault(name, set()).update(fqns)
+    outers = sorted({r.outer for r in records if r.outer and r.call_sites})
+    metrics.outer = "+".join(outers)
     for rec in records:
         if rec.standalone is not None:
             metrics.regions.setdefault(rec.standalone, RegionStats(instances=0))

@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from aotdist._compat.deprecation import positional_after_first_deprecated
+from aotdist.backends.regional import configured_outer
 from aotdist.cache import load as load_cache
 from aotdist.compile import check_not_compiled, compile_regions
 from aotdist.compile.marking import mark_regions
@@ -128,7 +129,7 @@ def parallelize(model: nn.Module, *,
         cc = config.compile
         backend, options = sharding.backend(config, mesh)
         compile_regions(model, plan=plan, backend=backend, mode=cc.mode, dynamic=cc.dynamic,
-                        options=options, verify=cc.verify)
+                        options=options, verify=cc.verify, outer=configured_outer(config))
     sharding.finish(model, config)
 
     model.__dict__[INFO_ATTR] = ParallelizeInfo(

@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from aotdist._compat.enums import StrEnum
+from aotdist.backends.regional import configured_outer
 from aotdist.compile import compile_regions
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR
 from aotdist.config import AOTDistConfig, as_config
@@ -152,7 +153,8 @@ def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
             cc = config.compile
             compile_regions(target, plan=find_regions(target, include=exact["include"]),
                             backend=cc.backend, mode=cc.mode, dynamic=cc.dynamic,
-                            options=cc.options, verify=cc.verify)
+                            options=cc.options, verify=cc.verify,
+                            outer=configured_outer(config))
         return Applied(target, fqn, ApplyHow.COMPILE_IN_USER_FSDP, config)
     effective = config.replace(regions=exact)
     parallelize(target, config=effective, mesh=mesh if config.fsdp.enabled else None)

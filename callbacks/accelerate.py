@@ -25,6 +25,7 @@ from aotdist.callbacks._common import Applied, ApplyHow, apply_aotdist, merge_co
 from torch import nn
 
 from aotdist import _compat, cache, metrics
+from aotdist.backends.regional import configured_outer
 from aotdist.cache import store
 from aotdist.compile import compile_callable, restore
 from aotdist.config import AOTDistConfig
@@ -141,7 +142,7 @@ class RegionalCompileHook(ModelHook):
             self._plain_forward = _compat.accelerate_old_forward(module)
             compiled = compile_callable(module, self._plain_forward, backend=cc.backend,
                                         mode=cc.mode, dynamic=cc.dynamic, options=cc.options,
-                                        verify=cc.verify)
+                                        verify=cc.verify, outer=configured_outer(self.config))
             _compat.set_accelerate_old_forward(module, _FirstCallMetrics(compiled, self, module))
         return module
 

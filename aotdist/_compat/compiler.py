@@ -20,11 +20,13 @@ from aotdist._compat._base import attr, unavailable
 
 __all__ = [
     "aot_eager_parts",
+    "boxed_function",
     "call_impl",
     "compilation_metric_fields",
     "compilation_metrics",
     "compilation_time_metrics",
     "compiled_call",
+    "compiled_graph_callable",
     "current_frame_locals",
     "custom_graph_pass_base",
     "dynamo_config_patch",
@@ -42,6 +44,7 @@ __all__ = [
     "lookup_backend",
     "named_backend_wrapper",
     "optimized_module_type",
+    "own_tracing_context",
     "set_compiled_call",
     "tracing_context",
     "tree_leaves",
@@ -252,6 +255,44 @@ def tracing_context() -> Any | None:
     graph being compiled (torch 2.11, 2.15), or ``None``."""
     cls = attr("torch._guards", "TracingContext")
     return cls.try_get() if cls is not None else None
+
+
+def own_tracing_context() -> contextlib.AbstractContextManager:
+    """A fresh AOTAutograd tracing context on the current one's fake mode, entered for
+    the block: what a graph compiled inside another's compile reports (output strides)
+    stays its own (``torch._guards.tracing``; torch 2.11, 2.15).
+
+    Raises:
+        TorchFeatureUnavailable: ``TracingContext`` or ``tracing`` is missing.
+    """
+    cls, enter = attr("torch._guards", "TracingContext"), attr("torch._guards", "tracing")
+    if cls is None or enter is None:
+        raise unavailable("torch._guards.TracingContext / tracing")
+    outer = cls.try_get()
+    return enter(cls(outer.fake_mode if outer is not None else None))
+
+
+def boxed_function(fn: Callable) -> Callable:
+    """``fn`` called with one list of arguments, as AOTAutograd calls a compiled graph
+    (``torch._functorch.aot_autograd.make_boxed_func``; torch 2.11, 2.15)."""
+    make = attr("torch._functorch.aot_autograd", "make_boxed_func")
+    if make is not None:
+        return make(fn)
+
+    def boxed(args):
+        return fn(*args)
+
+    boxed._boxed_call = True
+    return boxed
+
+
+def compiled_graph_callable(compiled: Callable) -> Callable:
+    """The generated code inside an Inductor ``CompiledFxGraph`` (its
+    ``current_callable``), called with the same list of inputs without the per-call
+    bookkeeping of the first call's compile (torch 2.11, 2.15); ``compiled`` itself for
+    any other kind of output."""
+    run = getattr(compiled, "current_callable", None)
+    return run if callable(run) else compiled
 
 
 def is_traceable_wrapper_subclass(t: Any) -> bool:

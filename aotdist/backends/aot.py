@@ -21,6 +21,7 @@ import torch
 
 from aotdist import _compat
 from aotdist.backends.named import add_joint_pass, inductor_options
+from aotdist.backends.regional import regional_inner_compile
 
 __all__ = ["REBUILT", "aot_backend", "backend_name", "fix_storage_resizes",
            "resolve_conjugate_inputs", "storage_resized_inputs"]
@@ -178,8 +179,8 @@ def backend_name(backend: str | Callable) -> str | None:
     return getattr(backend, "compiler_name", None)
 
 
-def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None
-                ) -> Callable | None:
+def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None,
+                outer: str = "inductor") -> Callable | None:
     """``backend`` rebuilt on AOTAutograd with aotdist's passes and ``on_graph`` hook.
 
     Args:
@@ -188,6 +189,8 @@ def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None
             ``aot_eager`` keeps its bucketing).
         on_graph: Called with each forward/backward/inference graph before it is compiled
             (with Inductor, AOTAutograd's cache is off for these compiles so that it is).
+        outer: With Inductor, ``"fx"`` compiles each distinct region body once and runs the
+            graph around them unlowered (:mod:`aotdist.backends.regional`).
 
     Returns:
         A ``torch.compile`` backend, or ``None`` when ``backend`` is not one of those.
@@ -207,12 +210,15 @@ def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None
         # aotdist's defaults: the same decision as compile_regions (a bare name: defaults).
         patches = inductor_options(getattr(backend, "config", None), warn=False)
         add_joint_pass(patches, _joint_pass())
-        inner = _hooked(compile_fx_inner, None, on_graph)
+        inner = compile_fx_inner if outer == "inductor" else regional_inner_compile(
+            compile_fx_inner)
+        inner = _hooked(inner, None, on_graph)
 
         def inductor(gm, example_inputs):
             # A hit in AOTAutograd's cache skips inner_compile: the hook would see no graph
-            # (an empty capture, a region call left in a graph meant to be inlined).
-            with (_compat.autograd_cache_off() if on_graph is not None
+            # (an empty capture, a region call left in a graph meant to be inlined); an FX
+            # outer graph is not a cache entry AOTAutograd can save.
+            with (_compat.autograd_cache_off() if on_graph is not None or outer != "inductor"
                   else contextlib.nullcontext()):
                 return compile_fx(gm, example_inputs, inner_compile=inner,
                                   config_patches=patches)

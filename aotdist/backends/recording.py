@@ -90,6 +90,8 @@ class GraphRecord:
     standalone: str | None = None
     gm: Any = None
     precompiled: bool = False  # loaded from a cache bundle's saved graph, not compiled here
+    # Inductor's graphs: "fx" when only the region bodies were lowered, else "inductor"
+    outer: str | None = None
 
 
 _PATH_TOKEN = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]|\.(\w+)")
@@ -158,8 +160,11 @@ class RecordingBackend:
     dry_run = False  # set per instance by aotdist.compile.isolate for its trials
 
     def __init__(self, inner: Callable, *, model: nn.Module | None = None, plan=None,
-                 keep_graphs: bool = False, region_frame: str | None = None):
+                 keep_graphs: bool = False, region_frame: str | None = None,
+                 outer: str | None = None):
         self.inner = _compat.lookup_backend(inner) if isinstance(inner, str) else inner
+        # "fx": Inductor compiles region bodies only (aotdist.backends.regional)
+        self.outer = outer if backend_name(self.inner) == "inductor" else None
         self.plan = plan
         self.region_frame = region_frame  # every graph is this region's frame (a re-trace)
         self.keep_graphs = keep_graphs
@@ -194,6 +199,7 @@ class RecordingBackend:
             raise RegionCaptureError(complex_regions, _COMPLEX)
         _warn_autograd_function_splits(gm, node_regions)
         record.standalone = self.region_frame or self._standalone_region()
+        record.outer = self.outer_for(gm)
         start = time.perf_counter()
         # Regions recompute norm statistics rather than save them (docs/internals.md).
         regions = bool(record.call_sites) or record.standalone is not None
@@ -231,9 +237,10 @@ class RecordingBackend:
         if getattr(self.inner, "_aotdist_fixes_resizes", False):
             return self.inner(gm, example_inputs)
         resized = storage_resized_inputs(gm)
-        if not resized and not rebuild:
+        outer = self.outer_for(gm) or "inductor"
+        if not resized and not rebuild and outer == "inductor":
             return self.inner(gm, example_inputs)
-        repaired = aot_backend(self.inner)
+        repaired = aot_backend(self.inner, outer=outer)
         if repaired is not None:
             return repaired(gm, example_inputs)
         rank_zero_warn(
@@ -243,6 +250,13 @@ class RecordingBackend:
             RegionCompileWarning, stacklevel=2,
         )
         return gm.forward
+
+    def outer_for(self, gm: torch.fx.GraphModule) -> str | None:
+        """How Inductor compiles ``gm`` (``None``: not Inductor): ``"fx"`` when it calls
+        regions and ``compile.outer`` resolved to ``fx``, else ``"inductor"``."""
+        if self.outer is None:
+            return None
+        return "fx" if self.outer == "fx" and _calls_regions(gm) else "inductor"
 
     def _analyse(self, gm: torch.fx.GraphModule, record: GraphRecord) -> dict[str, str]:
         """Fills ``record``; returns invoke_subgraph node name -> region name."""
@@ -312,6 +326,11 @@ class RecordingBackend:
             if fqn in self._fqn_to_region:
                 return fqn
         return next((by_id[id(o)] for o in candidates if id(o) in by_id), None)
+
+
+def _calls_regions(gm: torch.fx.GraphModule) -> bool:
+    invoke = torch.ops.higher_order.invoke_subgraph
+    return bool(gm.graph.find_nodes(op="call_function", target=invoke))
 
 
 _COMPLEX = ("it handles complex tensors, and its backend is not one aotdist rebuilds: "

@@ -178,7 +178,7 @@ def _seed_isa_probes(where: str, *, backend: str, device: str,
 
 
 # strategies the paired runs time
-PAIRED = ("aotdist", "aotdist+fx", "full", "accelerate", "per_block", "eager")
+PAIRED = ("aotdist", "aotdist+lowered", "full", "accelerate", "per_block", "eager")
 
 
 def _paired_cells(cases: Sequence[Case]) -> list[Case]:

@@ -225,24 +225,14 @@ def _aotdist_graph(model: nn.Module, setup: Setup) -> nn.Module:
     })
 
 
-def _outer_unavailable() -> str:
-    import dataclasses
-
-    from aotdist.config import CompileConfig
-
-    if "outer" in {f.name for f in dataclasses.fields(CompileConfig)}:
-        return ""
-    return "this build's aotdist config has no compile.outer key: aotdist+fx skipped"
-
-
-@register_strategy("aotdist+fx", description="aotdist.parallelize with compile.outer: fx "
-                   "(each distinct region body compiled once by Inductor, the graph around "
-                   "the regions not lowered)", unavailable=_outer_unavailable)
-def _aotdist_fx(model: nn.Module, setup: Setup) -> nn.Module:
+@register_strategy("aotdist+lowered", description="aotdist.parallelize with compile.outer: "
+                   "inductor (the whole graph lowered by Inductor, region bodies inside it; "
+                   "aotdist's default compiles the bodies only)")
+def _aotdist_lowered(model: nn.Module, setup: Setup) -> nn.Module:
     import aotdist
 
     return aotdist.parallelize(model, config={
-        "compile": {**setup.compile_kwargs(), "outer": "fx"},
+        "compile": {**setup.compile_kwargs(), "outer": "inductor"},
         "fsdp": {"enabled": setup.fsdp, "replicate_degree": setup.replicate},
         "float8": {"enabled": setup.float8},
     })

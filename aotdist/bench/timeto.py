@@ -22,7 +22,7 @@ __all__ = ["HORIZONS", "SUBJECTS", "WARM_HORIZON", "WARM_SUBJECTS", "crossover_s
 
 HORIZONS = (100, 1_000, 10_000)  # the N of T(N)
 WARM_HORIZON = 100
-SUBJECTS = ("aotdist", "aotdist+fx")  # aotdist's cold strategies, each against the peers
+SUBJECTS = ("aotdist", "aotdist+lowered")  # aotdist's cold strategies, each against the peers
 WARM_SUBJECTS = ("aotdist", "aotdist+cache")  # without and with its artifact cache
 
 

@@ -25,6 +25,7 @@ from aotdist import _compat
 from aotdist._compat.deprecation import positional_after_first_deprecated
 from aotdist.backends.named import make_backend
 from aotdist.backends.recording import RecordingBackend
+from aotdist.backends.regional import resolve_outer
 from aotdist.compile.frames import compile_frames
 from aotdist.compile.guard import RegionGuardedCall
 from aotdist.compile.marking import is_compiled, mark_regions, unmark_regions
@@ -85,6 +86,7 @@ def compile_regions(
     dynamic: bool | None = None,
     options: dict[str, Any] | None = None,
     verify: bool = False,
+    outer: str = "auto",
 ) -> nn.Module:
     """Marks ``model``'s regions for ``invoke_subgraph`` and compiles it in place.
 
@@ -104,6 +106,11 @@ def compile_regions(
             (outputs and gradients; :mod:`aotdist.compile.verify`) and raise
             ``RegionMismatchError`` naming the regions on a mismatch. Costs one eager
             and one compiled forward and backward more in the first step.
+        outer: How Inductor compiles the graph around the regions: ``"inductor"`` lowers
+            it whole (region bodies once each, inside it), ``"fx"`` compiles only the
+            region bodies and runs the glue between them unlowered
+            (:mod:`aotdist.backends.regional`), ``"auto"`` picks
+            (:func:`aotdist.backends.regional.resolve_outer`). Other backends: ignored.
 
     Returns:
         ``model`` itself.
@@ -146,7 +153,7 @@ def compile_regions(
             model(torch.randn(2, 8)).sum().backward()
         assert (m.regions["Block"].call_sites, m.regions["Block"].subgraphs) == (4, 1)
     """
-    state = _prepare(model, plan, backend, mode, dynamic, options, verify)
+    state = _prepare(model, plan, backend, mode, dynamic, options, verify, outer)
     if fsdp_modules(model):  # FSDP2's hooks would break the whole graph: see module doc
         state.mode = CompileMode.FRAMES
         compile_frames(model, state, functools.partial(
@@ -169,7 +176,7 @@ def compile_regions(
 def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None = None,
                      backend: str | Callable = "inductor", mode: str | None = None,
                      dynamic: bool | None = None, options: dict[str, Any] | None = None,
-                     verify: bool = False) -> Callable:
+                     verify: bool = False, outer: str = "auto") -> Callable:
     """Like :func:`compile_regions`, but compiles ``fn``, a callable that runs ``model``.
 
     For integrations that own the call path: Accelerate's hooks wrap ``model.forward``
@@ -191,7 +198,7 @@ def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None 
             "compile_callable compiles a whole call path, which FSDP2's hooks would break; "
             "use aotdist.compile_regions(model), which compiles inside the FSDP units."
         )
-    state = _prepare(model, plan, backend, mode, dynamic, options, verify)
+    state = _prepare(model, plan, backend, mode, dynamic, options, verify, outer)
     fn = _compat.unique_code_function(fn, type(model).__name__)
     compiled = torch.compile(fn, backend=state.backend, dynamic=_torch_dynamic(dynamic))
     state.call_fn, state.call_bound = fn, ()
@@ -201,7 +208,7 @@ def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None 
 
 def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
              mode: str | None, dynamic: bool | None, options: dict[str, Any] | None,
-             verify: bool = False) -> RegionState:
+             verify: bool = False, outer: str = "auto") -> RegionState:
     """Checks, marks (unless marked) and attaches the recording backend; no compile yet."""
     state = vars(model).get(STATE_ATTR)
     if state is not None and state.compiled:
@@ -225,7 +232,8 @@ def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
             "choose regions.",
             RegionCompileWarning, stacklevel=3,
         )
-    state.backend = RecordingBackend(inner, model=model, plan=state.plan)
+    state.backend = RecordingBackend(inner, model=model, plan=state.plan,
+                                     outer=resolve_outer(outer, backend, mode, options))
     state.backend_name = backend if isinstance(backend, str) else ""
     state.verify = verify
     state.dynamic_inputs = dynamic is True

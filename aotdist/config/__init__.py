@@ -42,6 +42,7 @@ __all__ = [
 _DTYPES = ("float32", "bfloat16", "float16")
 _FSDP_MODES = ("hooks", "graph")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+OUTER_MODES = ("auto", "inductor", "fx")  # compile.outer (aotdist.backends.regional)
 _COMMON_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")  # known without torch._dynamo
 _FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -90,6 +91,10 @@ class CompileConfig(Section):
         options: Backend options (Inductor config keys), scoped to this model.
         verify: Check the first training step against eager from the same state and
             stop with ``RegionMismatchError`` naming the region on a mismatch.
+        outer: With ``inductor``, how the graph around the regions compiles: ``fx``
+            compiles each distinct region body once and runs the glue between them
+            unlowered (a shorter cold compile), ``inductor`` lowers the whole graph,
+            ``auto`` (default) takes ``fx`` unless the mode records CUDA graphs.
     """
 
     _key: typing.ClassVar[str] = "compile"
@@ -99,10 +104,14 @@ class CompileConfig(Section):
     dynamic: bool | None = None
     options: dict | None = None
     verify: bool = False
+    outer: str = "auto"
 
     def _rule_problems(self) -> list[str]:
         modes = COMPILE_MODES
         out = []
+        if self.outer not in OUTER_MODES:
+            out.append(f"compile.outer: unknown value {self.outer!r}"
+                       f"{did_you_mean(self.outer, OUTER_MODES)}; use one of {list(OUTER_MODES)}")
         names = [] if not isinstance(self.backend, str) or self.backend in _COMMON_BACKENDS \
             else compile_backends()  # (a bad type is reported already)
         if names and self.backend not in names:

@@ -363,12 +363,16 @@ def test_inductor_matches_eager():
     assert rank0["first"]["regions"]["GPTBlock"]["subgraphs"] == 1
     assert all(w["recompiles"] == [] for w in rank0["later"])
     assert rank0["saved"]["gathered"] == 0
-    # Inductor's path (its AOTAutograd cache was asked; a hit: an earlier test compiled
-    # this graph), and the gathers (autograd.Functions, recomputed under selective
-    # checkpointing) do not keep it out of that cache: warm starts do not trace it again
+    # compile.outer auto: Inductor compiled the region bodies and left the graph around
+    # them, collectives included, unlowered (with the artifact cache on it lowers the whole
+    # graph, which test_cache_fsdp's graph-mode warm restart runs untraced)
+    assert rank0["first"]["outer"] == "fx", rank0["first"]
+    # fsdp.bucket_mb's pass ran on the unlowered graph and on each compiled body
+    graphs = rank0["buckets"]
+    assert any(before["all_gather"] > 1 for before, _ in graphs), graphs
+    assert all(after[k] <= 1 for _, after in graphs for k in ("all_gather", "reduce_scatter"))
     aot = rank0["aot_autograd"]
     assert aot.get("autograd_cache_bypass", 0) == 0, aot
-    assert aot.get("autograd_cache_miss", 0) + aot.get("autograd_cache_hit", 0) >= 1, aot
 
 
 OVERLAP = {"fsdp": {**GRAPH, "overlap": True}, "compile": {"backend": "inductor"}}

@@ -187,7 +187,7 @@ def test_plan_warm_cells_per_block_and_the_main_job():
         assert {"accelerate", "per_block", "aotdist"} <= mine, model
     assert {(c.model, c.depth) for c in cases} == {("gpt", 8), ("gpt", 32), ("gpt", 64),
                                                    ("llama", 32), ("dictgpt", 8)}
-    assert "aotdist+fx" not in {c.strategy for c in cases}
+    assert "aotdist+lowered" not in {c.strategy for c in cases}
     assert len(cases) == sum(len(sb.depths) * len(sb.strategies) for sb in MAIN_JOB)
     full = plan_cases(full=True)
     assert {(c.model, c.depth) for c in full} >= {(m, d) for m in ("gpt", "llama")
@@ -282,34 +282,27 @@ def test_the_runner_times_the_strategy_apply_and_a_per_block_step():
     assert r["recompiles_after_first_step"] == 0
 
 
-def test_aotdist_fx_passes_compile_outer_or_is_skipped_with_a_note(tmp_path, monkeypatch):
+def test_aotdist_lowered_passes_compile_outer_or_is_skipped_with_a_note(tmp_path, monkeypatch):
     import aotdist
 
     seen = []
     monkeypatch.setattr(aotdist, "parallelize",
                         lambda model, config: seen.append(config["compile"]) or model)
-    get_strategy("aotdist+fx").apply(torch.nn.Linear(2, 2), Setup(backend="aot_eager"))
-    assert seen == [{"backend": "aot_eager", "outer": "fx"}]
-    gone = dataclasses.replace(STRATEGIES["aotdist+fx"],
+    get_strategy("aotdist+lowered").apply(torch.nn.Linear(2, 2), Setup(backend="aot_eager"))
+    assert seen == [{"backend": "aot_eager", "outer": "inductor"}]
+    gone = dataclasses.replace(STRATEGIES["aotdist+lowered"],
                                unavailable=lambda: "no compile.outer key in this build")
-    monkeypatch.setitem(STRATEGIES, "aotdist+fx", gone)
+    monkeypatch.setitem(STRATEGIES, "aotdist+lowered", gone)
     calls = []
     monkeypatch.setattr(bench, "_measure_once", _fake_measure(calls))
     lines = []
-    report = bench.run_bench([Case("gpt", 2, s) for s in ("accelerate", "aotdist+fx")],
+    report = bench.run_bench([Case("gpt", 2, s) for s in ("accelerate", "aotdist+lowered")],
                              backend="aot_eager", repeats=1, out=tmp_path,
                              progress=lines.append)
     assert [c["case"].strategy for c in calls] == ["accelerate"]
     assert report["settings"]["skipped"] == ["no compile.outer key in this build"]
     assert "skipped: no compile.outer key in this build" in lines
     assert "- skipped: no compile.outer key in this build" in (tmp_path / "bench.md").read_text()
-
-
-def test_the_outer_key_decides_whether_aotdist_fx_can_run():
-    from aotdist.config import CompileConfig
-
-    has = "outer" in {f.name for f in dataclasses.fields(CompileConfig)}
-    assert (get_strategy("aotdist+fx").unavailable() == "") == has
 
 
 def test_the_full_flag_runs_the_whole_matrix(tmp_path, monkeypatch):

@@ -1,0 +1,122 @@
+"""Region bodies compiled once each, the outer graph unlowered (compile.outer: fx)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import aotdist
+from aotdist import _compat
+from aotdist.backends.regional import (
+    RegionBody,
+    configured_outer,
+    regional_inner_compile,
+    resolve_outer,
+)
+from aotdist.errors import ConfigError
+from aotdist.metrics import track
+from aotdist.testing import assert_training_parity
+from aotdist.testing.models import TinyGPT
+
+
+def _model_and_batches(steps=3):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=32, depth=3, heads=2, seq_len=8)
+    with torch.no_grad():  # blocks whose weights differ
+        for i, block in enumerate(model.blocks):
+            for p in block.parameters():
+                p.add_(0.01 * (i + 1))
+    return model, [(torch.randint(0, 64, (2, 8)),) for _ in range(steps)]
+
+
+def _counting_backend(compiled: list, outer_graphs: list):
+    """aot_eager whose forward/backward compilers are the regional inner compile, with a
+    body "compiler" that runs the body as it is and counts what it was given."""
+    aot_eager, _ = _compat.aot_eager_parts()
+
+    def body_compiler(body, inputs, **kwargs):
+        compiled.append((kwargs["is_backward"], len(inputs)))
+        return _compat.boxed_function(body.forward)
+
+    inner = regional_inner_compile(body_compiler)
+
+    def graph_compiler(backward, gm, example_inputs):
+        out = inner(gm, example_inputs, is_backward=backward)
+        outer_graphs.append(gm)
+        return out
+
+    return functools.partial(aot_eager, fw_compiler=functools.partial(graph_compiler, False),
+                             bw_compiler=functools.partial(graph_compiler, True))
+
+
+def test_each_body_is_compiled_once_and_training_matches_eager():
+    model, batches = _model_and_batches()
+    reference = copy.deepcopy(model)
+    compiled, outer_graphs = [], []
+    aotdist.compile_regions(model, backend=_counting_backend(compiled, outer_graphs))
+    assert_training_parity(model, reference, batches, rtol=0, atol=0)
+    # one forward and one backward body for the 3 blocks, each compiled once
+    assert [backward for backward, _ in compiled] == [False, True]
+    for gm in outer_graphs:  # every call site calls the compiled body; no region call left
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        assert not [n for n in calls if n.target is torch.ops.higher_order.invoke_subgraph]
+        assert sum(isinstance(n.target, RegionBody) for n in calls) == 3
+
+
+def test_a_graph_without_region_calls_is_compiled_whole():
+    seen = []
+
+    def body_compiler(gm, inputs, **kwargs):
+        seen.append(kwargs)
+        return "whole"
+
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    assert regional_inner_compile(body_compiler)(gm, [], is_backward=False) == "whole"
+    assert seen == [{"is_backward": False}]
+
+
+def test_outer_resolution():
+    assert resolve_outer("auto", "inductor", None) == "fx"
+    assert resolve_outer("auto", "inductor", "max-autotune-no-cudagraphs") == "fx"
+    assert resolve_outer("fx", "inductor", None) == "fx"
+    assert resolve_outer("inductor", "inductor", "default") == "inductor"
+    # CUDA graphs record one lowered graph: auto keeps it whole
+    assert resolve_outer("auto", "inductor", "reduce-overhead") == "inductor"
+    # so does Inductor's compute/communication overlap (fsdp.overlap), which reorders it
+    overlap = {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+    assert resolve_outer("auto", "inductor", None, overlap) == "inductor"
+    assert resolve_outer("fx", "aot_eager", None) is None  # not Inductor: nothing to choose
+    with pytest.raises(ConfigError, match="did you mean 'inductor'"):
+        resolve_outer("inductr", "inductor", None)
+
+
+def test_with_the_artifact_cache_auto_lowers_the_whole_graph():
+    """torch's caches keep Inductor's lowered output only: with the artifact cache on, auto
+    lowers the whole graph once, and warm starts skip its trace."""
+    config = aotdist.AOTDistConfig.from_dict
+    assert configured_outer(config({})) == "auto"
+    cached = {"cache": {"mode": "local", "dir": "unused"}}
+    assert configured_outer(config(cached)) == "inductor"
+    assert configured_outer(config({**cached, "compile": {"outer": "fx"}})) == "fx"
+    no_saved_graph = {"cache": {"mode": "local", "dir": "unused", "precompile": False}}
+    assert configured_outer(config(no_saved_graph)) == "inductor"
+
+
+def test_config_names_a_bad_outer_value():
+    with pytest.raises(ConfigError, match="compile.outer.*did you mean 'inductor'"):
+        aotdist.AOTDistConfig.from_dict({"compile": {"outer": "inductr"}})
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_inductor_bodies_only_match_eager_and_metrics_say_so():
+    model, batches = _model_and_batches()
+    reference = copy.deepcopy(model)
+    aotdist.compile_regions(model, backend="inductor", outer="fx")
+    with track(model) as m:
+        assert_training_parity(model, reference, batches, rtol=1e-4, atol=1e-5)
+    assert m.outer == "fx" and "outer fx" in m.summary()
+    assert (m.regions["GPTBlock"].call_sites, m.regions["GPTBlock"].subgraphs) == (3, 1)
