@@ -147,17 +147,21 @@ def uses_fsdp_float8_all_gather(model: nn.Module) -> bool:
 
 
 def warn_unverified_combination(config, *, stacklevel: int = 3) -> None:
-    """Warns when ``config`` asks for Inductor + FSDP2 float8 all-gather, a combination
-    aotdist's parity test sees drift from the same Float8 model in eager for a cause not
-    yet found (the measurements: docs/internals.md, ``aotdist/float8.py``)."""
+    """Warns when ``config`` asks for Inductor + FSDP2 float8 all-gather, where aotdist's
+    parity test sees a drift from the same Float8 model in eager: Inductor's, the same with
+    the all-gather off and under ``torch.compile`` of the whole model (the measurements:
+    docs/guide/limits.md)."""
     if (config.float8.enabled and config.float8.fsdp_all_gather and config.fsdp.enabled
             and config.compile.enabled and config.compile.backend == "inductor"):
         rank_zero_warn(
             "float8.fsdp_all_gather with compile.backend: inductor: aotdist's parity test "
-            "sees parameters drift from eager Float8 by up to 1.5e-3 (1.4%) after 5 steps "
-            f"(torch 2.11 and 2.15; you run {torch.__version__}); the cause is not found. "
-            "Fix, if you need eager-exact Float8: set float8.fsdp_all_gather: false (Float8 "
-            "compute stays on).",
+            "sees parameters drift from eager Float8 by up to 1.5e-3 after 5 SGD steps on "
+            f"CPU (torch 2.11 and 2.14; you run {torch.__version__}). The all-gather is not "
+            "the cause: with it off, and under torch.compile of the whole model, the drift "
+            "is the same; Inductor's kernels round in the last bits unlike eager's and "
+            "Float8's 3-bit rounding carries it (docs/guide/limits.md). Fix, if you need "
+            "eager-exact Float8: compile.backend: aot_eager; keeping the all-gather costs "
+            "nothing more.",
             RegionCompileWarning, stacklevel=stacklevel,
         )
 
