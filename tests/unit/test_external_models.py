@@ -39,6 +39,7 @@ import aotdist.metrics
 from aotdist import Region, RegionCompileWarning, RegionPlan
 from aotdist.regions import structural_signature
 from aotdist.testing import TinyGPT, example_inputs
+from aotdist.testing.distributed import one_rank_group
 from aotdist.testing.parity import assert_parity
 
 VIT_FQNS = tuple(f"encoder.layers.encoder_layer_{i}" for i in range(3))
@@ -160,18 +161,6 @@ def test_vit_train_parity_and_metrics():
     assert m2.frames_compiled == 0 and m2.recompiles == [], m2.summary()
 
 
-@contextlib.contextmanager
-def _one_rank_group():
-    """A gloo world of one rank in this process: FSDP2's real hooks, nothing spawned."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.timeout(120)
 def test_vit_under_fsdp2_hooks_compiles_each_block_frame_once():
     # The README's `accelerate launch` recipe: FSDP2 hooks mode, each region one compiled
@@ -181,7 +170,7 @@ def test_vit_under_fsdp2_hooks_compiles_each_block_frame_once():
     model = _vit().train()
     reference = copy.deepcopy(model)
     x = torch.randn(2, 3, 32, 32)
-    with _one_rank_group():
+    with one_rank_group():
         aotdist.parallelize(model, config={"fsdp": {"enabled": True},
                                            "compile": {"backend": "aot_eager"}})
         with _caught_warnings() as caught, aotdist.metrics.track(model) as m:
