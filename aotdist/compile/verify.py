@@ -47,33 +47,68 @@ def compare_grads(grads: dict[str, torch.Tensor | None],
     rounding noise in both), the first parameter beyond ``rtol`` (``None``: all within),
     and the parameters whose gradient is all zeros where the reference's is ``None``
     (counted as equal: a compiled backward gives zeros to the parameters of an output the
-    loss does not use, where eager leaves them ``None``)."""
-    worst, bad, zeros = 0.0, None, []
-    floor = 1e-3 * max((_full(r).abs().max().item() for r in reference.values()
-                        if r is not None), default=0.0)
+    loss does not use, where eager leaves them ``None``).
+
+    Sharded gradients (FSDP2's DTensors) are compared shard by shard: each rank reduces its
+    own shards to a few maxima, and one all-reduce of those gives every rank the figures
+    of the whole tensors (no parameter is gathered). Then every rank must call it, with
+    the same parameters, as for any collective."""
     missing = sorted(set(grads) ^ set(reference))
     if missing:  # not the same parameters
-        return float("inf"), missing[0], zeros
+        return float("inf"), missing[0], []
+    names, rows = [], []
     for name, g in grads.items():
         r = reference[name]
-        if (g is None) != (r is None):
-            if r is None and not _full(g).any():
-                zeros.append(name)
-                continue
-            return float("inf"), bad or name, zeros
-        if g is None:
+        if g is None and r is None:
             continue
-        g, r = _full(g), _full(r)
-        diff = (g - r).abs().max().item() / (max(r.abs().max().item(), floor) + 1e-6)
+        if g is None:  # eager has a gradient, the compiled run none
+            return float("inf"), name, []
+        g = _local(g)
+        if r is None:  # row: [diff, reference size, any nonzero, no reference]
+            rows.append([0.0, 0.0, float(bool(g.any())), 1.0])
+        else:
+            r = _local(r)
+            rows.append([_amax((g - r).abs()), _amax(r.abs()), 0.0, 0.0])
+        names.append(name)
+    stats = _max_over_shards(rows, sharded=any(_is_sharded(t) for t in (
+        *grads.values(), *reference.values()) if t is not None))
+    floor = 1e-3 * max((row[1] for row in stats if not row[3]), default=0.0)
+    worst, bad, zeros = 0.0, None, []
+    for name, (diff, size, nonzero, no_reference) in zip(names, stats, strict=True):
+        if no_reference:
+            if nonzero:
+                return float("inf"), bad or name, zeros
+            zeros.append(name)
+            continue
+        diff = diff / (max(size, floor) + 1e-6)
         worst = max(worst, diff)
         if diff > rtol and bad is None:
             bad = name
     return worst, bad, zeros
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full = getattr(t, "full_tensor", None)  # a DTensor (FSDP2 shard): the whole gradient
-    return (full() if full is not None else t).detach().float()
+def _is_sharded(t: torch.Tensor) -> bool:
+    return callable(getattr(t, "to_local", None))  # a DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2's), or ``t``, as float32."""
+    return (t.to_local() if _is_sharded(t) else t).detach().float()
+
+
+def _amax(t: torch.Tensor) -> float:
+    return t.max().item() if t.numel() else 0.0  # an uneven shard can be empty
+
+
+def _max_over_shards(rows: list[list[float]], *, sharded: bool) -> list[list[float]]:
+    """``rows`` with each figure's largest over the ranks (sharded gradients only)."""
+    dist = torch.distributed
+    if not rows or not sharded or not (dist.is_available() and dist.is_initialized()):
+        return rows
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    table = torch.tensor(rows, dtype=torch.float64, device=device)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return table.cpu().tolist()
 
 
 @dataclass
