@@ -91,10 +91,12 @@ class RegionBody:
 
 
 def _signature(value: Any) -> Any:
+    """What a call site's operand must share with another's for one compiled body to
+    serve both (sizes and strides as text: under dynamic shapes they are symbols)."""
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), tuple(value.stride()), value.dtype, str(value.device),
-                value.requires_grad)
-    return type(value).__name__, repr(value)
+        return (tuple(map(str, value.shape)), tuple(map(str, value.stride())), value.dtype,
+                str(value.device), value.requires_grad)
+    return type(value).__name__, str(value)
 
 
 def compile_region_bodies(gm: torch.fx.GraphModule, inner_compile: Callable, *,

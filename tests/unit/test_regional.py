@@ -66,6 +66,20 @@ def test_each_body_is_compiled_once_and_training_matches_eager():
         assert sum(isinstance(n.target, RegionBody) for n in calls) == 3
 
 
+def test_symbolic_shapes_group_call_sites_too():
+    """dynamic=True: operands' sizes are symbols (unhashable SymInts); the call sites still
+    share one compiled body, and other lengths run it without a new compile."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=32, depth=3, heads=2, seq_len=32)
+    reference = copy.deepcopy(model)
+    compiled, outer_graphs = [], []
+    aotdist.compile_regions(model, backend=_counting_backend(compiled, outer_graphs),
+                            dynamic=True)
+    batches = [(torch.randint(0, 64, (2, length)),) for length in (8, 16, 24)]
+    assert_training_parity(model, reference, batches, rtol=1e-5, atol=1e-6)
+    assert [backward for backward, _ in compiled] == [False, True]
+
+
 def test_a_graph_without_region_calls_is_compiled_whole():
     seen = []
 
