@@ -1,5 +1,6 @@
-"""Test helpers: tiny models with repeated regions, a parity checker against eager, and a
-multi-process runner."""
+"""Test helpers: tiny models with repeated regions, a parity checker against eager, a
+multi-process runner, and the data-parallel training steps and eager references the
+multi-rank tests compare."""
 
 from aotdist.testing.distributed import (
     DistributedTestError,
@@ -17,9 +18,11 @@ from aotdist.testing.models import (
 )
 from aotdist.testing.parity import assert_parity, assert_training_parity, forward_backward
 from aotdist.testing.training import (
+    accumulate_grads,
     accumulated_reference,
     lm_loss,
     rank_batches,
+    rank_step,
     record_logs,
     train_steps,
 )
@@ -38,9 +41,11 @@ __all__ = [
     "assert_parity",
     "assert_training_parity",
     "forward_backward",
+    "accumulate_grads",
     "accumulated_reference",
     "lm_loss",
     "rank_batches",
+    "rank_step",
     "record_logs",
     "train_steps",
 ]

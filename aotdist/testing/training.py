@@ -1,11 +1,12 @@
 """Training helpers shared by the multi-rank tests: per-rank batches, the language-model
-loss, the single-process eager reference, and a log recorder."""
+loss, one data-parallel training step, the single-process eager reference, and a log
+recorder."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,8 @@ from torch import nn
 
 from aotdist.testing.models import build_model, example_inputs
 
-__all__ = ["accumulated_reference", "lm_loss", "rank_batches", "record_logs", "train_steps"]
+__all__ = ["accumulate_grads", "accumulated_reference", "lm_loss", "rank_batches", "rank_step",
+           "record_logs", "train_steps"]
 
 
 def rank_batches(model: nn.Module, *, world_size: int, steps: int, batch_per_rank: int = 2,
@@ -32,6 +34,37 @@ def rank_batches(model: nn.Module, *, world_size: int, steps: int, batch_per_ran
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross entropy of ``model(x)`` (batch, sequence, vocabulary) against ``y``."""
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+
+def rank_step(model: nn.Module, opt: torch.optim.Optimizer, *batch: torch.Tensor,
+              loss_fn: Callable[..., torch.Tensor] = lm_loss) -> float:
+    """One data-parallel training step on this rank's slice: ``loss_fn(model, *batch)``,
+    backward, the optimizer step, the Float8 scales of FSDP2's float8 all-gather (a no-op
+    without), and the loss averaged over the ranks (an all-reduce: every rank calls it)."""
+    import torch.distributed as dist
+
+    from aotdist.float8 import precompute_float8_scales
+
+    loss = loss_fn(model, *batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    precompute_float8_scales(model)
+    dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
+    return loss.item()
+
+
+def accumulate_grads(model: nn.Module, slices: Sequence[Sequence[torch.Tensor]], *,
+                     loss_fn: Callable[..., torch.Tensor] = lm_loss) -> float:
+    """What data-parallel ranks that average their gradients compute, in one process:
+    backward of ``loss_fn(model, *slice) / len(slices)`` for each rank's slice, the
+    gradients accumulating. Returns the summed (so averaged) loss; the caller steps."""
+    total = 0.0
+    for batch in slices:
+        loss = loss_fn(model, *batch) / len(slices)
+        loss.backward()
+        total += loss.item()
+    return total
 
 
 def train_steps(model: nn.Module, *, steps: int, lr: float = 0.5, batch: int = 2,
@@ -82,14 +115,10 @@ def accumulated_reference(config: dict, *, world_size: int, depth: int, steps: i
     losses = []
     for xs, ys in rank_batches(model, world_size=world_size, steps=steps,
                                batch_per_rank=batch_per_rank):
-        total = 0.0
-        for x, y in zip(xs, ys, strict=True):
-            loss = lm_loss(model, x.to(device or "cpu"), y.to(device or "cpu")) / world_size
-            loss.backward()
-            total += loss.item()
+        slices = [(x.to(device or "cpu"), y.to(device or "cpu")) for x, y in zip(xs, ys, strict=True)]
+        losses.append(accumulate_grads(model, slices))
         opt.step()
         opt.zero_grad()
-        losses.append(total)
     return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}, keys
 
 

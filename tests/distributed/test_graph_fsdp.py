@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import aotdist
 from aotdist import metrics
-from aotdist.testing import build_model, example_inputs, record_logs, run_distributed
+from aotdist.testing import (
+    accumulate_grads,
+    build_model,
+    example_inputs,
+    lm_loss,
+    rank_batches,
+    rank_step,
+    record_logs,
+    run_distributed,
+)
 
 DEPTH = 3
 STEPS = 4
@@ -78,14 +86,7 @@ def _optimizer(kind: str, params):
 
 
 def _batches(model, n_slices: int):
-    g = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        (x,), y = example_inputs(model, BATCH_PER_RANK * n_slices, generator=g)
-        yield x.chunk(n_slices), y.chunk(n_slices)
-
-
-def _loss(model, x, y):
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return rank_batches(model, world_size=n_slices, steps=STEPS, batch_per_rank=BATCH_PER_RANK)
 
 
 class _SavedTensors:
@@ -199,9 +200,9 @@ def _train_steps(rank: int, world_size: int, name: str, *, config: dict | None =
                 k = rank * accum + i
                 if hooks is not None:
                     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
-                        loss = _loss(model, xs[k], ys[k]) / accum
+                        loss = lm_loss(model, xs[k], ys[k]) / accum
                 else:
-                    loss = _loss(model, xs[k], ys[k]) / accum
+                    loss = lm_loss(model, xs[k], ys[k]) / accum
                 loss.backward()
                 total += loss.detach()
             if clip is not None:
@@ -238,11 +239,7 @@ def _reference(name: str, world_size: int):
     n = world_size * accum
     losses, norms = [], []
     for xs, ys in _batches(model, n):
-        total = 0.0
-        for x, y in zip(xs, ys, strict=True):
-            loss = _loss(model, x, y) / n
-            loss.backward()
-            total += loss.item()
+        total = accumulate_grads(model, list(zip(xs, ys, strict=True)))
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
@@ -545,18 +542,9 @@ def _full(sd) -> dict:
 
 
 def _sgd_steps(model, rank, world_size, steps):
-    import torch.distributed as dist
-
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for xs, ys in list(_batches(model, world_size))[:steps]:
-        loss = _loss(model, xs[rank], ys[rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(loss := loss.detach().float(), op=dist.ReduceOp.AVG)
-        losses.append(loss.item())
-    return losses
+    return [rank_step(model, opt, xs[rank], ys[rank])
+            for xs, ys in list(_batches(model, world_size))[:steps]]
 
 
 def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: str):
@@ -780,14 +768,9 @@ def test_four_ranks_match_eager():
     opt = _optimizer(optim, model.parameters())
     ref_losses = []
     for xs, ys in list(_batches(model, 4))[:3]:
-        total = 0.0
-        for x, y in zip(xs, ys, strict=True):
-            loss = _loss(model, x, y) / 4
-            loss.backward()
-            total += loss.item()
+        ref_losses.append(accumulate_grads(model, list(zip(xs, ys, strict=True))))
         opt.step()
         opt.zero_grad()
-        ref_losses.append(total)
     torch.testing.assert_close(torch.tensor(out[0][0]), torch.tensor(ref_losses),
                                rtol=1e-5, atol=1e-5)
     for key, ref in model.state_dict().items():
@@ -800,7 +783,7 @@ def _rank_dies(rank: int, world_size: int):
     if rank == 1:
         raise RuntimeError("rank 1 lost its data loader")
     (x,), y = example_inputs(model, 2)
-    _loss(model, x, y).backward()  # rank 0 waits in the graph's all-gather for rank 1
+    lm_loss(model, x, y).backward()  # rank 0 waits in the graph's all-gather for rank 1
 
 
 def test_a_dying_rank_stops_the_others():

@@ -22,11 +22,13 @@ from aotdist.config import as_config
 from aotdist.errors import RegionCompileWarning
 from aotdist.float8 import warn_unverified_combination
 from aotdist.testing import (
+    accumulate_grads,
     accumulated_reference,
     build_model,
     example_inputs,
     lm_loss,
     rank_batches,
+    rank_step,
     run_distributed,
 )
 
@@ -55,10 +57,6 @@ CONFIGS = {
 }
 
 
-def _batches(world_size: int, model):
-    return rank_batches(model, world_size=world_size, steps=STEPS, batch_per_rank=BATCH_PER_RANK)
-
-
 def _count_all_gathers(counts: dict[str, int]):
     """Counts FSDP2 all-gathers per unit by wrapping ``FSDPParamGroup.unshard``."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -76,19 +74,6 @@ def _count_all_gathers(counts: dict[str, int]):
     FSDPParamGroup.unshard = unshard
 
 
-def _step(model, opt, x, y) -> float:
-    """One training step on this rank's slice; returns the loss averaged over ranks."""
-    import torch.distributed as dist
-
-    loss = lm_loss(model, x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    aotdist.precompute_float8_scales(model)
-    dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
-    return loss.item()
-
-
 def _train_configs(rank: int, world_size: int, names: list[str], ckpt_dir: str):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -103,11 +88,12 @@ def _train_configs(rank: int, world_size: int, names: list[str], ckpt_dir: str):
         aotdist.parallelize(model, config=CONFIGS[name])
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         gathers.clear()
-        batches = list(_batches(world_size, model))
+        batches = list(rank_batches(model, world_size=world_size, steps=STEPS,
+                                    batch_per_rank=BATCH_PER_RANK))
         with metrics.track(model) as first:
-            losses = [_step(model, opt, batches[0][0][rank], batches[0][1][rank])]
+            losses = [rank_step(model, opt, batches[0][0][rank], batches[0][1][rank])]
         with metrics.track(model) as later:
-            losses += [_step(model, opt, xs[rank], ys[rank]) for xs, ys in batches[1:]]
+            losses += [rank_step(model, opt, xs[rank], ys[rank]) for xs, ys in batches[1:]]
         sd = get_model_state_dict(model)
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
                 for k, v in sd.items()}
@@ -355,15 +341,10 @@ def _adamw_reference(world_size: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, grads = [], []
     for xs, ys in rank_batches(model, world_size=world_size, steps=ADAMW_STEPS):
-        total = 0.0
-        for x, y in zip(xs, ys, strict=True):
-            loss = lm_loss(model, x, y) / world_size
-            loss.backward()
-            total += loss.item()
+        losses.append(accumulate_grads(model, list(zip(xs, ys, strict=True))))
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-        losses.append(total)
     return losses, grads, {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -514,7 +495,9 @@ def _inductor_everything(rank: int, world_size: int, config: dict):
     aotdist.parallelize(model, config=config)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with metrics.track(model) as t:
-        losses = [_step(model, opt, xs[rank], ys[rank]) for xs, ys in _batches(world_size, model)]
+        batches = rank_batches(model, world_size=world_size, steps=STEPS,
+                               batch_per_rank=BATCH_PER_RANK)
+        losses = [rank_step(model, opt, xs[rank], ys[rank]) for xs, ys in batches]
     params = {k: v.full_tensor() for k, v in model.state_dict().items()}
     return losses, params, t.to_dict()
 

@@ -18,7 +18,7 @@ import torch
 
 import aotdist
 from aotdist import metrics
-from aotdist.testing import run_distributed
+from aotdist.testing import accumulate_grads, rank_step, run_distributed
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # one 4-rank spawn, several compiled runs
@@ -65,19 +65,13 @@ def _batches(n_dp: int = 2):
     return [torch.randint(0, 128, (4, 12), generator=g).chunk(n_dp) for _ in range(STEPS)]
 
 
-def _train(model, dp_rank: int, n_dp: int = 2) -> list[float]:
-    import torch.distributed as dist
+def _lm_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
 
+
+def _train(model, dp_rank: int, n_dp: int = 2) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for ids in _batches(n_dp):
-        loss = model(input_ids=ids[dp_rank], labels=ids[dp_rank]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
-        losses.append(loss.item())
-    return losses
+    return [rank_step(model, opt, ids[dp_rank], loss_fn=_lm_loss) for ids in _batches(n_dp)]
 
 
 def _result(model, losses, tracker, caught) -> dict:
@@ -226,14 +220,9 @@ def _reference():
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for ids in _batches():
-        total = 0.0
-        for x in ids:
-            loss = model(input_ids=x, labels=x).loss / 2
-            loss.backward()
-            total += loss.item()
+        losses.append(accumulate_grads(model, [(x,) for x in ids], loss_fn=_lm_loss))
         opt.step()
         opt.zero_grad()
-        losses.append(total)
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 

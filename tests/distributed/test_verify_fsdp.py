@@ -15,8 +15,8 @@ import aotdist
 from aotdist.testing import (
     accumulated_reference,
     build_model,
-    lm_loss,
     rank_batches,
+    rank_step,
     record_logs,
     run_distributed,
 )
@@ -29,20 +29,12 @@ STEPS, DEPTH = 3, 3
 
 
 def _train(rank: int, world_size: int):
-    import torch.distributed as dist
-
     torch.manual_seed(0)
     model = aotdist.parallelize(build_model("gpt", depth=DEPTH), config=CONFIG)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
     with record_logs() as logs:
-        for xs, ys in rank_batches(model, world_size=world_size, steps=STEPS):
-            loss = lm_loss(model, xs[rank], ys[rank])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
-            losses.append(loss.item())
+        losses = [rank_step(model, opt, xs[rank], ys[rank])
+                  for xs, ys in rank_batches(model, world_size=world_size, steps=STEPS)]
     return losses, [r.getMessage() for r in logs if "first-step check" in r.getMessage()]
 
 

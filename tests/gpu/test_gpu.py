@@ -24,7 +24,7 @@ import aotdist
 from aotdist import metrics
 from aotdist.testing import build_model, example_inputs, run_distributed
 from aotdist.testing.parity import assert_parity
-from aotdist.testing.training import accumulated_reference, lm_loss, rank_batches
+from aotdist.testing.training import accumulated_reference, rank_batches, rank_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -55,30 +55,19 @@ def _needs_hopper() -> None:
                     f"{torch.cuda.get_device_name(0)} has {torch.cuda.get_device_capability(0)}")
 
 
-def _batches(world_size: int, model):
-    return rank_batches(model, world_size=world_size, steps=STEPS, batch_per_rank=BATCH_PER_RANK)
-
-
 def _nccl_train(rank: int, world_size: int, config: dict):
     """One rank (``run_distributed`` selected ``cuda:<rank>``): parallelize and train."""
-    import torch.distributed as dist
-
     device = torch.device("cuda", rank)
     torch.manual_seed(0)
     model = build_model("gpt", depth=DEPTH).to(device)
     aotdist.parallelize(model, config=config)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
+    batches = rank_batches(model, world_size=world_size, steps=STEPS,
+                           batch_per_rank=BATCH_PER_RANK)
     with warnings.catch_warnings(), metrics.track(model) as t:
         warnings.simplefilter("ignore")
-        for xs, ys in _batches(world_size, model):
-            loss = lm_loss(model, xs[rank].to(device), ys[rank].to(device))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            aotdist.precompute_float8_scales(model)
-            dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
-            losses.append(loss.item())
+        losses = [rank_step(model, opt, xs[rank].to(device), ys[rank].to(device))
+                  for xs, ys in batches]
     params = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
     return {"losses": losses, "params": params if rank == 0 else None, "metrics": t.to_dict(),
             "weight_type": type(model.blocks[0].mlp.fc.weight.to_local()).__name__}
