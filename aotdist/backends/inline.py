@@ -5,7 +5,7 @@ then copies every call's partitioned forward or backward body into the graph bei
 compiled, so Inductor lowers, fuses and plans buffers across block boundaries as a
 whole-model compile does (vLLM's way), at the cost of lowering every block again.
 :func:`inline_backend` is that compile; ``scripts/gpu_probe.py`` measures it
-(``aotdist+inline``). It is not a user option: docs/performance.md (lever 1) has why.
+(``aotdist+inline``). It is not a user option: docs/bench/levers.md (lever 1) has why.
 """
 
 from __future__ import annotations
