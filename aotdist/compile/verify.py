@@ -63,11 +63,10 @@ def compare_grads(grads: dict[str, torch.Tensor | None],
             continue
         if g is None:  # eager has a gradient, the compiled run none
             return float("inf"), name, []
-        g = _local(g)
         if r is None:  # row: [diff, reference size, any nonzero, no reference]
-            rows.append([0.0, 0.0, float(bool(g.any())), 1.0])
+            rows.append([0.0, 0.0, float(bool(_local(g).any())), 1.0])
         else:
-            r = _local(r)
+            g, r = _local_pair(g, r)
             rows.append([_amax((g - r).abs()), _amax(r.abs()), 0.0, 0.0])
         names.append(name)
     stats = _max_over_shards(rows, sharded=any(_is_sharded(t) for t in (
@@ -94,6 +93,20 @@ def _is_sharded(t: torch.Tensor) -> bool:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2's), or ``t``, as float32."""
     return (t.to_local() if _is_sharded(t) else t).detach().float()
+
+
+def _local_pair(g: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of both: where one side is sharded and the other whole (``aotdist
+    check`` under FSDP: a sharded model against an unsharded reference), the whole one is
+    cut as the sharded one is, locally (every rank holds it whole)."""
+    if _is_sharded(g) != _is_sharded(r):
+        from torch.distributed.tensor import distribute_tensor
+
+        like, whole = (g, r) if _is_sharded(g) else (r, g)
+        cut = distribute_tensor(whole.detach().to(like.device), like.device_mesh,
+                                like.placements, src_data_rank=None)
+        g, r = (g, cut) if like is g else (cut, r)
+    return _local(g), _local(r)
 
 
 def _amax(t: torch.Tensor) -> float:
