@@ -26,7 +26,8 @@ import torch
 from aotdist import _compat
 from aotdist.config import OUTER_MODES
 from aotdist.config.validation import did_you_mean
-from aotdist.errors import ConfigError
+from aotdist.errors import ConfigError, ConfigWarning
+from aotdist.log import rank_zero_warn
 
 __all__ = ["OUTER_MODES", "RegionBody", "compile_region_bodies", "configured_outer",
            "regional_inner_compile", "resolve_outer"]
@@ -54,9 +55,16 @@ def resolve_outer(outer: str, backend: str | Callable, mode: str | None,
     name = backend if isinstance(backend, str) else getattr(backend, "compiler_name", None)
     if name != "inductor":
         return None
+    overlap = any(options.get(key) for key in _OVERLAP_KEYS) if options else False
     if outer == "auto":
-        overlap = any(options.get(key) for key in _OVERLAP_KEYS) if options else False
         return "inductor" if mode in _GRAPHED_MODES or overlap else "fx"
+    if outer == "fx" and (mode in _GRAPHED_MODES or overlap):
+        what = f"compile.mode {mode!r} (CUDA graphs)" if mode in _GRAPHED_MODES else \
+            "Inductor's compute/communication overlap (fsdp.overlap)"
+        rank_zero_warn(
+            f"compile.outer: fx leaves the graph around the regions unlowered, so {what} "
+            "applies to the region bodies only, not to the whole step. Fix: compile.outer: "
+            "auto (or inductor) lowers the whole graph for it.", ConfigWarning, stacklevel=4)
     return outer
 
 

@@ -16,7 +16,7 @@ from aotdist.backends.regional import (
     regional_inner_compile,
     resolve_outer,
 )
-from aotdist.errors import ConfigError
+from aotdist.errors import ConfigError, ConfigWarning
 from aotdist.metrics import track
 from aotdist.testing import assert_training_parity
 from aotdist.testing.models import TinyGPT
@@ -110,6 +110,11 @@ def test_outer_resolution():
     overlap = {"aten_distributed_optimizations.enable_overlap_scheduling": True}
     assert resolve_outer("auto", "inductor", None, overlap) == "inductor"
     assert resolve_outer("fx", "aot_eager", None) is None  # not Inductor: nothing to choose
+    # asked for explicitly where the whole graph should be lowered: said, not silent
+    with pytest.warns(ConfigWarning, match="CUDA graphs.*compile.outer: auto"):
+        assert resolve_outer("fx", "inductor", "reduce-overhead") == "fx"
+    with pytest.warns(ConfigWarning, match="fsdp.overlap"):
+        assert resolve_outer("fx", "inductor", None, overlap) == "fx"
     with pytest.raises(ConfigError, match="did you mean 'inductor'"):
         resolve_outer("inductr", "inductor", None)
 
