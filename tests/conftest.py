@@ -16,6 +16,18 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True)
+def _environment_restored():
+    """Gives every test the environment the session started with: a library that sets
+    variables in this process (Lightning's ``ddp_spawn`` leaves ``MASTER_PORT``) never
+    reaches the next test or the processes it starts."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_compiler_state():
     """Resets Dynamo caches so one test's compiled frames never serve another's."""
     torch._dynamo.reset()

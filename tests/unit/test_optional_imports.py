@@ -5,11 +5,14 @@ precompute and Accelerate's prepare."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 PROBE = """
     import json, sys
@@ -51,8 +54,10 @@ PROBE = """
 @pytest.mark.timeout(120)
 def test_torchao_is_not_imported_when_float8_is_off(tmp_path):
     pytest.importorskip("torchao")
+    # plain python, as a user runs it: no launcher's variables (Accelerate would rendezvous)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(PROBE)], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=110)
+                         env=env, capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     assert seen.pop("float8 on") is True
