@@ -93,7 +93,7 @@ def parallelize(model: nn.Module, *,
         assert list(plan.fqns) == ["blocks.0", "blocks.1", "blocks.2"]
     """
     config = as_config(config)
-    sharding = sharding_for(config)  # FSDP off, hooks mode or graph mode: aotdist.fsdp.modes
+    sharding = sharding_for(config)  # NoSharding, HooksSharding or GraphSharding
     _check_fresh(model)
     # Float8 conversion and FSDP2 must both come before the user's own fully_shard.
     sharding.check(model, config)
@@ -105,8 +105,8 @@ def parallelize(model: nn.Module, *,
     float8_fqns = convert_to_float8(model, config.float8) if config.float8.enabled else []
     warn_unverified_combination(config)
 
-    # 2. Regions are found on the converted model (graph mode drops, with a warning,
-    #    regions it cannot feed their shards).
+    # 2. Regions are found on the converted model (graph-mode FSDP drops, with a
+    #    warning, regions it cannot feed their shards).
     rc = config.regions
     plan = sharding.plan(model, find_regions(model, include=rc.include, exclude=rc.exclude,
                                              min_repeats=rc.min_repeats), config)
@@ -117,14 +117,14 @@ def parallelize(model: nn.Module, *,
     mark_regions(model, plan, checkpoint=config.ac.enabled)
 
     # 4. Shard. Hooks mode: fully_shard each region instance, then the root (one
-    #    all-gather per instance, issued as it runs). Graph mode: every parameter a DTensor
-    #    shard, the collectives then live in the compiled graph (aotdist.fsdp.graph).
+    #    all-gather per instance, issued as it runs). Graph-mode FSDP: every parameter a
+    #    DTensor shard, the collectives then live in the compiled graph (aotdist.fsdp.graph).
     sharded = sharding.shard(model, plan, config, mesh)
 
     # 5. Compile last, so FSDP2's hooks (installed in 4) stay outside compiled code and
     #    fire per instance: with FSDP2 each region is compiled once as its own graph,
-    #    otherwise the whole model is one graph calling each region's subgraph (graph
-    #    mode's backend buckets its collectives: fsdp.bucket_mb, fsdp.overlap).
+    #    otherwise the whole model is one graph calling each region's subgraph
+    #    (graph-mode FSDP's backend buckets its collectives: fsdp.bucket_mb, fsdp.overlap).
     if config.compile.enabled:
         cc = config.compile
         backend, options = sharding.backend(config, mesh)

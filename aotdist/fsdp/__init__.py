@@ -5,8 +5,8 @@ eager hooks gather and free parameters and aotdist compiles each region's forwar
 them (per-region frames). :mod:`~aotdist.fsdp.graph`: parameters become DTensor shards
 and the all-gathers and reduce-scatters are functional collectives inside the one
 whole-model graph. Ordering checks and the mesh (1-D, or 2-D HSDP) live in ``hooks``;
-:mod:`~aotdist.fsdp.modes` puts each setting (off, hooks, graph) behind one interface,
-:class:`~aotdist.fsdp.modes.Sharding`, which ``aotdist.parallelize`` follows step by step.
+:mod:`~aotdist.fsdp.modes` puts each setting (off, hooks, graph-mode FSDP) behind one
+interface, :class:`~aotdist.fsdp.modes.Sharding`, which ``aotdist.parallelize`` follows.
 """
 
 from aotdist.fsdp.graph import (
@@ -25,11 +25,12 @@ from aotdist.fsdp.hooks import (
     is_fsdp_module,
     shard,
 )
-from aotdist.fsdp.modes import GraphSharding, HooksSharding, Sharding, sharding_for
+from aotdist.fsdp.modes import GraphSharding, HooksSharding, NoSharding, Sharding, sharding_for
 
 __all__ = [
     "GraphSharding",
     "HooksSharding",
+    "NoSharding",
     "Sharding",
     "check_graph_config",
     "check_not_sharded",

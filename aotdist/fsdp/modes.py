@@ -1,13 +1,15 @@
-"""How :func:`aotdist.parallelize` shards: one :class:`Sharding` per FSDP setting.
+"""How :func:`aotdist.parallelize` shards: one :class:`Sharding` strategy per FSDP setting.
 
-``fsdp.enabled: false`` (:class:`Sharding`), hooks mode (:class:`HooksSharding`: FSDP2
-units per region instance) and graph mode (:class:`GraphSharding`: DTensor shards and the
-collectives inside the compiled graph) answer the same steps, so ``parallelize`` is the
-recipe with no branch on the mode; the mesh (1-D, or HSDP's 2-D) is one of those steps.
+:class:`NoSharding` (``fsdp.enabled: false``), :class:`HooksSharding` (``fsdp.mode: hooks``:
+FSDP2 units per region instance) and :class:`GraphSharding` (``fsdp.mode: graph``:
+graph-mode FSDP, DTensor shards and the collectives inside the compiled graph) are siblings
+that answer the same steps, so ``parallelize`` is the recipe with no branch on the mode;
+the mesh (1-D, or HSDP's 2-D) is one of those steps.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 from torch import nn
@@ -19,32 +21,29 @@ from aotdist.fsdp.hooks import check_not_sharded, fsdp_mesh, shard
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan
 
-__all__ = ["GraphSharding", "HooksSharding", "Sharding", "sharding_for"]
+__all__ = ["GraphSharding", "HooksSharding", "NoSharding", "Sharding", "sharding_for"]
 
 
-class Sharding:
-    """FSDP off: nothing sharded; the user's own ``fully_shard`` units are kept (aotdist
-    compiles inside them) unless Float8 must convert first."""
+class Sharding(ABC):
+    """The steps ``parallelize`` takes for one FSDP setting, in its order; the defaults
+    leave the plan, the backend and the compiled model as they are."""
 
+    @abstractmethod
     def check(self, model: nn.Module, config: AOTDistConfig) -> None:
         """Refuses, before anything changes, a model this setting cannot take."""
-        check_not_sharded(model, allow_fsdp2=not config.float8.enabled)
 
+    @abstractmethod
     def mesh(self, model: nn.Module, mesh: Any, config: AOTDistConfig) -> Any:
         """The mesh to shard over (``None``: no sharding)."""
-        if mesh is not None:
-            rank_zero_warn("parallelize(mesh=...) has no effect with fsdp.enabled: false.",
-                           ConfigWarning, stacklevel=4)
-        return None
 
     def plan(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> RegionPlan:
         """The region plan this setting can compile."""
         return plan
 
+    @abstractmethod
     def shard(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig,
               mesh: Any) -> list[str]:
         """Shards the marked model; the FQNs of the modules sharded."""
-        return []
 
     def backend(self, config: AOTDistConfig, mesh: Any) -> tuple[Any, dict | None]:
         """The ``(backend, options)`` to compile with."""
@@ -52,6 +51,25 @@ class Sharding:
 
     def finish(self, model: nn.Module, config: AOTDistConfig) -> None:
         """The last step, after compile."""
+        return None  # nothing by default
+
+
+class NoSharding(Sharding):
+    """FSDP off: nothing sharded; the user's own ``fully_shard`` units are kept (aotdist
+    compiles inside them) unless Float8 must convert first."""
+
+    def check(self, model: nn.Module, config: AOTDistConfig) -> None:
+        check_not_sharded(model, allow_fsdp2=not config.float8.enabled)
+
+    def mesh(self, model: nn.Module, mesh: Any, config: AOTDistConfig) -> Any:
+        if mesh is not None:
+            rank_zero_warn("parallelize(mesh=...) has no effect with fsdp.enabled: false.",
+                           ConfigWarning, stacklevel=4)
+        return None
+
+    def shard(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig,
+              mesh: Any) -> list[str]:
+        return []
 
 
 class HooksSharding(Sharding):
@@ -69,14 +87,17 @@ class HooksSharding(Sharding):
         return shard(model, plan, config.fsdp, mesh)
 
 
-class GraphSharding(HooksSharding):
+class GraphSharding(Sharding):
     """Graph-mode FSDP (:mod:`aotdist.fsdp.graph`): DTensor shards, the gathers and
     reduce-scatters in the one graph, bucketed by the backend, local shards put in place
     around each call."""
 
     def check(self, model: nn.Module, config: AOTDistConfig) -> None:
-        super().check(model, config)
+        check_not_sharded(model, allow_fsdp2=False)
         check_graph_config(config, model)
+
+    def mesh(self, model: nn.Module, mesh: Any, config: AOTDistConfig) -> Any:
+        return fsdp_mesh(model, mesh, config.fsdp)  # the same 1-D or HSDP mesh as hooks
 
     def plan(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> RegionPlan:
         return graph_plan(model, plan, config)  # drops (with a warning) what it cannot feed
@@ -97,7 +118,7 @@ class GraphSharding(HooksSharding):
 
 
 def sharding_for(config: AOTDistConfig) -> Sharding:
-    """The :class:`Sharding` for ``config.fsdp``."""
+    """The :class:`Sharding` strategy for ``config.fsdp``."""
     if not config.fsdp.enabled:
-        return Sharding()
+        return NoSharding()
     return GraphSharding() if config.fsdp.mode == "graph" else HooksSharding()

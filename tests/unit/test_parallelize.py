@@ -156,14 +156,16 @@ def test_fsdp_without_process_group_is_a_config_error():
 
 
 def test_one_sharding_step_per_fsdp_setting():
-    from aotdist.fsdp import GraphSharding, HooksSharding, Sharding, sharding_for
+    from aotdist.fsdp import GraphSharding, HooksSharding, NoSharding, Sharding, sharding_for
 
     def kind(fsdp):
         return type(sharding_for(aotdist.AOTDistConfig.from_dict({"fsdp": fsdp})))
 
-    assert kind({}) is Sharding
+    assert kind({}) is NoSharding
     assert kind({"enabled": True}) is HooksSharding
     assert kind({"enabled": True, "mode": "graph"}) is GraphSharding
+    # siblings behind one interface: no setting inherits another's steps
+    assert {c.__base__ for c in (NoSharding, HooksSharding, GraphSharding)} == {Sharding}
     # FSDP off: a mesh is ignored with a warning, the model is not sharded
     with pytest.warns(ConfigWarning, match=r"mesh=\.\.\.\) has no effect"):
         model = aotdist.parallelize(build_model("gpt", depth=2), mesh=object(),
