@@ -2,7 +2,7 @@
 
 ``inductor`` gets Inductor's own wrapper with aotdist's default options (a post-grad
 pass that makes Inductor's buffer reuse safe around reused regions: see
-:mod:`aotdist.backends.reuse`), scoped to this model's compiles; another name is
+:mod:`aotdist.backends.buffer_reuse`), scoped to this model's compiles; another name is
 checked against the registered backends; a callable is used as it is.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from aotdist import _compat
-from aotdist.backends.reuse import is_reuse_pass, reuse_pass
+from aotdist.backends.buffer_reuse import is_reuse_pass, reuse_pass
 from aotdist.errors import ConfigError, ConfigWarning, RegionCompileWarning
 from aotdist.log import rank_zero_warn
 from aotdist.version import __version__
@@ -194,7 +194,7 @@ def add_joint_pass(options: dict, new) -> None:
 def inductor_options(options: dict | None = None, *, warn: bool = True,
                      bucket_mb: float | None = None, overlap: bool = False) -> dict:
     """The Inductor options (config patches) of every aotdist compile: ``options`` plus
-    aotdist's post-grad pass (:mod:`aotdist.backends.reuse`), which makes buffer reuse
+    aotdist's post-grad pass (:mod:`aotdist.backends.buffer_reuse`), which makes buffer reuse
     safe, so reuse stays on unless ``options`` turns it off; Inductor's layout optimization
     (channels-last convolutions) off unless ``options`` turns it on.
 

@@ -28,8 +28,8 @@ from aotdist.capture.recorder import Recorder
 from aotdist.capture.report import Capture, RegionCapture
 from aotdist.compile.guard import RegionGuardedCall
 from aotdist.compile.marking import copy_function, mark_regions, unmark_regions
-from aotdist.compile.reuse import report_reuse
 from aotdist.compile.state import STATE_ATTR, CompileMode
+from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fsdp import fsdp_modules, fsdp_params
 from aotdist.fsdp.graph import local_shards

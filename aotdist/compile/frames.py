@@ -19,8 +19,8 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist.compile.guard import CallModes, compiled_graphs, is_training, mark_dynamic_inputs
-from aotdist.compile.reuse import report_reuse
 from aotdist.compile.state import RegionState
+from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.errors import RegionCompileWarning
 from aotdist.log import rank_zero_warn
 

@@ -22,8 +22,8 @@ from aotdist import _compat
 from aotdist.compile.fixes.batchnorm import overridden_batchnorms
 from aotdist.compile.isolate import Trials
 from aotdist.compile.marking import apply_region_class, unmark_region
-from aotdist.compile.reuse import report_reuse
 from aotdist.compile.state import RegionState
+from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.compile.verify import first_step_check
 from aotdist.errors import OrderingError, RegionCaptureError, RegionCompileWarning
 from aotdist.errors import exception_chain as _chain

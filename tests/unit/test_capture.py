@@ -268,8 +268,8 @@ def test_capture_with_inductor_uses_the_options_of_compile_regions(monkeypatch):
     # One decision for every aotdist compile: capture's rebuilt Inductor gets the same
     # config patches (buffer reuse and aotdist's reuse pass) as compile_regions' Inductor wrapper.
     from aotdist import _compat
+    from aotdist.backends.buffer_reuse import comparable_options
     from aotdist.backends.named import inductor_options, make_backend
-    from aotdist.backends.reuse import comparable_options
 
     seen = []
     real = _compat.inductor_compile_fx

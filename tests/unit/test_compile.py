@@ -604,7 +604,7 @@ def _region_call_graph(out_of_sub):
 
 
 def test_reuse_pass_forwards_a_region_output_that_is_its_input():
-    from aotdist.backends.reuse import forward_aliased_outputs
+    from aotdist.backends.buffer_reuse import forward_aliased_outputs
 
     gm = _region_call_graph(lambda g, x: x)
     report = forward_aliased_outputs(gm.graph)
@@ -625,7 +625,7 @@ def test_reuse_pass_forwards_a_region_output_that_is_its_input():
 def test_reuse_pass_turns_buffer_reuse_off_for_a_graph_with_a_view_it_cannot_replay():
     import torch._inductor.config as inductor_config
 
-    from aotdist.backends.reuse import forward_aliased_outputs, reuse_pass
+    from aotdist.backends.buffer_reuse import forward_aliased_outputs, reuse_pass
 
     def view(g, x):
         return g.call_function(torch.ops.aten.view.default, (x, [3]))
@@ -657,7 +657,7 @@ def _with_fake_values(gm, *shapes):
 def test_reuse_pass_replays_a_view_of_an_input_on_the_outer_argument():
     import torch._inductor.config as inductor_config
 
-    from aotdist.backends.reuse import forward_aliased_outputs, reuse_pass
+    from aotdist.backends.buffer_reuse import forward_aliased_outputs, reuse_pass
 
     def double_transpose(g, x):  # what a linear layer's region saves of its weight
         t = g.call_function(torch.ops.aten.permute.default, (x, [1, 0]))

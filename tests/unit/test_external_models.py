@@ -19,7 +19,7 @@ Observed with torch 2.15 (see the individual tests for details):
   compile to one subgraph.
 * inductor: with Inductor's buffer reuse the reused region's saved input is overwritten
   (silently wrong gradients, a torch 2.15 bug); aotdist's post-grad pass
-  (``aotdist.backends.reuse``) makes reuse safe, and a strict xfail test compiling
+  (``aotdist.backends.buffer_reuse``) makes reuse safe, and a strict xfail test compiling
   without that pass tracks the bug.
 """
 
@@ -439,7 +439,8 @@ def test_tinygpt_inductor_end_to_end():
 
 
 # The single-process TinyGPT reproduction: torch 2.15 (checked) shows the bug there, 2.11
-# does not (2.11 shows it in graph-mode FSDP instead: docs/internals.md, aotdist/backends/reuse.py).
+# does not (2.11 shows it in graph-mode FSDP instead: docs/internals.md,
+# aotdist/backends/buffer_reuse.py).
 _TINYGPT_SHOWS_BUG = torch.torch_version.TorchVersion(torch.__version__) >= (2, 12)
 
 

@@ -234,8 +234,8 @@ def test_compile_mode_dynamic_and_options_reach_inductor(compile_cfg, monkeypatc
     # What the config says is what Inductor is built with (plus aotdist's default
     # options); Inductor itself is replaced by aot_eager here so no C++ is compiled.
     from aotdist import _compat
+    from aotdist.backends.buffer_reuse import comparable_options
     from aotdist.backends.named import inductor_options
-    from aotdist.backends.reuse import comparable_options
 
     built = []
 
