@@ -37,6 +37,7 @@ from aotdist.check.families import (
 from aotdist.check.families_timm import TIMM_MODELS, timm_family
 from aotdist.check.families_titan import titan_family
 from aotdist.compile.verify import compare_grads, tolerance
+from aotdist.config import FSDP_MODES
 from aotdist.errors import first_line
 
 __all__ = ["FAILING", "STEPS", "CheckResult", "check_family", "check_fsdp", "resolve"]
@@ -531,13 +532,14 @@ def check_fsdp(family: Family | str, world_size: int, *, backend: str = "aot_eag
     eager; the worst rank's result.
 
     Raises:
-        ValueError: ``mode`` is neither ``"hooks"`` nor ``"graph"``.
+        ValueError: ``mode`` is not one of ``aotdist.config.FSDP_MODES``.
     """
     from aotdist.launch import run_distributed
 
-    if mode not in ("hooks", "graph"):
+    if mode not in FSDP_MODES:
         raise ValueError(f"check_fsdp(mode={mode!r}): FSDP modes are 'hooks' (FSDP2's "
-                         "units) and 'graph' (collectives in the compiled graph)")
+                         "units) and 'graph' (graph-mode FSDP: collectives in the compiled "
+                         "graph)")
     spec = family if isinstance(family, str) else family.name
     outs = run_distributed(_fsdp_rank, world_size, spec, backend, seed, mode,
                            timeout=timeout)

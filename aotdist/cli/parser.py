@@ -30,11 +30,10 @@ def default_of(fn: Callable[..., Any], name: str) -> Any:
 
 def fsdp_modes() -> tuple[str, ...]:
     """The ``fsdp.mode`` values the config accepts, and its default first."""
-    from aotdist import config
+    from aotdist.config import FSDP_MODES, FSDPConfig
 
-    modes = tuple(getattr(config, "FSDP_MODES", None) or config._FSDP_MODES)
-    default = config.FSDPConfig().mode
-    return (default, *(m for m in modes if m != default))
+    default = FSDPConfig().mode
+    return (default, *(m for m in FSDP_MODES if m != default))
 
 
 class HelpFormatter(argparse.HelpFormatter):

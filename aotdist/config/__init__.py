@@ -40,7 +40,8 @@ __all__ = [
 ]
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_FSDP_MODES = ("hooks", "graph")
+# The values a mode key accepts (public: the CLI and ``aotdist check`` offer the same ones).
+FSDP_MODES = ("hooks", "graph")  # fsdp.mode (aotdist.fsdp.modes)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 OUTER_MODES = ("auto", "inductor", "fx")  # compile.outer (aotdist.backends.regional)
 _COMMON_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")  # known without torch._dynamo
@@ -142,18 +143,18 @@ class FSDPConfig(Section):
         param_dtype: Mixed precision: the dtype parameters are all-gathered and
             computed in (``bfloat16``, ``float16``, ``float32``); ``null`` keeps theirs.
         reduce_dtype: Mixed precision: the dtype gradients are reduced in.
-        mode: ``hooks``: FSDP2 ``fully_shard`` units, each region compiled as its own
-            graph inside FSDP2's eager hooks. ``graph``: aotdist shards the parameters
-            as DTensors itself and puts the all-gather / reduce-scatter in the one
-            whole-model graph, each region an ``invoke_subgraph`` fed its own shards
-            (see ``aotdist.fsdp.graph``).
-        bucket_mb: ``graph`` mode, compiled with ``aot_eager`` or ``inductor``: merge each
+        mode: One of ``FSDP_MODES``. ``hooks``: FSDP2 ``fully_shard`` units, each region
+            compiled as its own graph inside FSDP2's eager hooks. ``graph`` (graph-mode
+            FSDP): aotdist shards the parameters as DTensors itself and puts the
+            all-gather / reduce-scatter in the one whole-model graph, each region an
+            ``invoke_subgraph`` fed its own shards (see ``aotdist.fsdp.graph``).
+        bucket_mb: Graph-mode FSDP compiled with ``aot_eager`` or ``inductor``: merge each
             compiled graph's all-gathers (and reduce-scatters) into buckets of at most
             this many MiB, one collective per bucket (see ``aotdist.backends.bucketing``).
             The default, 2000, is one bucket per graph for most models: a region's
             subgraph gathers all its parameters at once, as an FSDP2 unit does.
             ``null`` or ``0``: one collective per parameter.
-        overlap: ``graph`` mode with ``inductor`` on CUDA: turn on Inductor's
+        overlap: Graph-mode FSDP with ``inductor`` on CUDA: turn on Inductor's
             compute/communication overlap (collective reordering), scoped to this
             model's compiles. The collectives are then not bucketed (torch's scheduler
             reorders merged ones wrongly): with ``bucket_mb`` set it warns
@@ -182,9 +183,9 @@ class FSDPConfig(Section):
                                 ("reduce_dtype", self.reduce_dtype))
             if value is not None and value not in _DTYPES
         ]
-        if self.mode not in _FSDP_MODES:
-            out.append(f"fsdp.mode: unknown mode {self.mode!r}{did_you_mean(self.mode, _FSDP_MODES)}"
-                       f"; use one of {list(_FSDP_MODES)}")
+        if self.mode not in FSDP_MODES:
+            out.append(f"fsdp.mode: unknown mode {self.mode!r}{did_you_mean(self.mode, FSDP_MODES)}"
+                       f"; use one of {list(FSDP_MODES)}")
         elif self.mode == "graph" and not self.enabled:
             out.append("fsdp.mode: graph shards the model, but fsdp.enabled is false. Fix: set "
                        "fsdp.enabled: true, or drop fsdp.mode")

@@ -96,6 +96,17 @@ def test_fsdp_bucketing_and_overlap_keys():
         AOTDistConfig.from_dict({"fsdp": {"enabled": True, "overlap": True}})
 
 
+def test_fsdp_modes_are_one_set_the_config_and_the_cli_share():
+    from aotdist.cli.parser import fsdp_modes
+    from aotdist.config import FSDP_MODES
+
+    assert fsdp_modes()[0] == AOTDistConfig().fsdp.mode and set(fsdp_modes()) == set(FSDP_MODES)
+    for mode in FSDP_MODES:
+        assert AOTDistConfig.from_dict({"fsdp": {"enabled": True, "mode": mode}}).fsdp.mode == mode
+    with pytest.raises(ConfigError, match=r"use one of \['hooks', 'graph'\]"):
+        AOTDistConfig.from_dict({"fsdp": {"enabled": True, "mode": "graphs"}})
+
+
 def test_section_objects_validate_themselves():
     from aotdist.config import FSDPConfig
 
