@@ -57,6 +57,14 @@ def compile_backends() -> list[str]:
                   if not b.endswith("_TESTING_ONLY"))
 
 
+def torch_dtype(name: str | None) -> Any:
+    """The ``torch.dtype`` a config dtype name (``fsdp.param_dtype``, ``fsdp.reduce_dtype``)
+    names; ``None`` (keep the parameters' own) stays ``None``."""
+    import torch
+
+    return None if name is None else getattr(torch, name)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RegionsConfig(Section):
     """Which submodules become regions (see ``aotdist.find_regions``).

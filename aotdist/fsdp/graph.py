@@ -27,7 +27,7 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist._compat.checkpoint import quiet_checkpoint_notice
-from aotdist.config import AOTDistConfig
+from aotdist.config import AOTDistConfig, torch_dtype
 from aotdist.errors import ConfigError, RegionCompileWarning
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan, find_regions
@@ -202,10 +202,6 @@ def _gather_class(base: type, specs: tuple[tuple[str, GatherSpec], ...]) -> type
     return type(base.__name__, (base,), namespace)
 
 
-def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else getattr(torch, name)
-
-
 def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) -> None:
     """Refuses what graph mode cannot do, before anything changes.
 
@@ -307,8 +303,8 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
                 continue
             spec = GatherSpec(
                 shape=tuple(p.shape), group=group.group_name, world=world,
-                reshard=fc.reshard_after_forward, param_dtype=_dtype(fc.param_dtype),
-                reduce_dtype=_dtype(fc.reduce_dtype), replicate_group=replicate,
+                reshard=fc.reshard_after_forward, param_dtype=torch_dtype(fc.param_dtype),
+                reduce_dtype=torch_dtype(fc.reduce_dtype), replicate_group=replicate,
             )
             specs.append((name, spec))
             if id(p) not in new_params:
@@ -405,5 +401,5 @@ def sharded_call(model: nn.Module, config: AOTDistConfig) -> None:
     inner = _compat.compiled_call(model)
     _compat.set_compiled_call(model, ShardedCall(
         model, _compat.call_impl(model) if inner is None else inner,
-        param_dtype=_dtype(config.fsdp.param_dtype),
+        param_dtype=torch_dtype(config.fsdp.param_dtype),
         reshard=config.fsdp.reshard_after_forward, compiled=inner is not None))

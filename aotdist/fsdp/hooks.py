@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from aotdist import _compat
-from aotdist.config import FSDPConfig
+from aotdist.config import FSDPConfig, torch_dtype
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan
 
@@ -159,7 +159,7 @@ def shard(model: nn.Module, plan: RegionPlan, config: FSDPConfig, mesh) -> list[
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(
-        param_dtype=_dtype(config.param_dtype), reduce_dtype=_dtype(config.reduce_dtype)
+        param_dtype=torch_dtype(config.param_dtype), reduce_dtype=torch_dtype(config.reduce_dtype)
     )
     kwargs = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward,
               "mp_policy": mp}
@@ -176,10 +176,6 @@ def shard(model: nn.Module, plan: RegionPlan, config: FSDPConfig, mesh) -> list[
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     done.append("")
     return done
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else getattr(torch, name)
 
 
 def fsdp_params(model: nn.Module) -> dict[str, dict]:
