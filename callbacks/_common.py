@@ -1,11 +1,12 @@
-"""What the Lightning callback and the Accelerate hook share: config merging, choosing
-the module to compile, and applying aotdist once, in cooperation with what the user did.
+"""What the Lightning callback and the Accelerate hook share: config merging, turning
+FSDP2 on where the host shards, choosing the module to compile, and applying aotdist once,
+in cooperation with what the user did.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from aotdist.fsdp import fsdp_modules
 from aotdist.parallelize import parallelize, parallelize_info
 from aotdist.regions import RegionPlan, find_regions
 
-__all__ = ["Applied", "ApplyHow", "apply_aotdist", "merge_config"]
+__all__ = ["Applied", "ApplyHow", "apply_aotdist", "enable_fsdp_for_host", "merge_config"]
 
 
 class ApplyHow(StrEnum):
@@ -58,6 +59,21 @@ def merge_config(config: AOTDistConfig | Mapping | str | os.PathLike | None, *,
     if mode is not None:
         compile_["mode"] = mode
     return cfg.replace(regions=regions, compile=compile_) if regions or compile_ else cfg
+
+
+def enable_fsdp_for_host(config: AOTDistConfig, *, host: str, over: str,
+                         log: Callable[[str], Any]) -> AOTDistConfig:
+    """``config`` with FSDP2 on (``fsdp.enabled``), logged with ``log`` once, when the host
+    (Lightning's ``ModelParallelStrategy``, Accelerate's ``ParallelismConfig``) shards over
+    data-parallel ranks and leaves the sharding to aotdist; ``config`` itself if it is on.
+
+    ``host`` and ``over`` complete the message: "aotdist: <host>, enabling FSDP2
+    (fsdp.enabled) over its data-parallel <over>."
+    """
+    if config.fsdp.enabled:
+        return config
+    log(f"aotdist: {host}, enabling FSDP2 (fsdp.enabled) over its data-parallel {over}.")
+    return config.replace(fsdp={"enabled": True})
 
 
 @dataclass

@@ -21,7 +21,13 @@ from typing import Any
 import torch
 from accelerate.hooks import ModelHook
 from aotdist.callbacks._accelerate_state import full_state_checkpoints
-from aotdist.callbacks._common import Applied, ApplyHow, apply_aotdist, merge_config
+from aotdist.callbacks._common import (
+    Applied,
+    ApplyHow,
+    apply_aotdist,
+    enable_fsdp_for_host,
+    merge_config,
+)
 from torch import nn
 
 from aotdist import _compat, cache, metrics
@@ -324,10 +330,8 @@ def _accelerate_mesh(accelerator: Any, cfg: AOTDistConfig) -> tuple[AOTDistConfi
                 "dp_shard dim to shard over. Fix: ParallelismConfig(dp_shard_size=N, ...) "
                 "(with dp_replicate_size=R for HSDP), or fsdp.enabled: false.")
         return cfg, None
-    if not cfg.fsdp.enabled:
-        _log.info("aotdist: Accelerate's ParallelismConfig shards (dp_shard), enabling FSDP2 "
-                  "(fsdp.enabled) over its data-parallel dims.")
-        cfg = cfg.replace(fsdp={"enabled": True})
+    cfg = enable_fsdp_for_host(cfg, host="Accelerate's ParallelismConfig shards (dp_shard)",
+                               over="dims", log=_log.info)
     dp = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
     return cfg, mesh[dp] if len(dp) == 2 else mesh["dp_shard"]
 

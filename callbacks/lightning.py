@@ -13,7 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from aotdist.callbacks._common import Applied, ApplyHow, apply_aotdist, merge_config
+from aotdist.callbacks._common import (
+    Applied,
+    ApplyHow,
+    apply_aotdist,
+    enable_fsdp_for_host,
+    merge_config,
+)
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -138,10 +144,8 @@ class RegionalCompile(Callback):
         config, mesh = self.config, None
         if _is_model_parallel(trainer.strategy):
             mesh = _data_parallel_mesh(trainer.strategy, config)
-            if not config.fsdp.enabled:
-                rank_zero_info("aotdist: ModelParallelStrategy, enabling FSDP2 (fsdp.enabled) "
-                               "over its data-parallel mesh.")
-                config = config.replace(fsdp={"enabled": True})
+            config = enable_fsdp_for_host(config, host="ModelParallelStrategy", over="mesh",
+                                          log=rank_zero_info)
         self.applied = apply_aotdist(pl_module, config, mesh=mesh, what="RegionalCompile")
         self._float8_all_gather = uses_fsdp_float8_all_gather(pl_module)
         where = self.applied.target_fqn or type(pl_module).__name__
