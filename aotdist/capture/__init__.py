@@ -212,7 +212,7 @@ def _finish(report: Capture, recorder: Recorder, calls: dict, model: nn.Module) 
         region.inlined = stats.inlined if stats is not None else 0
         if stats is not None and report.mode == CompileMode.FRAMES:
             # the step's own frames, whatever the model was compiled with before (nothing,
-            # under `aotdist inspect`: metrics would read no call sites, mode graph)
+            # under `aotdist inspect`: metrics would read no call sites, CompileMode.GRAPH)
             stats.call_sites, stats.subgraphs = len(region.call_sites), region.num_subgraphs
         for g in region.forward if report.mode == CompileMode.FRAMES else ():
             for inp in g.inputs:  # named after the instance compiled first: make relative

@@ -499,7 +499,8 @@ def _fsdp_rank(rank: int, world_size: int, spec: str, backend: str, seed: int,
     result.warnings = _region_warnings(caught)
     if result.status != "crash":
         # Hooks mode compiles per-region frames: every instance of a kept region is a
-        # compiled frame call. Graph mode compiles the model as one graph of region calls.
+        # compiled frame call. Graph-mode FSDP compiles the model as one graph of region
+        # calls.
         _judge(result, m, loss, model, reference, backend, frames=mode == "hooks", ran=ran)
     result.seconds = time.perf_counter() - start
     return result.to_dict()

@@ -273,8 +273,9 @@ class CacheConfig(Section):
         dir: Directory of the artifact files; required unless ``mode`` is ``off``.
         share_timeout_s: ``shared``: seconds a rank waits for rank 0's artifacts of a
             graph before compiling it itself (with a warning).
-        precompile: Also save the whole-model graph (torch 2.14+, graph mode, Inductor,
-            one graph): a warm start runs it untraced; the save traces once more.
+        precompile: Also save the whole-model graph (torch 2.14+, a whole-model compile,
+            graph-mode FSDP included, Inductor, one graph): a warm start runs it untraced;
+            the save traces once more.
     """
 
     _key: typing.ClassVar[str] = "cache"

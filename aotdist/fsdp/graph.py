@@ -203,7 +203,7 @@ def _gather_class(base: type, specs: tuple[tuple[str, GatherSpec], ...]) -> type
 
 
 def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) -> None:
-    """Refuses what graph mode cannot do, before anything changes.
+    """Refuses what graph-mode FSDP cannot do, before anything changes.
 
     Raises:
         ConfigError: Float8 all-gather or ``compile.verify`` with ``fsdp.mode: graph``, or
@@ -217,16 +217,16 @@ def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) ->
         raise ConfigError(
             f"fsdp.mode: graph shards plain parameters, but {len(dtensors)} are DTensors "
             f"already, e.g. {dtensors[:3]} (tensor parallelism, or a model sharded before). "
-            "Graph mode does not compose with tensor parallelism. Fix: use fsdp.mode: hooks "
-            "(FSDP2 on the data-parallel mesh dim composes with your parallelize_module "
+            "Graph-mode FSDP does not compose with tensor parallelism. Fix: use fsdp.mode: "
+            "hooks (FSDP2 on the data-parallel mesh dim composes with your parallelize_module "
             "plan), or pass the unsharded model.")
     if config.float8.enabled and config.float8.fsdp_all_gather:
         raise ConfigError(
             "float8.fsdp_all_gather is not supported with fsdp.mode: graph: torchao's float8 "
             "all-gather is built on FSDP2's fsdp_pre_all_gather/fsdp_post_all_gather "
-            "extension hooks of its weight tensor subclass, which only fully_shard calls; graph "
-            "mode gathers plain local shards with functional collectives inside a region's "
-            "invoke_subgraph, where no tensor subclass may enter. Fix: set "
+            "extension hooks of its weight tensor subclass, which only fully_shard calls; "
+            "graph-mode FSDP gathers plain local shards with functional collectives inside a "
+            "region's invoke_subgraph, where no tensor subclass may enter. Fix: set "
             "float8.fsdp_all_gather: false (weights are gathered in high precision and cast to "
             "float8 in the graph), or use fsdp.mode: hooks."
         )
@@ -252,8 +252,8 @@ def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> Reg
         return plan
     rank_zero_warn(
         f"fsdp.mode: graph: region(s) {owning} hold parameters on the region module itself, "
-        "which graph mode cannot feed to a reused subgraph; they are compiled inline in the "
-        "one graph instead (correct, no reuse). Fix: move those parameters into a child "
+        "which graph-mode FSDP cannot feed to a reused subgraph; they are compiled inline in "
+        "the one graph instead (correct, no reuse). Fix: move those parameters into a child "
         "module, or use fsdp.mode: hooks.",
         RegionCompileWarning, stacklevel=3,
     )
@@ -263,7 +263,7 @@ def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> Reg
 
 
 def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
-    """Shards every parameter of ``model`` as a ``Shard(0)`` DTensor for graph mode
+    """Shards every parameter of ``model`` as a ``Shard(0)`` DTensor for graph-mode FSDP
     (``(Replicate(), Shard(0))`` on a 2-D HSDP mesh: sharded along dim 1, replicated along 0).
 
     No communication: every rank keeps its chunk of the (identically initialized) full
@@ -338,7 +338,8 @@ def _slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
 def local_shards(model: nn.Module, slots: list[tuple[nn.Module, str]] | None = None):
     """Within: each DTensor parameter's module holds its local shard (``p.to_local()``,
     whose gradient returns to the DTensor as ``Shard(0)``), which the module's gathering
-    property all-gathers where it is read. A no-op on a model graph mode did not shard."""
+    property all-gathers where it is read. A no-op on a model that graph-mode FSDP did
+    not shard."""
     slots = _slots(model) if slots is None else slots
     saved, locals_ = [], {}
     try:
@@ -355,7 +356,7 @@ def local_shards(model: nn.Module, slots: list[tuple[nn.Module, str]] | None = N
 
 
 class ShardedCall:
-    """The model's call in graph mode: :func:`local_shards` around ``inner``.
+    """The model's call under graph-mode FSDP: :func:`local_shards` around ``inner``.
 
     Runs eagerly, outside the compiled graph, around ``inner`` (the compiled or eager
     ``_call_impl``); the DTensor parameters are back in place when it returns or raises.
