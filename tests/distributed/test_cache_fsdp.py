@@ -13,16 +13,15 @@ directory of its own (as on separate nodes):
   training, untraced); once more with a last batch of another size, which the saved
   graphs do not cover: it compiles, warned once;
 * eager: the same training without compile, the parity reference;
-* after_cold, after_warm: as cold and warm, but the validation comes after the save (an
-  eval loop after training): a second save adds its kernels and, per region frame, its
-  saved graph; the warm restart validates from them, untraced (torch 2.14+).
 
 Then graph-mode FSDP (``fsdp.mode: graph``, ``cache.mode: local``): a cold run that
 validates first and saves, and a warm restart that validates and trains with the saved
 whole-model graphs, the eval call's and the training call's (torch 2.14+). Then, on the
 same processes, without FSDP: ``cache.mode: local`` (each rank saves and loads a bundle
-of its own; a rank whose key differs ignores its bundle with a CacheWarning naming what
-changed, compiles, and replaces it) and ``shared`` mode's timeout (rank 0 late: the other
+of its own, and its validation comes after the save, as an eval loop after training: a
+second save adds the eval call's kernels and, per region frame, its saved graph, and the
+warm restart validates from them, untraced on torch 2.14+; a rank whose key differs
+ignores its bundle with a CacheWarning naming what changed, compiles, and replaces it) and ``shared`` mode's timeout (rank 0 late: the other
 rank waits ``cache.share_timeout_s`` at a graph, then compiles it itself with a
 CacheWarning saying so).
 """
@@ -126,14 +125,11 @@ def _phases(rank: int, world_size: int, root: str) -> dict:
     cache = {**fsdp, "compile": {"backend": "inductor"},
              "cache": {"mode": "shared", "dir": os.path.join(root, "bundle")}}
     out = {}
-    after = {**cache, "cache": {**cache["cache"], "dir": os.path.join(root, "after")}}
     for phase, config in (("cold", cache), ("warm", cache), ("warm_other_batch", cache),
-                          ("eager", {**fsdp, "compile": {"enabled": False}}),
-                          ("after_cold", after), ("after_warm", after)):
+                          ("eager", {**fsdp, "compile": {"enabled": False}})):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
         out[phase] = _train(rank, world_size, config, other_batch=phase == "warm_other_batch",
-                            validate_first=phase in ("cold", "warm"),
-                            validate_after=phase.startswith("after"))
+                            validate_first=phase in ("cold", "warm"))
     # graph-mode FSDP, cache.mode: local (the bench GPT's 1-row "pos" is sharded unevenly)
     graph = {"fsdp": {"enabled": True, "mode": "graph"}, "compile": {"backend": "inductor"},
              "cache": {"mode": "local", "dir": os.path.join(root, "graph")}}
@@ -148,7 +144,7 @@ def _phases(rank: int, world_size: int, root: str) -> dict:
     for phase, config in (("local_cold", local), ("local_warm", local),
                           ("local_mismatch", other if rank == 1 else local)):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
-        out[phase] = _train(rank, world_size, config)
+        out[phase] = _train(rank, world_size, config, validate_after=phase != "local_mismatch")
     # shared mode, rank 0 late: rank 1 waits share_timeout_s at its first graph, then
     # compiles it itself and says so
     late = {**compile_, "cache": {"mode": "shared", "dir": os.path.join(root, "late"),
@@ -194,11 +190,11 @@ def test_warm_restart_compiles_nothing(phases):
 
 def test_an_eval_loop_after_the_save_is_saved_again_and_warm_starts_untraced(phases):
     """An eval loop that first runs after the save (Accelerate's usual loop): the second
-    save adds its kernels (and, per region frame, its saved graph) to the bundle."""
+    save adds its kernels (and, per region frame, its saved graph) to each rank's bundle."""
     for rank in (0, 1):
-        cold, warm = phases[rank]["after_cold"], phases[rank]["after_warm"]
+        cold, warm = phases[rank]["local_cold"], phases[rank]["local_warm"]
         assert cold["warnings"] == warm["warnings"] == [], (cold, warm)
-        assert cold["saved_again"] == (cold["saved"] if rank == 0 else None), cold
+        assert cold["saved_again"] == cold["saved"], cold  # local mode: every rank saves
         assert warm["load"] == "loaded" and warm["val"] == cold["val"], (cold, warm)
         assert warm["losses"] == cold["losses"], (cold, warm)
         assert warm["fx_after"]["fxgraph_cache_miss"] == 0, warm  # nothing compiled

@@ -10,7 +10,7 @@ from aotdist.check import check_family
 from aotdist.check.families_titan import titan_unavailable
 from aotdist.compile.verify import tolerance
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+pytestmark = [pytest.mark.slow, pytest.mark.zoo, pytest.mark.filterwarnings("ignore")]
 
 
 def _trains_with_parity(result) -> None:
