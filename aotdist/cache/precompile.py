@@ -29,7 +29,7 @@ from aotdist import _compat
 from aotdist.backends.recording import RecordingBackend
 from aotdist.cache.loaded import Precompiled
 from aotdist.compile.guard import compiled_graphs, replay_outcomes
-from aotdist.compile.marking import made_per_process, pickled_with_region_depth
+from aotdist.compile.per_process import made_per_process, pickled_with_region_depth
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode
 from aotdist.errors import CacheWarning, first_line
 from aotdist.fsdp.graph import local_shards

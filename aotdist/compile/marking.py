@@ -11,11 +11,9 @@ alias an input and applies activation checkpointing when asked.
 
 from __future__ import annotations
 
-import contextlib
-import copyreg
 import functools
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,12 +21,12 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from aotdist import _compat
 from aotdist.compile.fixes import apply_fixes, restore_fixes
+from aotdist.compile.per_process import made_class
 from aotdist.compile.state import STATE_ATTR, RegionState
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan, find_regions
 
-__all__ = ["is_compiled", "made_per_process", "mark_regions", "pickled_with_region_depth",
-           "unmark_regions"]
+__all__ = ["is_compiled", "mark_regions", "unmark_regions"]
 
 
 def copy_function(fn: Callable, *, new_code: bool = False) -> types.FunctionType:
@@ -107,76 +105,6 @@ def _checkpointed(fn: Callable) -> Callable:
         return _checkpoint(fn, self, *args, use_reentrant=False, **kwargs)
 
     return forward
-
-
-def _reduce_as_base(self, protocol):
-    """Pickle and deepcopy a marked instance as an instance of the user's own class."""
-    return (copyreg._reconstructor, (type(self)._aotdist_base, object, None), vars(self).copy())
-
-
-_STAND_INS: dict[tuple[type, tuple[str, ...]], type] = {}
-
-
-def _stand_in_instance(base: type, names: tuple[str, ...] = ()) -> nn.Module:
-    """An empty instance of a class made in this process, as many subclasses below
-    ``base`` as ``names`` (the names of the classes above it, bottom first; default: one,
-    named as ``base``): a region instance unpickled with its class's depth and name (see
-    :func:`pickled_with_region_depth`)."""
-    names = names or (base.__name__,)
-    if (base, names) not in _STAND_INS:
-        cls = base
-        for name in reversed(names):
-            cls = type(name, (cls,), {"__module__": base.__module__, "__qualname__": name})
-        _STAND_INS[base, names] = cls
-    return object.__new__(_STAND_INS[base, names])
-
-
-def _reduce_keeping_depth(self, protocol):
-    base = type(self)._aotdist_base
-    above = type(self).__mro__[:type(self).__mro__.index(base)]
-    return (_stand_in_instance, (base, tuple(c.__name__ for c in above)), vars(self).copy())
-
-
-def _remade_instance(make: Callable, args: tuple) -> nn.Module:
-    return object.__new__(make(*args))
-
-
-def _reduce_remade(self, protocol):
-    make, args = type(self)._aotdist_remake
-    return (_remade_instance, (make, args), vars(self).copy())
-
-
-def made_per_process(cls: type) -> bool:
-    """A class aotdist makes in each process: a region class (or one made from it, such
-    as FSDP2's ``FSDP<cls>``), or a class that says how to make it again
-    (``_aotdist_remake``: graph-mode FSDP's gathering classes)."""
-    return (getattr(cls, "_aotdist_region", None) is not None
-            or getattr(cls, "_aotdist_remake", None) is not None)
-
-
-@contextlib.contextmanager
-def pickled_with_region_depth(model: nn.Module) -> Iterator[None]:
-    """Inside, region instances of ``model`` pickle as instances of a class as many
-    subclasses below their user class as theirs (the region class; FSDP2's ``FSDP<cls>``
-    above it), made anew where they are unpickled: Dynamo's saved guards name class
-    attributes by position in the class's MRO (``__mro__[2]``), which the user class alone
-    would shift (aotdist.cache.precompile saves such guards). Instances of another class
-    made per process that says how to make it again (``_aotdist_remake = (make, args)``:
-    graph-mode FSDP's gathering classes) pickle as instances of ``make(*args)``."""
-    classes = {type(m): vars(type(m)).get("__reduce_ex__") for m in model.modules()
-               if made_per_process(type(m))}
-    for cls in classes:
-        remake = ("_aotdist_remake" in vars(cls)
-                  or getattr(cls, "_aotdist_region", None) is None)
-        cls.__reduce_ex__ = _reduce_remade if remake else _reduce_keeping_depth
-    try:
-        yield
-    finally:
-        for cls, own in classes.items():
-            if own is not None:
-                cls.__reduce_ex__ = own
-            else:  # a class made from a region class (FSDP<cls>): inherits it again
-                del cls.__reduce_ex__
 
 
 def _contiguous_stream(fn: Callable) -> Callable:
@@ -275,13 +203,10 @@ def _region_class(base: type, region: str, *, count: int = 2, clone_aliases: boo
         "forward": _compat.unique_code_function(_dispatch, region),
         "_aotdist_impl": marked,
         "_aotdist_plain_forward": plain,
-        "__module__": base.__module__,
-        "__qualname__": base.__qualname__,
-        "__reduce_ex__": _reduce_as_base,
         "_aotdist_base": base,
         "_aotdist_region": region,
     }
-    return type(base.__name__, (base,), namespace)
+    return made_class(base, namespace, pickles_as_base=True)
 
 
 def is_compiled(model: nn.Module) -> bool:

@@ -18,7 +18,6 @@ parameters, and why: docs/internals.md.
 from __future__ import annotations
 
 import contextlib
-import copyreg
 import functools
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist._compat.checkpoint import quiet_checkpoint_notice
+from aotdist.compile.per_process import made_class
 from aotdist.config import AOTDistConfig, torch_dtype
 from aotdist.errors import ConfigError, RegionCompileWarning
 from aotdist.log import rank_zero_warn
@@ -184,22 +184,13 @@ def _param_property(name: str) -> property:
     return property(getter, lambda self, value: nn.Module.__setattr__(self, name, value))
 
 
-def _reduce_as_base(self, protocol):
-    return (copyreg._reconstructor, (type(self)._aotdist_gather_base, object, None),
-            vars(self).copy())
-
-
 @functools.cache
 def _gather_class(base: type, specs: tuple[tuple[str, GatherSpec], ...]) -> type:
     """``base`` with a gathering property per parameter; one class per (base, specs)."""
     namespace = {name: _param_property(name) for name, _ in specs}
-    namespace.update(
-        _aotdist_gather=dict(specs), _aotdist_gather_base=base,
-        _aotdist_remake=(_gather_class, (base, specs)),  # for a saved graph's guards
-        __module__=base.__module__, __qualname__=base.__qualname__,
-        __reduce_ex__=_reduce_as_base,
-    )
-    return type(base.__name__, (base,), namespace)
+    namespace.update(_aotdist_gather=dict(specs), _aotdist_gather_base=base)
+    return made_class(base, namespace, remake=(_gather_class, (base, specs)),  # saved guards
+                      pickles_as_base=True)
 
 
 def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) -> None:

@@ -25,7 +25,7 @@ import torch
 import aotdist
 from aotdist import _compat
 from aotdist.cache import CacheWarning, precompile
-from aotdist.compile import mark_regions, marking
+from aotdist.compile import mark_regions, per_process
 from aotdist.compile.frames import frame_example
 from aotdist.compile.state import STATE_ATTR
 from aotdist.testing import build_model, example_inputs
@@ -465,7 +465,7 @@ def test_region_instances_pickle_at_their_class_depth_under_a_class_made_from_th
     base = region_cls._aotdist_base
     wrapped = type("FSDPGPTBlock", (_Mixin, region_cls), {})  # as fully_shard does
     model.blocks[1].__class__ = wrapped
-    with marking.pickled_with_region_depth(model):
+    with per_process.pickled_with_region_depth(model):
         for block in model.blocks:
             copy = pickle.loads(pickle.dumps(block))
             assert type(copy) is not type(block) and isinstance(copy, base)
@@ -488,7 +488,7 @@ def test_a_regions_batchnorm_pickles_as_its_swapped_class_made_again_while_savin
     mark_regions(model)
     bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)
               and type(m) is not torch.nn.BatchNorm2d)
-    with marking.pickled_with_region_depth(model):
+    with per_process.pickled_with_region_depth(model):
         copy = pickle.loads(pickle.dumps(bn))
     assert type(copy) is type(bn) and vars(type(bn))["_aotdist_bn_base"] is torch.nn.BatchNorm2d
     torch.testing.assert_close(copy.running_var, bn.running_var)
@@ -510,7 +510,7 @@ def test_graph_mode_fsdp_gathering_classes_pickle_as_made_again_while_saving():
     norm = model.blocks[0].ln1
     base, gathering = type(norm), _gather_class(type(norm), (("weight", spec),))
     norm.__class__ = gathering
-    with marking.pickled_with_region_depth(model):
+    with per_process.pickled_with_region_depth(model):
         copy = pickle.loads(pickle.dumps(norm))
         assert type(copy) is gathering and type(copy)._aotdist_gather == {"weight": spec}
     # its type is made per process: no saved guard checks it, as for region classes

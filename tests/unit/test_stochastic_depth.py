@@ -130,7 +130,7 @@ def test_a_swapped_stochastic_depth_pickles_as_made_again_while_saving():
 
     from torchvision.ops import StochasticDepth
 
-    from aotdist.compile import mark_regions, marking
+    from aotdist.compile import mark_regions, per_process
 
     class Block(nn.Module):
         def __init__(self, p):
@@ -143,7 +143,7 @@ def test_a_swapped_stochastic_depth_pickles_as_made_again_while_saving():
     model = nn.Sequential(Block(0.1), Block(0.2))
     mark_regions(model)
     drop = model[1].drop
-    with marking.pickled_with_region_depth(model):
+    with per_process.pickled_with_region_depth(model):
         copy_ = pickle.loads(pickle.dumps(drop))
     assert type(copy_) is type(drop) and copy_.p == 0.2
     assert copy_._aotdist_keep.item() == pytest.approx(0.8)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aotdist import _compat
+from aotdist.compile.per_process import made_class
 
 __all__ = ["overridden_batchnorms", "restore", "swap", "update_op"]
 
@@ -71,12 +72,10 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _class(base: type) -> type:
-    # _aotdist_remake: a saved graph pickles its instances as made again from ``base``
-    # (aotdist.compile.marking.pickled_with_region_depth)
-    return type(base.__name__, (base,), {
-        "forward": _forward, "_aotdist_bn_base": base, "_aotdist_remake": (_class, (base,)),
-        "__module__": base.__module__, "__qualname__": base.__qualname__,
-    })
+    # remake: a saved graph pickles its instances as made again from ``base``
+    # (aotdist.compile.per_process.pickled_with_region_depth)
+    return made_class(base, {"forward": _forward, "_aotdist_bn_base": base},
+                      remake=(_class, (base,)))
 
 
 def _reproduced(cls: type) -> bool:

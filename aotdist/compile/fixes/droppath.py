@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from aotdist.compile.fixes import droppath_reference as reference
+from aotdist.compile.per_process import made_class
 
 __all__ = ["restore", "same_code", "swap"]
 
@@ -114,13 +115,11 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _class(base: type, name: str) -> type:
-    # _aotdist_remake: a saved graph pickles its instances as made again from ``base``
-    return type(base.__name__, (base,), {
+    # remake: a saved graph pickles its instances as made again from ``base``
+    return made_class(base, {
         "forward": _forward, name: _rate(name), "_aotdist_dp_base": base,
         "_aotdist_dp_name": name, "_aotdist_dp_kind": _kind(base),
-        "_aotdist_remake": (_class, (base, name)),
-        "__module__": base.__module__, "__qualname__": base.__qualname__,
-    })
+    }, remake=(_class, (base, name)))
 
 
 def swap(module: nn.Module) -> list[nn.Module]:
