@@ -241,7 +241,10 @@ def _precompiled_calls(model: nn.Module | None) -> int:
 
 def _saved_graphs(state) -> list:
     """The saved graphs a model loaded from its cache bundle (whole model, or per frame)."""
-    return [s for s in (state.precompiled, *state.frame_precompiled.values()) if s is not None]
+    rec = state.cache
+    if rec is None:  # no cache configured
+        return []
+    return [s for s in (rec.precompiled, *rec.frame_precompiled.values()) if s is not None]
 
 
 def _fill_times(metrics: CompileMetrics, entries: list) -> None:

@@ -135,8 +135,8 @@ class RegionalCompileHook(ModelHook):
                                          child_target=False)
             target = self.applied.target
             call = _compat.compiled_call(target)
-            if call is not None and self.applied.how != ApplyHow.USER:
-                _compat.set_compiled_call(target, _FirstCallMetrics(call, self, target))
+            if call is not None and self.applied.how != ApplyHow.USER:  # restore undoes it
+                _compat.wrap_compiled_call(target, _FirstCallMetrics(self, target))
             self._frames = self.applied.how != ApplyHow.USER and call is None
             return module
         # A plain module: compile the forward this hook wraps (Accelerate's pre/post hooks,
@@ -149,7 +149,7 @@ class RegionalCompileHook(ModelHook):
             compiled = compile_callable(module, self._plain_forward, backend=cc.backend,
                                         mode=cc.mode, dynamic=cc.dynamic, options=cc.options,
                                         verify=cc.verify, outer=configured_outer(self.config))
-            _compat.set_accelerate_old_forward(module, _FirstCallMetrics(compiled, self, module))
+            _compat.set_accelerate_old_forward(module, _FirstCallMetrics(self, module, compiled))
         return module
 
     def pre_forward(self, module: nn.Module, *args, **kwargs):
@@ -178,19 +178,18 @@ class RegionalCompileHook(ModelHook):
             _compat.set_accelerate_old_forward(module, self._plain_forward)
             self._plain_forward = None
         if self.applied is not None and self.applied.how != ApplyHow.USER:
-            target = self.applied.target
-            call = _compat.compiled_call(target)
-            if isinstance(call, _FirstCallMetrics):
-                _compat.set_compiled_call(target, call.inner)
-            restore(target)  # the hook never converts or shards: a re-attach starts over
+            # undoes the compiled call and its wrappers (this hook's first-call metrics too);
+            # the hook never converts or shards: a re-attach starts over
+            restore(self.applied.target)
         self.applied = None
         return module
 
 
-class _FirstCallMetrics:
-    """The compiled call, with the first call's compile metrics recorded (outside Dynamo)."""
+class _FirstCallMetrics(_compat.CallWrapper):
+    """The compiled call, with the first call's compile metrics recorded (outside Dynamo):
+    ``inner`` (the model's compiled call slot, or the compiled forward Accelerate calls)."""
 
-    def __init__(self, inner: Any, hook: RegionalCompileHook, target: nn.Module):
+    def __init__(self, hook: RegionalCompileHook, target: nn.Module, inner: Any = None):
         self.inner, self._hook, self._target = inner, hook, target
 
     def __call__(self, *args, **kwargs):

@@ -8,11 +8,11 @@ on, never a guessed value. ``tests/unit/test_architecture.py`` fails on a privat
 anywhere else in the library. Public APIs are used where they exist
 (``torch.compiler.list_backends``, ``torch.distributed.fsdp.FSDPModule``...).
 
-Grouped by what they reach into: :mod:`~aotdist._compat.compiler` (``nn.Module``'s
-compiled call, Dynamo, AOTAutograd, Inductor), :mod:`~aotdist._compat.caches` (compile
-caches, FSDP2, the process group's store), :mod:`~aotdist._compat.subgraphs` (a scoped
-fix in Dynamo's subgraph dedup), :mod:`~aotdist._compat.precompile` (``aot_compile``),
-:mod:`~aotdist._compat.autograd` (the engine), :mod:`~aotdist._compat.accelerate`.
+Grouped by what they reach into: :mod:`~aotdist._compat.calls` (``nn.Module``'s compiled
+call slot, aotdist's wrappers in it), :mod:`~aotdist._compat.compiler` (Dynamo, AOTAutograd,
+Inductor), :mod:`~aotdist._compat.caches` (compile caches, FSDP2, the process group's store),
+:mod:`~aotdist._compat.subgraphs` (a scoped fix in Dynamo's subgraph dedup),
+:mod:`~aotdist._compat.precompile` (``aot_compile``), ``autograd`` (the engine), ``accelerate``.
 """
 
 from aotdist._compat._base import CHECKED_ON
@@ -37,6 +37,14 @@ from aotdist._compat.caches import (
     rerooted_autotune_lookups,
     wrap_fx_graph_cache,
 )
+from aotdist._compat.calls import (
+    CallWrapper,
+    call_impl,
+    compiled_call,
+    set_compiled_call,
+    unwrap_compiled_call,
+    wrap_compiled_call,
+)
 from aotdist._compat.codes import (
     dynamo_error_types,
     is_region_code,
@@ -48,11 +56,9 @@ from aotdist._compat.codes import (
 from aotdist._compat.compiler import (
     aot_eager_parts,
     boxed_function,
-    call_impl,
     compilation_metric_fields,
     compilation_metrics,
     compilation_time_metrics,
-    compiled_call,
     compiled_graph_callable,
     current_frame_locals,
     custom_graph_pass_base,
@@ -78,7 +84,6 @@ from aotdist._compat.compiler import (
     param_slots,
     probe_cpu_isa,
     root_call_function,
-    set_compiled_call,
     stable_topological_sort,
     tracing_context,
     tree_leaves,
@@ -106,6 +111,9 @@ __all__ = [
     "maybe_mark_dynamic",
     "dynamo_error_types",
     "CHECKED_ON",
+    "CallWrapper",
+    "unwrap_compiled_call",
+    "wrap_compiled_call",
     "PrecompiledFunction",
     "aot_compile",
     "precompile_unavailable",

@@ -1,4 +1,5 @@
-"""Compiler internals: ``nn.Module``'s compiled call, Dynamo, AOTAutograd, Inductor."""
+"""Compiler internals: ``nn.Module``'s call, Dynamo, AOTAutograd, Inductor (its compiled call
+slot: :mod:`aotdist._compat.calls`)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,9 @@ from aotdist._compat._base import attr, unavailable
 __all__ = [
     "aot_eager_parts",
     "boxed_function",
-    "call_impl",
     "compilation_metric_fields",
     "compilation_metrics",
     "compilation_time_metrics",
-    "compiled_call",
     "compiled_graph_callable",
     "current_frame_locals",
     "custom_graph_pass_base",
@@ -45,7 +44,6 @@ __all__ = [
     "named_backend_wrapper",
     "optimized_module_type",
     "own_tracing_context",
-    "set_compiled_call",
     "tracing_context",
     "tree_leaves",
     "tree_map",
@@ -53,11 +51,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------- nn.Module internals
-
-
-def call_impl(model: nn.Module) -> Callable:
-    """``model._call_impl``, what ``nn.Module.compile`` compiles (torch 2.11, 2.15)."""
-    return model._call_impl
 
 
 def _root_call(self, *args, **kwargs):
@@ -105,23 +98,6 @@ def param_slots(module: nn.Module) -> dict:
     (graph-mode FSDP swaps DTensor parameters and their local shards there). A plain
     function, so Dynamo traces through it (torch 2.11, 2.15)."""
     return module._parameters
-
-
-def compiled_call(model: nn.Module) -> Callable | None:
-    """``model._compiled_call_impl`` (set by ``nn.Module.compile``), or ``None``
-    (torch 2.11, 2.15; an older module without the slot reads as ``None``)."""
-    return getattr(model, "_compiled_call_impl", None)
-
-
-def set_compiled_call(model: nn.Module, fn: Callable | None) -> None:
-    """Sets ``model._compiled_call_impl``, as ``nn.Module.compile`` does (torch 2.11, 2.15).
-
-    Raises:
-        TorchFeatureUnavailable: ``nn.Module`` has no ``_compiled_call_impl`` slot.
-    """
-    if not hasattr(model, "_compiled_call_impl"):
-        raise unavailable("nn.Module._compiled_call_impl (in-place compile)")
-    model._compiled_call_impl = fn
 
 
 

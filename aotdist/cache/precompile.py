@@ -27,6 +27,7 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist.backends.recording import RecordingBackend
+from aotdist.cache.examples import record, release_examples
 from aotdist.cache.loaded import Precompiled
 from aotdist.compile.guard import compiled_graphs, replay_outcomes
 from aotdist.compile.per_process import made_per_process, pickled_with_region_depth
@@ -122,14 +123,15 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
     state = vars(model).get(STATE_ATTR)
     if why is None and state.mode == CompileMode.FRAMES:
         return _build_frames(model, state)
-    example = state.example if state is not None else None
-    eval_example = state.eval_example if state is not None else None
-    if state is not None:  # the batches are not held any longer, whatever happens here
-        state.example, state.eval_example, state.keep_example = None, None, False
-        state.keep_eval = eval_example is None  # the first eval call after the save is kept
+    rec = record(state) if state is not None else None
+    example = rec.example if rec is not None else None
+    eval_example = rec.eval_example if rec is not None else None
+    if rec is not None:  # the batches are not held any longer, whatever happens here
+        rec.example, rec.eval_example, rec.keep_example = None, None, False
+        rec.keep_eval = eval_example is None  # the first eval call after the save is kept
     if why is None:
-        graphs = compiled_graphs(state) - state.example_from
-        if eval_example is not None and eval_example.compiled_before >= state.example_from:
+        graphs = compiled_graphs(state) - rec.example_from
+        if eval_example is not None and eval_example.compiled_before >= rec.example_from:
             graphs -= eval_example.graphs  # an eval call after the training call
         if example is None:
             why = "the model had no training call (grad enabled, train mode) before the save"
@@ -178,8 +180,9 @@ def add_eval(model: nn.Module, entries: dict[str, bytes]) -> dict[str, bytes]:
     compiled after that save, whole model or per region frame, when a saved graph is
     there to go with it; the kept call is dropped, and no later eval call is watched."""
     state = vars(model)[STATE_ATTR]
-    example, frames = state.eval_example, state.frame_eval_examples
-    state.release_examples()
+    rec = record(state)
+    example, frames = rec.eval_example, rec.frame_eval_examples
+    release_examples(state)
     entries = dict(entries)
     if ENTRY in entries and example is not None:
         saved = json.loads(entries[RECORDS])
@@ -213,8 +216,9 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
     """FSDP2 hooks mode: one saved graph per region frame, traced again from its first
     training call, with stand-ins of the unsharded parameters it saw (FSDP2 has resharded
     them; a trace needs their metadata, not their values); and its first eval call's."""
-    examples, evals = state.frame_examples, state.frame_eval_examples
-    state.frame_examples, state.frame_eval_examples, state.keep_example = {}, {}, False
+    rec = record(state)
+    examples, evals = rec.frame_examples, rec.frame_eval_examples
+    rec.frame_examples, rec.frame_eval_examples, rec.keep_example = {}, {}, False
     entries, saved = {}, {}
     for region in state.plan:
         name, example = region.name, examples.get(region.name)
@@ -227,7 +231,7 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
                else f"a parameter is a tensor subclass ({example.subclass})" if example.subclass
                else f"region {name!r}'s frame compiled {frames} times in training" if frames != 1
                else None)
-        loaded = state.frame_precompiled.get(name)
+        loaded = rec.frame_precompiled.get(name)
         if example is None and loaded is not None:  # save(force=True) after a warm start
             saved[name] = loaded.saved[1]
             entries.update(loaded.saved[0])
@@ -247,7 +251,7 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
         entries[_frame_entry(name)] = data
         if (ev := evals.get(name)) is not None:  # a validation step's
             _add_frame_eval(model, state, name, ev, entries, saved[name])
-    state.keep_eval = not evals  # no eval call yet: the first one after the save is kept
+    rec.keep_eval = not evals  # no eval call yet: the first one after the save is kept
     entries[FRAME_RECORDS] = json.dumps(saved).encode()
     return entries
 
@@ -319,9 +323,9 @@ def attach(model: nn.Module, config, entries: dict[str, bytes]) -> tuple[bool, s
         state = vars(model)[STATE_ATTR]
         # the graph was traced with these regions fixed or inline: so is the model now
         replay_outcomes(model, state, saved.get("fixes", {}), saved.get("demoted", {}))
-        state.precompiled = Precompiled(model, fn, saved["records"])
+        loaded = record(state).precompiled = Precompiled(model, fn, saved["records"])
         if EVAL_ENTRY in entries:  # the first eval call's graph (a validation step)
-            _also_eval(state.precompiled, entries[EVAL_ENTRY], saved["eval"])
+            _also_eval(loaded, entries[EVAL_ENTRY], saved["eval"])
         return True, "", False
     warnings.warn(f"aotdist cache: the saved whole-model graph is not used: {why}; the model "
                   "is traced again (the compiled kernels still load from the bundle), and the "
@@ -332,6 +336,7 @@ def attach(model: nn.Module, config, entries: dict[str, bytes]) -> tuple[bool, s
 def _attach_frames(model: nn.Module, entries: dict[str, bytes]) -> tuple[bool, str, bool]:
     """:func:`attach` for FSDP2 hooks mode: each region frame's saved graph."""
     state = vars(model)[STATE_ATTR]
+    rec = record(state)
     try:
         saved = json.loads(entries.get(FRAME_RECORDS, b"{}"))
     except ValueError as exc:
@@ -346,7 +351,7 @@ def _attach_frames(model: nn.Module, entries: dict[str, bytes]) -> tuple[bool, s
         if fn is not None:
             own = {k: entries[k] for k in (_frame_entry(region.name),
                                            _frame_entry(region.name, "eval")) if k in entries}
-            loaded = state.frame_precompiled[region.name] = Precompiled(
+            loaded = rec.frame_precompiled[region.name] = Precompiled(
                 model, fn, info["records"], label=f"region {region.name!r}'s saved graph",
                 saved=(own, info))
             if _frame_entry(region.name, "eval") in entries:  # its first eval call's graph
@@ -358,8 +363,8 @@ def _attach_frames(model: nn.Module, entries: dict[str, bytes]) -> tuple[bool, s
                       f"{why}; it is traced again (its compiled kernels still load from the "
                       "bundle).", CacheWarning, stacklevel=4)
     if refresh:
-        state.frame_precompiled.clear()  # so that the run traces every frame and saves anew
-    return bool(state.frame_precompiled), "; ".join(whys), refresh
+        rec.frame_precompiled.clear()  # so that the run traces every frame and saves anew
+    return bool(rec.frame_precompiled), "; ".join(whys), refresh
 
 
 def _also_eval(loaded: Precompiled, data: bytes, info: dict) -> None:

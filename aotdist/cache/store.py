@@ -29,6 +29,7 @@ from aotdist._compat.enums import StrEnum
 from aotdist.cache import precompile
 from aotdist.cache.artifacts import ENTRY_PREFIX, install, pack
 from aotdist.cache.bundle import FORMAT, check_safe, decode, write_atomic
+from aotdist.cache.examples import eval_pending, record, release_examples, watches_eval
 from aotdist.cache.share import CompileSharing
 from aotdist.compile.state import INFO_ATTR
 from aotdist.compile.state import STATE_ATTR as REGION_STATE_ATTR
@@ -222,10 +223,11 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
     why_not = precompile.unavailable_reason(model, config)
     if result.status != CacheStatus.LOADED:  # this run saves a bundle: with a graph?
         result = replace(result, precompile_reason=why_not or "")
-    region_state = vars(model).get(REGION_STATE_ATTR)
-    if region_state is not None and (result.status != CacheStatus.LOADED or result.refresh):
-        # keep the first call's inputs: the save traces the graph with them
-        region_state.keep_example = why_not is None
+    if (region_state := vars(model).get(REGION_STATE_ATTR)) is not None:
+        rec = record(region_state)  # the cache's own record on the compiled model
+        if result.status != CacheStatus.LOADED or result.refresh:
+            # keep the first call's inputs: the save traces the graph with them
+            rec.keep_example = why_not is None
     model.__dict__[STATE_ATTR] = _RunState(config=config, key=key, load=result, sharing=sharing,
                                            saved=False, load_s=time.perf_counter() - start,
                                            entries=None)
@@ -270,14 +272,14 @@ def pending(holder: nn.Module) -> bool:
     after the first save (see :func:`watching`)."""
     state, regions = vars(holder).get(STATE_ATTR), vars(holder).get(REGION_STATE_ATTR)
     return state is not None and regions is not None and state["saved"] \
-        and state["entries"] is not None and regions.eval_pending()
+        and state["entries"] is not None and eval_pending(regions)
 
 
 def watching(holder: nn.Module) -> bool:
     """Whether a first eval call after the save can still make :func:`pending` true."""
     state, regions = vars(holder).get(STATE_ATTR), vars(holder).get(REGION_STATE_ATTR)
     return state is not None and regions is not None and state["entries"] is not None \
-        and regions.watches_eval()
+        and watches_eval(regions)
 
 
 def _save_one(model: nn.Module, *, force: bool) -> str | None:
@@ -295,7 +297,7 @@ def _save_one(model: nn.Module, *, force: bool) -> str | None:
     if (cfg.mode == "shared" and rank != 0) or (
             state["load"].status == CacheStatus.LOADED and not (force or state["load"].refresh)):
         if (regions := vars(model).get(REGION_STATE_ATTR)) is not None:
-            regions.release_examples()  # rank 0's job; or the bundle it started from has it
+            release_examples(regions)  # rank 0's job; or the bundle it started from has it
         return None
     path = _bundle_path(cfg, rank, world)
     try:
@@ -305,7 +307,7 @@ def _save_one(model: nn.Module, *, force: bool) -> str | None:
             entries = precompile.build(model, state["config"])
         # kept while a later eval call can add to them (the bundle is written whole)
         regions = vars(model).get(REGION_STATE_ATTR)
-        state["entries"] = entries if regions is not None and regions.watches_eval() else None
+        state["entries"] = entries if regions is not None and watches_eval(regions) else None
         data = pack(state["key"], entries)
         if data is None:
             return None

@@ -168,7 +168,7 @@ def compile_regions(
         compiled = torch.compile(root, backend=state.backend, dynamic=_torch_dynamic(dynamic))
         compiled = functools.partial(compiled, model)  # compiled(model, *args, **kwargs)
         state.call_fn, state.call_bound = root, (model,)
-        _compat.set_compiled_call(model, RegionGuardedCall(model, state, compiled))
+        _compat.wrap_compiled_call(model, RegionGuardedCall(model, state, compiled))
     state.compiled = True
     return model
 
@@ -265,10 +265,7 @@ def restore(model: nn.Module) -> nn.Module:
         return model
     # Instances sharded after marking keep FSDP's class; their forward becomes plain eager.
     unmark_regions(model, neutralize=True)
-    call = _compat.compiled_call(model)
-    if isinstance(call, RegionGuardedCall):
-        _compat.set_compiled_call(model, None)
-    elif callable(getattr(call, "uncompile", None)):  # graph-mode FSDP: keep its shards
-        call.uncompile(model)
+    # every aotdist wrapper of the call goes (graph-mode FSDP's shards stay, around eager)
+    _compat.unwrap_compiled_call(model)
     del model.__dict__[STATE_ATTR]
     return model

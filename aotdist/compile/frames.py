@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from aotdist import _compat
-from aotdist.compile.guard import CallModes, compiled_graphs, is_training, mark_dynamic_inputs
-from aotdist.compile.state import RegionState
+from aotdist.compile.guard import CallModes, mark_dynamic_inputs
+from aotdist.compile.state import CompiledCall, RegionState
 from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.errors import RegionCompileWarning
 from aotdist.log import rank_zero_warn
@@ -45,26 +45,17 @@ def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
             _calls.add(id(self))
             if _state.dynamic_inputs:
                 mark_dynamic_inputs(args, kwargs)
-            if (saved := _state.frame_precompiled.get(_name)) is not None:  # aotdist.cache
-                hit, out = saved.run((self, *args), kwargs, _state.backend)
+            cache = _state.cache
+            if cache is not None and (saved := cache.frame_precompiled.get(_name)) is not None:
+                hit, out = saved.run((self, *args), kwargs, _state.backend)  # aotdist.cache's
                 if hit:
                     return out
-            elif _state.keep_example or _state.keep_eval:  # aotdist.cache.save traces them
-                if is_training(self):  # the first training call
-                    if _state.keep_example and _name not in _state.frame_examples:
-                        _state.frame_examples[_name] = frame_example(
-                            self, args, kwargs, compiled_before=compiled_graphs(_state, _name))
-                elif _name not in _state.frame_eval_examples:  # the first eval call
-                    before = compiled_graphs(_state, _name)
-                    kept = frame_example(self, args, kwargs, compiled_before=before,
-                                         modes=CallModes.of(self))
-                    out = _compiled(self, *args, **kwargs)
-                    kept.graphs = compiled_graphs(_state, _name) - before
-                    # 0: it ran a graph compiled before (after the save: kept, so that
-                    # this region's later eval calls are not watched)
-                    if kept.graphs or _state.keep_eval:
-                        _state.frame_eval_examples[_name] = kept
-                    return out
+            if _state.call_watchers:  # aotdist.cache keeps calls to save
+                called = _state.calling(CompiledCall(self, args, kwargs, frame=_name))
+                out = _compiled(self, *args, **kwargs)
+                for done in called:
+                    done()
+                return out
             return _compiled(self, *args, **kwargs)
 
         cls._aotdist_impl = forward

@@ -22,7 +22,7 @@ from aotdist import _compat
 from aotdist.compile.fixes.batchnorm import overridden_batchnorms
 from aotdist.compile.isolate import Trials
 from aotdist.compile.marking import apply_region_class, unmark_region
-from aotdist.compile.state import RegionState
+from aotdist.compile.state import CompiledCall, RegionState
 from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.compile.verify import first_step_check
 from aotdist.errors import OrderingError, RegionCaptureError, RegionCompileWarning
@@ -30,8 +30,8 @@ from aotdist.errors import exception_chain as _chain
 from aotdist.fsdp import fsdp_modules
 from aotdist.log import get_logger, rank_zero_info, rank_zero_warn
 
-__all__ = ["CallModes", "EvalExample", "RegionGuardedCall", "mark_dynamic_inputs",
-           "replay_outcomes"]
+__all__ = ["CallModes", "RegionGuardedCall", "compiled_graphs", "is_training",
+           "mark_dynamic_inputs", "replay_outcomes"]
 
 _log = get_logger(__name__)
 
@@ -69,24 +69,13 @@ class CallModes:
                 m.training = flag
 
 
-@dataclass
-class EvalExample:
-    """The first eval call (a validation step): ``aotdist.cache`` saves its graph too."""
-
-    args: tuple
-    kwargs: dict
-    modes: CallModes
-    graphs: int  # graphs compiled during the call: a saved graph must be exactly one
-    compiled_before: int  # graphs compiled before the call
-
-
 def compiled_graphs(state: RegionState, frame: str | None = None) -> int:
     """Graphs the model (or region ``frame``'s frame) compiled so far, none loaded."""
     return sum(1 for r in state.backend.records
                if not r.precompiled and (frame is None or r.standalone == frame))
 
 
-class RegionGuardedCall:
+class RegionGuardedCall(_compat.CallWrapper):
     """The compiled ``_call_impl``, with region failures fixed or demoted, never hidden.
 
     A region that cannot be a reusable subgraph fails while the model is traced or
@@ -96,6 +85,7 @@ class RegionGuardedCall:
     anything runs (:mod:`aotdist.compile.isolate`). Each is fixed (aliasing outputs
     cloned) or demoted to inline compilation, with a ``RegionCompileWarning``. Only an
     error that remains with every region demoted propagates, with a note saying so.
+    Installed over the eager call (``inner`` is ``None``); ``aotdist.restore`` removes it.
     """
 
     __reduce_ex__ = _compat.unsaved_in_guards  # run state, not in a saved graph's guards
@@ -124,13 +114,9 @@ class RegionGuardedCall:
         if state.dynamic_inputs:
             mark_dynamic_inputs(args, kwargs)
         first = not state.reuse_checked
-        training = is_training(self._model_ref)
-        keep = state.keep_example and state.example is None and training
-        keep_eval = ((state.keep_example or state.keep_eval) and state.eval_example is None
-                     and not training)
-        before = compiled_graphs(state) if keep or keep_eval else 0
-        if state.precompiled is not None:  # a graph saved by aotdist.cache: no Dynamo trace
-            hit, out = state.precompiled.run((*state.call_bound, *args), kwargs, state.backend)
+        saved = state.cache.precompiled if state.cache is not None else None
+        if saved is not None:  # a graph saved by aotdist.cache: no Dynamo trace
+            hit, out = saved.run((*state.call_bound, *args), kwargs, state.backend)
             if hit:
                 if first:
                     state.reuse_checked = True
@@ -141,6 +127,8 @@ class RegionGuardedCall:
             rank_zero_info(_log, "compiling %s: %s, backend %s (the first call compiles; the "
                            "ones after reuse it)", type(self._model_ref).__name__,
                            _regions_text(state), state.backend_name or "a callable")
+        called = (state.calling(CompiledCall(self._model_ref, args, kwargs))
+                  if state.call_watchers else ())  # aotdist.cache keeps calls to save
         for _ in range(2 * len(state.plan) + 2):
             try:
                 out = self._run(*args, **kwargs)
@@ -154,13 +142,8 @@ class RegionGuardedCall:
                 rank_zero_info(_log, "compiled %s in %.1f s (%d graph(s))",
                                type(self._model_ref).__name__, time.perf_counter() - started,
                                compiled_graphs(state))
-            if keep:  # aotdist.cache.save traces it again (precompile)
-                state.example, state.example_from = (args, kwargs), before
-            if keep_eval and (graphs := compiled_graphs(state) - before):  # 0: a hit
-                state.eval_example = EvalExample(args, kwargs, CallModes.of(self._model_ref),
-                                                 graphs, before)
-            elif keep_eval and state.keep_eval:  # after the save, it compiled nothing new
-                state.keep_eval = False
+            for done in called:
+                done()
             return out
         return self._run(*args, **kwargs)
 

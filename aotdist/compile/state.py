@@ -5,6 +5,8 @@ under :data:`STATE_ATTR`; :func:`aotdist.parallelize` stores its record
 (``aotdist.parallelize.ParallelizeInfo``) under :data:`INFO_ATTR`. Both names live here,
 below every module that reads them, so that reading a record never needs the module that
 wrote it (``restore`` reads parallelize's record; ``metrics`` reads the region state).
+The artifact cache keeps its own :class:`CacheRecord` there (``RegionState.cache``), and
+hears of each compiled call through ``RegionState.call_watchers`` (a :class:`CompiledCall`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import nn
+
 from aotdist._compat.enums import StrEnum
 from aotdist.regions import RegionPlan
 
-__all__ = ["INFO_ATTR", "STATE_ATTR", "CompileMode", "RegionState"]
+__all__ = ["INFO_ATTR", "STATE_ATTR", "CacheRecord", "CallWatcher", "CompileMode", "CompiledCall",
+           "RegionState"]
 
 STATE_ATTR = "_aotdist_state"
 INFO_ATTR = "_aotdist_parallelized"  # aotdist.parallelize's ParallelizeInfo
@@ -60,10 +65,41 @@ class RegionState:
     frames_checked: bool = False  # frames mode: the first forward's eager check ran
     reuse_checked: bool = False  # whole-model compile: reuse reported after the first call
     # graph mode: the function compiled, called as call_fn(*call_bound, *args, **kwargs),
-    # and torch.compile's dynamic; aotdist.cache.precompile traces it again to save it
+    # and torch.compile's dynamic (compile.verify and aotdist.cache.precompile trace it again)
     call_fn: Callable | None = None
     call_bound: tuple = ()
     call_dynamic: bool | None = None
+    # set by aotdist.cache.load (None: no cache): what the cache keeps of the calls
+    cache: CacheRecord | None = None
+    # told of each compiled call as it starts (aotdist.cache's watcher: CallWatcher)
+    call_watchers: list[CallWatcher] = field(default_factory=list)
+
+    def calling(self, call: CompiledCall) -> list[Callable[[], None]]:
+        """Tells the watchers that ``call`` starts; returns what each wants run once the
+        compiled function returned (a call a saved graph served is not told)."""
+        return [done for watch in self.call_watchers if (done := watch(call)) is not None]
+
+
+@dataclass(frozen=True)
+class CompiledCall:
+    """A compiled call about to run: the whole model's, or a region frame's (frames mode)."""
+
+    module: nn.Module  # the root module, or the region instance whose frame runs
+    args: tuple
+    kwargs: dict
+    frame: str | None = None  # frames mode: the region's name
+
+
+# called as a compiled call starts; returns what to run once it returned, or None
+CallWatcher = Callable[[CompiledCall], "Callable[[], None] | None"]
+
+
+@dataclass
+class CacheRecord:
+    """What ``aotdist.cache`` keeps on a compiled model (``RegionState.cache``): the calls its
+    save traces again and the saved graphs it loaded. The cache fills it (``aotdist.cache.
+    examples``); compiling reads only the saved graphs, to run a call one covers."""
+
     keep_example: bool = False  # set by aotdist.cache.load: keep a training call's inputs
     # set by aotdist.cache.save when no eval call came before it: keep the first eval call
     # after the save (when it compiled), for a second save that adds its graph and kernels
@@ -73,31 +109,10 @@ class RegionState:
     example: tuple | None = None
     example_from: int = 0
     # the first eval call (grad off, inference mode or the model in eval mode: a validation
-    # step), saved as a second graph: an EvalExample, until the cache saves
+    # step), saved as a second graph: an aotdist.cache.examples.EvalExample, until the save
     eval_example: Any = None
-    precompiled: Any = None  # aotdist.cache.precompile.Precompiled, loaded from a bundle
+    precompiled: Any = None  # aotdist.cache.loaded.Precompiled, loaded from a bundle
     # frames mode: the same per region frame (aotdist.compile.frames.FrameExample kept)
     frame_examples: dict[str, Any] = field(default_factory=dict)
     frame_eval_examples: dict[str, Any] = field(default_factory=dict)
     frame_precompiled: dict[str, Any] = field(default_factory=dict)
-
-    def watches_eval(self) -> bool:
-        """After the cache's save (``keep_eval``): whether a first eval call can still
-        make :meth:`eval_pending` true."""
-        if not self.keep_eval:
-            return False
-        evals = self.frame_eval_examples  # frames mode: has every region's first eval call
-        return self.mode != CompileMode.FRAMES or len(evals) < len(self.plan) or any(  # come?
-            e.graphs for e in evals.values())
-
-    def eval_pending(self) -> bool:
-        """Whether an eval call compiled after the cache's save: a second save adds its
-        graph and kernels (``aotdist.cache.precompile.add_eval``)."""
-        return self.keep_eval and (self.eval_example is not None or any(
-            e.graphs for e in self.frame_eval_examples.values()))
-
-    def release_examples(self) -> None:
-        """Drops the calls kept for the cache's save and stops keeping them."""
-        self.example = self.eval_example = None
-        self.frame_examples, self.frame_eval_examples = {}, {}
-        self.keep_example = self.keep_eval = False

@@ -346,32 +346,31 @@ def local_shards(model: nn.Module, slots: list[tuple[nn.Module, str]] | None = N
             _compat.param_slots(mod)[name] = p
 
 
-class ShardedCall:
+class ShardedCall(_compat.CallWrapper):
     """The model's call under graph-mode FSDP: :func:`local_shards` around ``inner``.
 
-    Runs eagerly, outside the compiled graph, around ``inner`` (the compiled or eager
-    ``_call_impl``); the DTensor parameters are back in place when it returns or raises.
+    Runs eagerly, outside the compiled graph, around ``inner`` (the compiled call, or the
+    eager ``_call_impl`` when ``None``); the DTensor parameters are back in place when it
+    returns or raises. It stays when ``aotdist.restore`` undoes compiling (the DTensor
+    parameters need it), around the eager call.
     """
 
     __reduce_ex__ = _compat.unsaved_in_guards  # run state, not in a saved graph's guards
+    stays = True
 
-    def __init__(self, model: nn.Module, inner, *, param_dtype: torch.dtype | None = None,
-                 reshard: bool = True, compiled: bool = True):
-        self._inner = inner
+    def __init__(self, model: nn.Module, *, param_dtype: torch.dtype | None = None,
+                 reshard: bool = True):
+        self._eager = _compat.call_impl(model)
         self._param_dtype = param_dtype
         self._reshard = reshard
-        self._eager_reshard = reshard and not compiled
         self._slots = _slots(model)
+        self.rewrap(None)
 
-    @property
-    def inner(self):
-        """The wrapped call (the compiled ``_call_impl``, or the eager one)."""
-        return self._inner
-
-    def uncompile(self, model: nn.Module) -> None:
-        """Calls ``model``'s eager ``_call_impl`` from now on (``aotdist.restore``)."""
-        self._inner = _compat.call_impl(model)
-        self._eager_reshard = self._reshard
+    def rewrap(self, inner) -> None:
+        """Wraps ``inner`` (``None``: the eager call, resharding its gathers eagerly)."""
+        self.inner = inner
+        self._run = self._eager if inner is None else inner
+        self._eager_reshard = self._reshard and inner is None
 
     def __call__(self, *args, **kwargs):
         with local_shards(None, self._slots):
@@ -379,8 +378,8 @@ class ShardedCall:
                 args, kwargs = _compat.tree_map(self._cast, (args, kwargs))
             if self._eager_reshard:  # compiled graphs recompute the gathers themselves
                 with torch.autograd.graph.saved_tensors_hooks(_pack_gathered, _unpack_gathered):
-                    return self._inner(*args, **kwargs)
-            return self._inner(*args, **kwargs)
+                    return self._run(*args, **kwargs)
+            return self._run(*args, **kwargs)
 
     def _cast(self, x):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -390,8 +389,6 @@ class ShardedCall:
 
 def sharded_call(model: nn.Module, config: AOTDistConfig) -> None:
     """Wraps ``model``'s call (compiled or not) in :class:`ShardedCall`."""
-    inner = _compat.compiled_call(model)
-    _compat.set_compiled_call(model, ShardedCall(
-        model, _compat.call_impl(model) if inner is None else inner,
-        param_dtype=torch_dtype(config.fsdp.param_dtype),
-        reshard=config.fsdp.reshard_after_forward, compiled=inner is not None))
+    _compat.wrap_compiled_call(model, ShardedCall(
+        model, param_dtype=torch_dtype(config.fsdp.param_dtype),
+        reshard=config.fsdp.reshard_after_forward))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import aotdist
-from aotdist import metrics
+from aotdist import _compat, metrics
 from aotdist.backends.recording import RecordingBackend
 from aotdist.testing import AliasingNet, TinyGPT, TinyResNet, TinyViT, example_inputs
 from aotdist.testing.distributed import fake_world
@@ -192,6 +192,39 @@ def test_restore_returns_model_to_eager():
     assert_parity(model, reference, (x,))
     aotdist.compile_regions(model, backend="aot_eager")  # can be applied again
     assert_parity(model, reference, (x,))
+
+
+class _Wrapper(_compat.CallWrapper):
+    """A call wrapper as an integration installs one (Accelerate's first-call metrics)."""
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+class _Staying(_Wrapper):
+    """A wrapper the model needs (graph-mode FSDP's shards): restore keeps it, over eager."""
+
+    stays = True
+
+    def __call__(self, *args, **kwargs):
+        return (self.inner or self.eager)(*args, **kwargs)
+
+
+def test_restore_undoes_every_wrapper_of_the_compiled_call():
+    model, reference = _pair(TinyGPT(depth=2))
+    aotdist.compile_regions(model, backend="aot_eager")
+    guarded = _compat.compiled_call(model)
+    staying = _compat.wrap_compiled_call(model, _Staying())
+    staying.eager = _compat.call_impl(model)
+    outer = _compat.wrap_compiled_call(model, _Wrapper())
+    assert (outer.inner, staying.inner, guarded.inner) == (staying, guarded, None)
+    (x,), _ = example_inputs(model)
+    model(x)
+    aotdist.restore(model)
+    assert _compat.compiled_call(model) is staying and staying.inner is None
+    assert_parity(model, reference, (x,))  # eager, through the wrapper that stays
+    _compat.unwrap_compiled_call(model)  # nothing left to undo: the same
+    assert _compat.compiled_call(model) is staying and staying.inner is None
 
 
 def test_ordering_errors():

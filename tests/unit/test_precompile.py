@@ -73,7 +73,7 @@ def test_a_model_without_a_saved_graph_says_why(tmp_path):
     why = entries[precompile.SKIPPED].decode()
     assert why == precompile.unavailable_reason(model, config)
     assert ("aot_eager" in why) if _compat.precompile_unavailable() is None else "torch" in why
-    assert vars(model)[STATE_ATTR].example is None  # the first batch is not held any longer
+    assert vars(model)[STATE_ATTR].cache.example is None  # the first batch is not held any longer
     off = _cached(tmp_path, precompile=False)
     assert vars(off)[aotdist.cache.STATE_ATTR]["load"].precompile_reason == \
         "cache.precompile is false"
@@ -99,7 +99,7 @@ class _FakeLoaded:
 def test_the_kept_example_is_the_first_training_call_and_is_dropped_at_the_save(tmp_path):
     """Lightning validates before it trains: the saved graph must be the training call's."""
     model = _cached(tmp_path)
-    state = vars(model)[STATE_ATTR]
+    state = vars(model)[STATE_ATTR].cache  # the cache's record (cache.load made it)
     state.keep_example = True  # as with Inductor (aot_eager gets no saved graph)
     (x,), _ = example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -147,7 +147,7 @@ def test_the_first_eval_call_after_the_save_is_kept_for_a_second_save(tmp_path, 
     packed = []
     monkeypatch.setattr(store, "pack", lambda key, entries: packed.append(entries) or b"x")
     model = _cached(tmp_path)
-    state = vars(model)[STATE_ATTR]
+    state = vars(model)[STATE_ATTR].cache
     (x,), _ = example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
     model(x).sum().backward()
     assert aotdist.cache.save(model) is not None and len(packed) == 1
@@ -185,31 +185,37 @@ def test_an_eval_call_after_the_save_that_compiles_nothing_ends_the_watch(tmp_pa
     assert store.watching(model)  # the eval call before it was not kept (aot_eager)
     _eval_call(model, x)  # a hit: nothing new to save
     assert not store.watching(model) and not store.pending(model)
-    assert vars(model)[STATE_ATTR].eval_example is None
+    assert vars(model)[STATE_ATTR].cache.eval_example is None
 
 
 def test_a_frames_mode_watch_ends_when_every_region_s_first_eval_call_compiled_nothing():
+    from aotdist.cache.examples import eval_pending, record, release_examples, watches_eval
     from aotdist.compile.state import CompileMode, RegionState
 
     plan = [SimpleNamespace(name="A"), SimpleNamespace(name="B")]
-    state = RegionState(plan=plan, mode=CompileMode.FRAMES, keep_eval=True)
-    assert state.watches_eval() and not state.eval_pending()
-    state.frame_eval_examples["A"] = SimpleNamespace(graphs=0)
-    assert state.watches_eval() and not state.eval_pending()  # B's may still compile
-    state.frame_eval_examples["B"] = SimpleNamespace(graphs=1)
-    assert state.watches_eval() and state.eval_pending()
-    state.frame_eval_examples["B"] = SimpleNamespace(graphs=0)
-    assert not state.watches_eval() and not state.eval_pending()  # nothing can come
-    state.release_examples()
-    assert not state.keep_eval and state.frame_eval_examples == {}
+    state = RegionState(plan=plan, mode=CompileMode.FRAMES)
+    assert state.cache is None and not watches_eval(state) and not eval_pending(state)
+    rec = record(state)
+    rec.keep_eval = True
+    assert watches_eval(state) and not eval_pending(state)
+    rec.frame_eval_examples["A"] = SimpleNamespace(graphs=0)
+    assert watches_eval(state) and not eval_pending(state)  # B's may still compile
+    rec.frame_eval_examples["B"] = SimpleNamespace(graphs=1)
+    assert watches_eval(state) and eval_pending(state)
+    rec.frame_eval_examples["B"] = SimpleNamespace(graphs=0)
+    assert not watches_eval(state) and not eval_pending(state)  # nothing can come
+    release_examples(state)
+    assert not rec.keep_eval and rec.frame_eval_examples == {}
 
 
 def test_a_frames_mode_eval_call_after_the_save_in_several_graphs_says_why_it_is_not_saved():
-    from aotdist.compile.state import CompileMode, RegionState
+    from aotdist.cache.examples import watches_eval
+    from aotdist.compile.state import CacheRecord, CompileMode, RegionState
 
     plan = [SimpleNamespace(name="A"), SimpleNamespace(name="B")]
-    state = RegionState(plan=plan, mode=CompileMode.FRAMES, keep_eval=True)
-    state.frame_eval_examples.update(A=SimpleNamespace(graphs=2), B=SimpleNamespace(graphs=0))
+    state = RegionState(plan=plan, mode=CompileMode.FRAMES, cache=CacheRecord(keep_eval=True))
+    state.cache.frame_eval_examples.update(A=SimpleNamespace(graphs=2),
+                                           B=SimpleNamespace(graphs=0))
     model = torch.nn.Linear(2, 2)
     vars(model)[STATE_ATTR] = state
     frame_a, frame_b = precompile._frame_entry("A"), precompile._frame_entry("B")
@@ -226,7 +232,7 @@ def test_a_frames_mode_eval_call_after_the_save_in_several_graphs_says_why_it_is
     assert out[frame_a] == b"a" and out[frame_b] == b"b"
     assert precompile._frame_entry("A", "eval") not in out
     assert json.loads(entries[precompile.FRAME_RECORDS]) == records  # the input is not changed
-    assert not state.watches_eval() and state.frame_eval_examples == {}
+    assert not watches_eval(state) and state.cache.frame_eval_examples == {}
 
 
 def test_the_accelerate_hook_saves_after_the_first_step_and_after_the_first_eval(
@@ -258,7 +264,7 @@ def test_the_compiled_call_runs_a_loaded_graph_and_falls_back_on_a_miss(tmp_path
     fake = _FakeLoaded(ref)
     record = {"num_ops": 7, "call_sites": {"GPTBlock": ["blocks.0", "blocks.1"]},
               "subgraphs": {"GPTBlock": ["0:repeated_subgraph0"]}, "inlined": {}}
-    vars(model)[STATE_ATTR].precompiled = precompile.Precompiled(model, fake, [record])
+    vars(model)[STATE_ATTR].cache.precompiled = precompile.Precompiled(model, fake, [record])
     (x,), _ = example_inputs(model, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a hit warns about nothing
@@ -529,7 +535,8 @@ def test_compiled_call_wrappers_pickle_as_none_only_while_a_graph_is_saved():
     from aotdist.fsdp.graph import ShardedCall
 
     model = build_model("gpt", depth=2)
-    call = ShardedCall(model, RegionGuardedCall(model, SimpleNamespace(), len), compiled=True)
+    call = ShardedCall(model)
+    call.rewrap(RegionGuardedCall(model, SimpleNamespace(), len))  # over the compiled call
     assert isinstance(pickle.loads(pickle.dumps(call)), ShardedCall)
     with compat_precompile._run_state_unsaved():
         assert pickle.loads(pickle.dumps(call)) is None
