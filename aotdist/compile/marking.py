@@ -5,22 +5,22 @@ is wrapped by ``torch.compiler.nested_compile_region`` (FSDP2's ``fully_shard`` 
 classes the same way); other instances of the user's class are untouched. The class swap
 keeps ``self`` a real argument of the region, so Dynamo lifts each instance's own
 parameters: binding a marked function per instance runs the first block's weights for
-every block on torch 2.15 (docs/internals.md). The region class also clones outputs that
-alias an input and applies activation checkpointing when asked.
+every block on torch 2.15 (docs/internals.md). The region class's forward carries the
+forward fixes (:data:`aotdist.compile.fixes.forward.FORWARD_FIXES`), activation
+checkpointing among them.
 """
 
 from __future__ import annotations
 
-import functools
 import types
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from aotdist import _compat
 from aotdist.compile.fixes import apply_fixes, restore_fixes
+from aotdist.compile.fixes.forward import INSIDE, OUTSIDE, wrap_forward
 from aotdist.compile.per_process import made_class
 from aotdist.compile.state import STATE_ATTR, RegionState
 from aotdist.errors import ConfigError, OrderingError
@@ -49,153 +49,28 @@ def copy_function(fn: Callable, *, new_code: bool = False) -> types.FunctionType
     return new
 
 
-def _clone_aliasing_outputs(fn: Callable) -> Callable:
-    """Wraps a forward so that no output aliases an input (invoke_subgraph forbids it)."""
-
-    @functools.wraps(fn)
-    def forward(self, *args, **kwargs):
-        out = fn(self, *args, **kwargs)
-        inputs = [a for a in _compat.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)]
-
-        def dealias(t):
-            if isinstance(t, torch.Tensor) and (any(t is a for a in inputs)
-                                                or t._base is not None):
-                return t.clone()
-            return t
-
-        return _compat.tree_map(dealias, out)
-
-    return forward
-
-
-def _dealiased_inputs(fn: Callable) -> Callable:
-    """Wraps a region call so that no two tensor inputs share storage (invoke_subgraph
-    forbids it): a later input that is, or views the same base as, an earlier one is
-    cloned before the call, outside the region (GPT-J's ``sin, cos``, two halves of one
-    tensor). Not ``functools.wraps``: that would copy the region marker of ``fn``'s
-    ``__dict__`` and make this wrapper the region."""
-
-    def forward(self, *args, **kwargs):
-        seen: list[torch.Tensor] = []
-
-        def dealias(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            root = t if t._base is None else t._base
-            if any(root is s for s in seen):
-                return t.clone()
-            seen.append(root)
-            return t
-
-        args, kwargs = _compat.tree_map(dealias, (args, kwargs))
-        return fn(self, *args, **kwargs)
-
-    return forward
-
-
-def _checkpointed(fn: Callable) -> Callable:
-    """Wraps a forward in non-reentrant activation checkpointing.
-
-    Outside the region: the checkpoint saves only the region's inputs, and under compile
-    the recompute is part of the compiled backward (the region's subgraph is still reused).
-    """
-    @functools.wraps(fn)
-    def forward(self, *args, **kwargs):
-        return _checkpoint(fn, self, *args, use_reentrant=False, **kwargs)
-
-    return forward
-
-
-def _contiguous_stream(fn: Callable) -> Callable:
-    """Wraps a region forward so that, while compiling, each non-contiguous output with the
-    shape of the region's first tensor input, where that input is contiguous, is made
-    contiguous.
-
-    A block's output usually feeds the next instance as its input (the residual stream).
-    Where the block computes it in another layout (torchvision's ViT: a transposed
-    ``(batch, seq, dim)`` out of its attention), the first call site's input is contiguous
-    and every later one's is not, and torch compiles the region twice (its subgraph in
-    a whole-model graph, its frame under FSDP2's hooks alike). The copy costs a
-    kernel in the forward and one in the backward (ViT: 1-3% of a step, against a second
-    compile of the block); values are unchanged, only the output's strides.
-    """
-
-    @functools.wraps(fn)
-    def forward(self, *args, **kwargs):
-        out = fn(self, *args, **kwargs)
-        stream = next((t for t in _compat.tree_leaves((args, kwargs))
-                       if isinstance(t, torch.Tensor)), None)
-        if (stream is None or not stream.is_contiguous()
-                or not torch.compiler.is_compiling()):
-            return out
-
-        def fix(t):
-            if (isinstance(t, torch.Tensor) and t.shape == stream.shape
-                    and not t.is_contiguous()):
-                return t.contiguous()
-            return t
-
-        return _compat.tree_map(fix, out)
-
-    return forward
-
-
-def _detach_no_grad_outputs(fn: Callable) -> Callable:
-    """Wraps a region forward so that an output that needs no gradient is ``detach()``-ed.
-
-    Dynamo evaluates the condition at trace time, so the subgraph carries an explicit
-    ``detach`` exactly where the traced output had ``requires_grad=False`` (a mask, a
-    pass-through of a tensor that needs no gradient). Semantically a no-op; it keeps
-    AOTAutograd's view of the output consistent with Dynamo's on torch releases whose
-    ``InvokeSubgraphAutogradOp`` marks every output as requiring grad (torch 2.11; fixed
-    by pytorch/pytorch#181208, which calls ``mark_non_differentiable``; 2.15 has it).
-    There, the next call site gets that output as an input requiring grad, the reused
-    subgraph's joint graph then wants a tangent the forward metadata did not plan for, and
-    AOTAutograd fails with ``outs_to_grad length (2) != tangents length (1)``.
-    """
-
-    @functools.wraps(fn)
-    def forward(self, *args, **kwargs):
-        out = fn(self, *args, **kwargs)
-        if not torch.is_grad_enabled():
-            return out
-
-        def detach(t):
-            if (isinstance(t, torch.Tensor) and not t.requires_grad
-                    and (t.is_floating_point() or t.is_complex())):
-                return t.detach()
-            return t
-
-        return _compat.tree_map(detach, out)
-
-    return forward
-
-
 def _dispatch(self, *args, **kwargs):
     return self._aotdist_impl(*args, **kwargs)
 
 
 def _region_class(base: type, region: str, *, count: int = 2, clone_aliases: bool = False,
                   checkpoint: bool = False, nested: bool = True) -> type:
-    fwd = copy_function(base.forward)
-    if clone_aliases:
-        fwd = _clone_aliasing_outputs(fwd)
+    """The region class of ``base``: its forward with :data:`FORWARD_FIXES` applied, inside
+    ``nested_compile_region`` (``nested``) and as frames mode's plain forward."""
+    on = {"clone_aliases": clone_aliases, "checkpoint": checkpoint}
+    fwd = wrap_forward(copy_function(base.forward), INSIDE, on, nested=nested)
     if nested:
         # One code object per region: torch keys subgraph reuse (and its entry cap) by code.
-        fwd = _compat.unique_code_function(
-            _detach_no_grad_outputs(_contiguous_stream(fwd)), region)
         marked = torch.compiler.nested_compile_region(
-            fwd, **_compat.region_options(max(8, 2 * count)))
-        if clone_aliases:
-            marked = _dealiased_inputs(marked)
+            _compat.unique_code_function(fwd, region),
+            **_compat.region_options(max(8, 2 * count)))
     else:
         marked = fwd
-    # For frames mode: the same forward without invoke_subgraph, with a code object of its own;
-    # its residual stream made contiguous too, or each frame compiles twice (ViT).
-    plain = _compat.unique_code_function(_contiguous_stream(base.forward), f"{region}_frame")
-    if checkpoint:
-        marked, plain = _checkpointed(marked), _checkpointed(plain)
+    marked = wrap_forward(marked, OUTSIDE, on, nested=nested)
+    # For frames mode: the same forward without invoke_subgraph, with a code object of its own.
+    plain = _compat.unique_code_function(
+        wrap_forward(base.forward, INSIDE, on, frames=True), f"{region}_frame")
+    plain = wrap_forward(plain, OUTSIDE, on, frames=True)
     namespace = {
         # forward only dispatches to _aotdist_impl, read at call time: classes made later from
         # this one (fully_shard's FSDP<cls>, a library's __init_subclass__ wrapper) may
