@@ -45,7 +45,8 @@ def set_compiled_call(model: nn.Module, fn: Callable | None) -> None:
 
 
 class CallWrapper:
-    """What aotdist puts in a model's compiled call slot (:func:`wrap_compiled_call`).
+    """What aotdist puts in a model's compiled call slot (:func:`wrap_compiled_call`;
+    ``nn.Module._compiled_call_impl``, torch 2.11, 2.15).
 
     Attributes:
         inner: The slot's value it was installed over (``None``: the eager call).
@@ -63,7 +64,7 @@ class CallWrapper:
 
 def wrap_compiled_call(model: nn.Module, wrapper: CallWrapper) -> CallWrapper:
     """Installs ``wrapper`` as ``model``'s compiled call over the one there, which it
-    records as its ``inner``; returns it."""
+    records as its ``inner``; returns it (torch 2.11, 2.15)."""
     wrapper.rewrap(compiled_call(model))
     set_compiled_call(model, wrapper)
     return wrapper
@@ -71,7 +72,7 @@ def wrap_compiled_call(model: nn.Module, wrapper: CallWrapper) -> CallWrapper:
 
 def unwrap_compiled_call(model: nn.Module) -> None:
     """Undoes every :class:`CallWrapper` in ``model``'s compiled call; the ones that
-    ``stay`` wrap what was there before aotdist (the eager call) again."""
+    ``stay`` wrap what was there before aotdist (the eager call) again (torch 2.11, 2.15)."""
     call, stays = compiled_call(model), []
     while isinstance(call, CallWrapper):
         if call.stays:
