@@ -1,4 +1,5 @@
-"""torch.distributed's private pieces aotdist's test helpers use."""
+"""torch's private pieces for a world without devices: the fake process group and fake
+tensors (``aotdist plan``, the test helpers)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 from aotdist._compat._base import attr, unavailable
 
-__all__ = ["fake_store"]
+__all__ = ["fake_store", "fake_tensor_mode", "storage_id"]
 
 
 def fake_store() -> Any:
@@ -20,3 +21,31 @@ def fake_store() -> Any:
     if store is None:
         raise unavailable("torch's fake process group (FakeStore)")
     return store()
+
+
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode`` that also takes real tensors (``torch._subclasses.fake_tensor``;
+    torch 2.11, 2.15): tensors made inside hold no memory, and fake tensors that alias
+    one another share one storage, as real ones do.
+
+    The mode is made without its dispatch cache (``fake_tensor_cache_enabled``, read
+    when the mode is made): outputs rebuilt from a cache entry get a storage each, so
+    three views of one fused projection's output that a compiled region returns would
+    count three times in ``aotdist plan``'s saved bytes (measured: 291 KB against the
+    real 208 KB on a 3-block GPT at 2 ranks).
+
+    Raises:
+        TorchFeatureUnavailable: This torch has none.
+    """
+    mode = attr("torch._subclasses.fake_tensor", "FakeTensorMode")
+    if mode is None:
+        raise unavailable("torch's FakeTensorMode")
+    with attr("torch._dynamo.config", "patch")(fake_tensor_cache_enabled=False):
+        return mode(allow_non_fake_inputs=True)
+
+
+def storage_id(storage: Any) -> int:
+    """An identity of ``storage`` (its ``StorageImpl``: ``UntypedStorage._cdata``; torch
+    2.11, 2.15) that also tells fake tensors' storages apart, whose ``data_ptr()`` is 0."""
+    return storage._cdata
+

@@ -16,15 +16,16 @@ Details: docs/internals.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from aotdist import _compat
 
 __all__ = ["bucket_collectives", "bucketing_aot_eager", "bucketing_pass", "count_collectives",
-           "is_bucketing_pass"]
+           "graphs_observed", "is_bucketing_pass"]
 
 _DONE = "aotdist_bucketed"
 
@@ -108,6 +109,24 @@ def bucket_collectives(gm: torch.fx.GraphModule | torch.fx.Graph, bucket_mb: flo
     return count_collectives(gm)
 
 
+_OBSERVERS: list[tuple[list[torch.fx.GraphModule], Callable | None]] = []
+
+
+@contextlib.contextmanager
+def graphs_observed(each: Callable[[torch.fx.GraphModule], None] | None = None,
+                    ) -> Iterator[list[torch.fx.GraphModule]]:
+    """Within, every graph :func:`bucketing_aot_eager` compiles is appended, bucketed, to
+    the list it yields (``aotdist plan`` reads the collectives the job issues), and
+    handed to ``each`` first, which may still change it (the tests count what runs)."""
+    seen: list[torch.fx.GraphModule] = []
+    entry = (seen, each)
+    _OBSERVERS.append(entry)
+    try:
+        yield seen
+    finally:
+        _OBSERVERS.remove(entry)
+
+
 def _sole_wait(wait: torch.fx.Node) -> bool:
     """Whether ``wait`` is its collective's only user. A collective whose raw result has
     more users (seen: ``reshard_after_forward: false``, where the partitioner returns the
@@ -132,6 +151,10 @@ def bucketing_aot_eager(bucket_mb: float) -> Callable:
     @functools.wraps(boxed_nop)
     def compile_graph(gm, example_inputs, *args, **kwargs):
         bucket_collectives(gm, bucket_mb)
+        for seen, each in _OBSERVERS:
+            if each is not None:
+                each(gm)
+            seen.append(gm)
         return boxed_nop(gm, example_inputs, *args, **kwargs)
 
     backend = functools.partial(aot_eager, fw_compiler=compile_graph, bw_compiler=compile_graph)

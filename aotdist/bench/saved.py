@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import torch
 
 from aotdist import _compat
+from aotdist._compat.distributed import storage_id
 
 __all__ = ["SavedBytes"]
 
@@ -37,7 +38,8 @@ def _storages(t: torch.Tensor) -> Iterable[torch.UntypedStorage]:
 
 
 def _key(storage: torch.UntypedStorage) -> tuple:
-    return (storage.device.type, storage.device.index, storage.data_ptr())
+    # the StorageImpl, not data_ptr(): fake tensors' storages (aotdist plan) all read 0
+    return (storage.device.type, storage.device.index, storage_id(storage))
 
 
 class SavedBytes:

@@ -1,4 +1,4 @@
-"""The ``aotdist`` command: ``check``, ``zoo``, ``bench`` and ``inspect``.
+"""The ``aotdist`` command: ``check``, ``zoo``, ``bench``, ``inspect`` and ``plan``.
 
 :mod:`~aotdist.cli.parser` builds the arguments the subcommands share (ranks, FSDP mode,
 backend, memory limit, output, timeout), each once, defaults read from the code that runs;
@@ -26,7 +26,7 @@ _DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``aotdist`` parser with every subcommand."""
-    from aotdist.cli import bench, capture, check
+    from aotdist.cli import bench, capture, check, plan
     from aotdist.cli.parser import HelpFormatter
     from aotdist.version import __version__
 
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.register(sub)  # check, zoo
     bench.register(sub)
     capture.register(sub)  # inspect
+    plan.register(sub)
     return parser
 
 
