@@ -30,10 +30,12 @@ __all__ = [
     "custom_graph_pass_base",
     "dynamo_config_patch",
     "dynamo_counters",
+    "functorch_joint_pass",
     "higher_order_operator_type",
     "import_compiler_stack",
     "inductor_compile_fx",
     "inductor_disable_buffer_reuse",
+    "inductor_joint_post_pass",
     "inductor_joint_pre_pass",
     "inductor_post_grad_post_pass",
     "inductor_buffer_reuse_default",
@@ -226,6 +228,21 @@ def dynamo_config_patch(**changes: Any) -> contextlib.AbstractContextManager:
     return dynamo_config.patch(**changes)
 
 
+def functorch_joint_pass(fn: Callable) -> contextlib.AbstractContextManager:
+    """Within, AOTAutograd runs ``fn(joint_module, joint_inputs) -> joint_module`` on every
+    joint graph before partitioning it, after a pass already set there
+    (``torch._functorch.config.joint_custom_pass``; torch 2.11, 2.15): scoped, restored on
+    exit. Any backend built on AOTAutograd (``aot_eager``) runs it."""
+    import torch._functorch.config as functorch_config
+
+    user = functorch_config.joint_custom_pass
+    if callable(user):
+        def chained(joint, inputs):
+            return fn(user(joint, inputs), inputs)
+        return functorch_config.patch(joint_custom_pass=chained)
+    return functorch_config.patch(joint_custom_pass=fn)
+
+
 def tracing_context() -> Any | None:
     """``torch._guards.TracingContext.try_get()``: the AOTAutograd tracing context of the
     graph being compiled (torch 2.11, 2.15), or ``None``."""
@@ -321,6 +338,14 @@ def inductor_joint_pre_pass() -> Any:
     """The current ``torch._inductor.config.joint_custom_pre_pass`` (torch 2.11, 2.15)."""
     config = importlib.import_module("torch._inductor.config")
     return getattr(config, "joint_custom_pre_pass", None)
+
+
+def inductor_joint_post_pass() -> Any:
+    """The current ``torch._inductor.config.joint_custom_post_pass``: Inductor runs it on
+    the joint graph after its own joint passes, just before partitioning (torch 2.11,
+    2.15)."""
+    config = importlib.import_module("torch._inductor.config")
+    return getattr(config, "joint_custom_post_pass", None)
 
 
 def inductor_post_grad_post_pass() -> Any:

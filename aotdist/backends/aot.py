@@ -21,6 +21,7 @@ import torch
 
 from aotdist import _compat
 from aotdist.backends.named import add_joint_pass, inductor_options
+from aotdist.backends.recompute import boundaries_saved
 from aotdist.backends.regional import regional_inner_compile
 
 __all__ = ["REBUILT", "aot_backend", "backend_name", "fix_storage_resizes",
@@ -200,10 +201,10 @@ def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None,
         aot_eager, boxed_nop = _compat.aot_eager_parts()
         # the graph compiler of aotdist's own aot_eager (fsdp.bucket_mb's bucketing) stays
         inner = getattr(backend, "aotdist_graph_compiler", boxed_nop)
-        return functools.partial(
+        return boundaries_saved(functools.partial(
             aot_eager, fw_compiler=_hooked(inner, "forward", on_graph),
             bw_compiler=_hooked(inner, "backward", on_graph),
-        )
+        ))
     if name == "inductor":
         compile_fx, compile_fx_inner = _compat.inductor_compile_fx()
         # Options of a wrapper built by aotdist or by torch.compile, completed with

@@ -162,25 +162,28 @@ def _install(options: dict, ours: list, why: str) -> None:
     options["post_grad_custom_post_pass"] = ours[0] if len(ours) == 1 else _chain_class()(ours)
 
 
-def add_joint_pass(options: dict, new) -> None:
-    """Appends ``new`` (a ``CustomGraphPass``) to the ``joint_custom_pre_pass`` slot of
-    ``options``, after what is there (Inductor's config value where ``options`` has none):
+def add_joint_pass(options: dict, new, slot: str = "joint_custom_pre_pass") -> None:
+    """Appends ``new`` (a ``CustomGraphPass``) to the ``slot`` of ``options``
+    (``joint_custom_pre_pass``, or ``joint_custom_post_pass``: after Inductor's own joint
+    passes), after what is there (Inductor's config value where ``options`` has none):
     a list where this torch takes one, else one chained pass. A pass with ``new``'s uuid
     already there is not added again. On a torch whose slot takes one pass, a user's pass
     that is not a ``CustomGraphPass`` cannot be chained (no uuid for the compile cache): it
     keeps the slot and ``new`` is left out, with a warning.
     """
-    user = options.get("joint_custom_pre_pass", _compat.inductor_joint_pre_pass())
+    current = (_compat.inductor_joint_pre_pass() if slot == "joint_custom_pre_pass"
+               else _compat.inductor_joint_post_pass())
+    user = options.get(slot, current)
     users = _passes(user)
     flat = [p for u in users for p in (u.passes if _is_chain(u) else [u])]
     uuids = [p.uuid() for p in flat if callable(getattr(p, "uuid", None))]
     if new.uuid() in uuids:
         return
     if _compat.inductor_takes_pass_lists():
-        options["joint_custom_pre_pass"] = [*users, new]
+        options[slot] = [*users, new]
     elif len(uuids) < len(flat):
         rank_zero_warn(
-            f"joint_custom_pre_pass={user!r} is not a CustomGraphPass, and torch "
+            f"{slot}={user!r} is not a CustomGraphPass, and torch "
             f"{torch.__version__}'s Inductor takes one joint pass: aotdist's pass "
             f"{new.uuid()!r} is left out. Fix: make your pass a "
             "torch._inductor.custom_graph_pass.CustomGraphPass (with a uuid).",
@@ -188,7 +191,7 @@ def add_joint_pass(options: dict, new) -> None:
         )
     else:
         passes = [*flat, new]
-        options["joint_custom_pre_pass"] = passes[0] if len(passes) == 1 else _chain_class()(passes)
+        options[slot] = passes[0] if len(passes) == 1 else _chain_class()(passes)
 
 
 def inductor_options(options: dict | None = None, *, warn: bool = True,
@@ -222,7 +225,7 @@ def inductor_options(options: dict | None = None, *, warn: bool = True,
         ConfigError: A user post-grad pass is set and this torch takes one pass only; or
             ``overlap`` on a torch without the overlap keys.
     """
-    from aotdist.backends.recompute import recompute_pass
+    from aotdist.backends.recompute import boundaries_pass, recompute_pass
 
     options = dict(options or {})
     # Off unless the user sets it: with it, Inductor may save a convolution's output of the
@@ -231,6 +234,9 @@ def inductor_options(options: dict | None = None, *, warn: bool = True,
     # the first backward; docs/guide/limits.md).
     options.setdefault("layout_optimization", False)
     add_joint_pass(options, recompute_pass())  # masks recomputed, not saved per call site
+    # checkpointed regions recomputed one at a time (after Inductor's joint passes, which
+    # would remove the copies it adds)
+    add_joint_pass(options, boundaries_pass(), slot="joint_custom_post_pass")
     bucketing = _add_collective_options(options, bucket_mb, overlap)
     _install(options, bucketing, "its bucketing pass. Fix: set fsdp.bucket_mb: null to keep "
              "your pass")

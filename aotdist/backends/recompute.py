@@ -1,25 +1,32 @@
-"""A joint-graph pass: what a graph computes from integer or boolean inputs alone (an
-attention mask, position indices) is recomputed in the backward, not saved.
+"""Joint-graph passes that decide what a compiled backward recomputes.
 
-SDPA turns a boolean attention mask into a float bias inside every decoder layer. A
-whole-model compile deduplicates those identical conversions and saves one bias for
-backward; a reused region saves its own at every call site: one float copy of the
-``batch x seq x seq`` mask per layer. Tagged ``PREFER_RECOMPUTE``, those nodes are left to
-AOTAutograd's min-cut partitioner to recompute (cheap pointwise work) in each backward, and
-it saves the mask itself, one tensor that every call site shares. Inductor runs the pass on
-the region's joint graph before partitioning it (torch 2.11, 2.14). Details:
-docs/internals.md.
+- :func:`tag_index_derived`: what a graph computes from integer or boolean inputs alone
+  (an attention mask) is recomputed, not saved: a reused region would save its own float
+  copy of SDPA's ``batch x seq x seq`` bias at every call site.
+- :func:`save_checkpoint_boundaries`: with checkpointing around each region call, each
+  region's input is saved and the backward recomputes one region at a time. torch tags
+  that boundary ``MUST_SAVE``, but a region call is one multi-output ``invoke_subgraph``
+  and the partitioner never bans recomputing a ``getitem``: it recomputed every region's
+  forward from one saved hidden state before the first region's backward (a peak no lower
+  than without checkpointing).
+
+Inductor runs them as joint pre- and post-pass; aotdist's other compiles run the second
+within :func:`saving_checkpoint_boundaries`. Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from aotdist import _compat
 
-__all__ = ["is_recompute_pass", "recompute_pass", "tag_index_derived"]
+__all__ = ["boundaries_pass", "boundaries_saved", "is_recompute_pass", "recompute_pass", "save_checkpoint_boundaries",
+           "saving_checkpoint_boundaries", "tag_index_derived"]
 
 _aten = torch.ops.aten
 _CHEAP = {_aten.full.default, _aten.scalar_tensor.default, _aten._to_copy.default,
@@ -75,21 +82,104 @@ def tag_index_derived(graph: torch.fx.Graph) -> list[str]:
     return tagged
 
 
-_PASS_UUID = "aotdist.recompute_index_derived.v1"
+def _recomputed(node: torch.fx.Node) -> bool:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return node.meta.get("recompute") in (CheckpointPolicy.MUST_RECOMPUTE,
+                                          CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def save_checkpoint_boundaries(graph: torch.fx.Graph) -> list[str]:
+    """Routes each output of a checkpointed multi-output node (a region call) that a later
+    checkpoint region takes through a copy tagged ``MUST_SAVE``, which the partitioner then
+    saves (a ``getitem`` it would not): the later region is recomputed from it.
+
+    Returns:
+        The names of the outputs routed (none: ``graph`` is unchanged).
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    routed = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not operator.getitem:
+            continue
+        parent = node.args[0]
+        if (not isinstance(parent, torch.fx.Node) or not _recomputed(parent)
+                or "ac_graph_id" not in parent.meta):
+            continue
+        later = [u for u in node.users if _recomputed(u)
+                 and u.meta.get("ac_graph_id", -1) > parent.meta["ac_graph_id"]]
+        if not later:
+            continue
+        # a copy, not a view: the partitioner saves a view's base, the recomputed output
+        with graph.inserting_after(node):
+            saved = graph.call_function(torch.ops.aten.clone.default, (node,))
+        saved.meta.update({k: node.meta[k] for k in ("val", "tensor_meta") if k in node.meta})
+        saved.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        for user in later:
+            user.replace_input_with(node, saved)
+        routed.append(node.name)
+    return routed
+
+
+def _joint_module_pass(joint: torch.fx.GraphModule, inputs: Any) -> torch.fx.GraphModule:
+    if save_checkpoint_boundaries(joint.graph):
+        joint.recompile()
+    return joint
+
+
+def saving_checkpoint_boundaries() -> Any:
+    """Within, every AOTAutograd compile (any backend) runs
+    :func:`save_checkpoint_boundaries` on its joint graph before partitioning it."""
+    return _compat.functorch_joint_pass(_joint_module_pass)
+
+
+class _BoundariesSaved:
+    """An AOTAutograd backend (``aot_eager``) whose joint graphs get
+    :func:`save_checkpoint_boundaries` before partitioning; other attributes are the
+    backend's (its ``compiler_name``)."""
+
+    def __init__(self, backend: Callable):
+        self._backend = backend
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
+        with saving_checkpoint_boundaries():
+            return self._backend(gm, example_inputs, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def boundaries_saved(backend: Callable) -> Callable:
+    """``backend`` (``aot_eager`` or one built from its parts) with each checkpointed
+    region's input saved and its recompute next to its backward (see the module)."""
+    return backend if isinstance(backend, _BoundariesSaved) else _BoundariesSaved(backend)
 
 
 @functools.cache
-def _pass_class() -> type:
-    class RecomputePass(_compat.custom_graph_pass_base()):
-        """:func:`tag_index_derived` as an Inductor joint-graph pre-pass."""
+def _pass_class(name: str, uuid: str) -> type:
+    """A ``CustomGraphPass`` class running the function ``name`` of this module on a graph
+    (made once per process: Inductor's config compares passes by uuid)."""
+    def call(self, graph: torch.fx.Graph) -> None:
+        globals()[name](graph)
 
-        def __call__(self, graph: torch.fx.Graph) -> None:
-            tag_index_derived(graph)
+    return type(name.title().replace("_", "") + "Pass", (_compat.custom_graph_pass_base(),),
+                {"__call__": call, "uuid": lambda self: uuid,
+                 "__doc__": f":func:`{name}` as an Inductor joint-graph pass."})
 
-        def uuid(self) -> str:
-            return _PASS_UUID
 
-    return RecomputePass
+_RECOMPUTE = ("tag_index_derived", "aotdist.recompute_index_derived.v1")
+_BOUNDARIES = ("save_checkpoint_boundaries", "aotdist.checkpoint_boundaries.v1")
+
+
+def boundaries_pass():
+    """A new instance of :func:`save_checkpoint_boundaries` as an Inductor joint post-pass
+    (a ``CustomGraphPass``).
+
+    Raises:
+        TorchFeatureUnavailable: This torch has no ``CustomGraphPass``.
+    """
+    return _pass_class(*_BOUNDARIES)()
 
 
 def recompute_pass():
@@ -98,9 +188,9 @@ def recompute_pass():
     Raises:
         TorchFeatureUnavailable: This torch has no ``CustomGraphPass``.
     """
-    return _pass_class()()
+    return _pass_class(*_RECOMPUTE)()
 
 
 def is_recompute_pass(obj) -> bool:
     """Whether ``obj`` is an instance of this joint-graph pass."""
-    return isinstance(obj, _pass_class())
+    return isinstance(obj, _pass_class(*_RECOMPUTE))

@@ -32,6 +32,7 @@ from torch import nn
 from aotdist import _compat
 from aotdist.backends.aot import REBUILT, aot_backend, backend_name, storage_resized_inputs
 from aotdist.backends.hoist import hoist_buffer_updates
+from aotdist.backends.recompute import saving_checkpoint_boundaries
 from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_chain
 from aotdist.log import rank_zero_warn
 
@@ -234,6 +235,10 @@ class RecordingBackend:
         pipeline compiles it then (torch 2.15 would segfault on the resize; a complex
         region's backward would fail on a conjugate view), or, for a resize and a backend
         aotdist cannot rebuild, the graph runs eagerly (with a warning)."""
+        with saving_checkpoint_boundaries():  # checkpointed regions recomputed one by one
+            return self._compile_inner(gm, example_inputs, rebuild=rebuild)
+
+    def _compile_inner(self, gm: torch.fx.GraphModule, example_inputs, *, rebuild: bool):
         if getattr(self.inner, "_aotdist_fixes_resizes", False):
             return self.inner(gm, example_inputs)
         resized = storage_resized_inputs(gm)

@@ -67,6 +67,43 @@ def test_activation_checkpointing_recomputes_and_still_reuses_the_region():
     assert with_ac < without / 3, (with_ac, without)
 
 
+def test_checkpointed_regions_save_their_inputs_and_recompute_one_at_a_time(monkeypatch):
+    """Checkpointing lowers the peak only if the backward recomputes one region, runs its
+    backward, then the next: each region's input saved, not one hidden state from which
+    every region's forward is recomputed before the first backward (what torch's
+    partitioner did with region calls, as much memory at once as no checkpointing)."""
+    import torch._dynamo.backends.debugging as debugging
+
+    orders = []
+    partition = debugging.min_cut_rematerialization_partition
+
+    def spy(*args, **kwargs):
+        fw, bw = partition(*args, **kwargs)
+        orders.append(["fw" if "fw" in n.args[0].target else "bw" for n in bw.graph.nodes
+                       if n.op == "call_function"
+                       and n.target is torch.ops.higher_order.invoke_subgraph])
+        return fw, bw
+
+    monkeypatch.setattr(debugging, "min_cut_rematerialization_partition", spy)
+    torch.manual_seed(0)
+    depth = 4
+    model = build_model("gpt", depth=depth)
+    ref = copy.deepcopy(model)
+    aotdist.parallelize(model, config={**AOT_EAGER, "ac": {"enabled": True}})
+    (x,), _ = example_inputs(model, 8)
+    for _ in range(3):  # several optimizer steps, blocks with different weights
+        assert_parity(model, ref, (x,))
+        for m in (model, ref):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+    assert ["fw", "bw"] * depth in orders, orders
+    hidden = x.shape[0] * x.shape[1] * model.blocks[0].ln1.normalized_shape[0] * 4
+    saved = _saved_bytes(model, x)
+    assert saved >= depth * hidden, (saved, depth * hidden)
+
+
 def test_activation_checkpointing_updates_batchnorm_statistics_once_per_step():
     # the checkpointed region call is recomputed in backward; BatchNorm's running
     # statistics follow eager without checkpointing (one update a step), and stay reused

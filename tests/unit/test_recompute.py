@@ -1,7 +1,10 @@
-"""Values a region computes from integer or boolean inputs alone (attention masks) are
-recomputed in its backward, not saved once per call site."""
+"""What a compiled backward recomputes: values a region computes from integer or boolean
+inputs alone (attention masks) are recomputed in its backward, not saved once per call
+site; a checkpointed region call's output that the next one takes is saved."""
 
 from __future__ import annotations
+
+import operator
 
 import pytest
 import torch
@@ -66,6 +69,56 @@ def test_every_aotdist_inductor_compile_carries_the_pass_once():
     once = inductor_options({})
     assert len(ours(once)) == 1
     assert len(ours(inductor_options(once))) == 1  # completing again adds nothing
+
+
+def test_the_checkpoint_boundaries_pass_runs_after_inductor_s_joint_passes_once():
+    """In the post slot: Inductor's own joint passes remove a copy as a no-op, so the
+    boundary copies are added after them, just before the partitioner."""
+    from aotdist.backends.named import inductor_options
+
+    def uuids(options):
+        slot = options.get("joint_custom_post_pass")
+        flat = slot if isinstance(slot, list) else [slot]
+        return [p.uuid() for q in flat for p in getattr(q, "passes", [q]) if p is not None]
+
+    once = inductor_options({})
+    assert uuids(once) == ["aotdist.checkpoint_boundaries.v1"]
+    assert uuids(inductor_options(once)) == ["aotdist.checkpoint_boundaries.v1"]
+
+
+def _checkpointed_calls_graph() -> torch.fx.Graph:
+    """Two checkpointed multi-output calls (region calls), the first's output 0 the
+    second's input, as Dynamo tags them (``ac_graph_id`` 1, 2)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    g = torch.fx.Graph()
+    x = g.placeholder("primals_1")
+    x.meta["val"] = torch.empty(2, 3)
+    calls = []
+    prev = x
+    for ac_id in (1, 2):
+        call = g.call_function(torch.ops.aten.split_with_sizes.default, (prev, [1, 1], 0))
+        out = g.call_function(operator.getitem, (call, 0))
+        for n in (call, out):
+            n.meta.update(recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=ac_id)
+        out.meta["val"] = torch.empty(1, 3)
+        calls.append((call, out))
+        prev = out
+    g.output([prev])
+    return g, calls
+
+
+def test_a_checkpointed_call_s_output_taken_by_a_later_one_is_saved_through_a_copy():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from aotdist.backends.recompute import save_checkpoint_boundaries
+
+    g, ((_, first_out), (second, _)) = _checkpointed_calls_graph()
+    assert save_checkpoint_boundaries(g) == [first_out.name]
+    copy = second.args[0]
+    assert copy.target is torch.ops.aten.clone.default and copy.args == (first_out,)
+    assert copy.meta["recompute"] is CheckpointPolicy.MUST_SAVE
+    assert save_checkpoint_boundaries(g) == []  # once
 
 
 class MaskedAttention(nn.Module):
