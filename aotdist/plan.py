@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -114,8 +115,8 @@ def plan(build: Callable[[], tuple[nn.Module, tuple]], *, world: int,
         build: ``build() -> (model, inputs)``, called under fake tensors (no memory).
         world: Ranks.
         mesh: ``(shard,)`` or ``(replicate, shard)`` (HSDP); default ``(world,)``.
-        config: The aotdist config of the job (``fsdp`` is turned on; ``compile``'s
-            settings are the capture's).
+        config: The aotdist config of the job (``fsdp`` is turned on; it compiles with
+            ``aot_eager``: the same graphs, nothing lowered).
         optimizer: ``adamw``, ``adam``, ``sgd`` or ``sgd-momentum`` (its state bytes).
         loss_fn: ``loss_fn(output) -> scalar``; default the mean of the first output.
         gpus_per_node: Ranks per node: a mesh dimension whose groups span nodes crosses
@@ -126,7 +127,7 @@ def plan(build: Callable[[], tuple[nn.Module, tuple]], *, world: int,
             process group already initialized in this process, a config that cannot run.
     """
     mesh = tuple(mesh or (world,))
-    if world < 1 or _prod(mesh) != world or len(mesh) not in (1, 2):
+    if world < 1 or math.prod(mesh) != world or len(mesh) not in (1, 2):
         raise ConfigError(f"plan: mesh {'x'.join(map(str, mesh))} does not give {world} "
                           "ranks. Fix: --mesh SHARD or REPLICATExSHARD, multiplying to --world.")
     if optimizer not in OPTIMIZER_STATES:
@@ -192,16 +193,9 @@ def _fake_world(world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _prod(xs: tuple[int, ...]) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
-
-
 def _spans_nodes(mesh: tuple[int, ...], i: int, per_node: int) -> bool:
     """Whether the groups of mesh dimension ``i`` (row-major ranks) span nodes."""
-    stride = _prod(mesh[i + 1:])
+    stride = math.prod(mesh[i + 1:])
     return stride * (mesh[i] - 1) >= per_node or (mesh[i] > per_node)
 
 
