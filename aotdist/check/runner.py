@@ -356,6 +356,19 @@ def _verdict(result: CheckResult, m, diff: _Diff, *, frames: bool = False,
             result.notes.setdefault("parity", diff.describe())
 
 
+def _guard(reason: str) -> str:
+    """One of torch's recompile reasons, short: each failed guard with the source line it
+    came from (``self.attention_type == 'block_sparse' (modeling_big_bird.py:1580)``),
+    without the source text torch pads beside it."""
+    out = []
+    for line in str(reason).splitlines():
+        guard, _, comment = line.partition("  # ")
+        guard = guard.strip().split(": ", 1)[-1] if guard.strip()[:1].isdigit() else guard.strip()
+        where = comment.rsplit("  # ", 1)[-1].split(" in ")[0].rsplit("/", 1)[-1]
+        out.append(f"{guard} ({where})" if where and ":" in where else guard)
+    return "; ".join(o for o in out if o)
+
+
 def _compile_whole(model: nn.Module, backend: str) -> nn.Module:
     """Whole-model ``torch.compile``: what aotdist is measured against."""
     return torch.compile(model, backend=backend)
@@ -404,7 +417,7 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
             if after and after[0].graphs:
                 result.notes.setdefault("later steps", (
                     f"steps 2-{steps} compiled {after[0].graphs} more graph(s) "
-                    f"({'; '.join(str(r) for r in after[0].recompiles)[:200] or 'a new frame'})"))
+                    f"({'; '.join(_guard(r) for r in after[0].recompiles)[:300] or 'a new frame'})"))
         except Exception as exc:  # noqa: BLE001 - classified below against torch.compile
             crashed = exc
             result.error = first_line(exc, 400)
