@@ -15,6 +15,7 @@ Details: docs/internals.md.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -199,9 +200,17 @@ def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None 
             "use aotdist.compile_regions(model), which compiles inside the FSDP units."
         )
     state = _prepare(model, plan, backend, mode, dynamic, options, verify, outer)
-    fn = _compat.unique_code_function(fn, type(model).__name__)
+    # A bound method (Accelerate's saved forward) is compiled as its function, its object
+    # bound outside: torch 2.11 compiles a bound method through one shared wrapper code
+    # (external_utils' ``inner``), whose cached graph a later compile of another method
+    # can hit, since 2.11 does not guard on the instance's class (the first-step check's
+    # trials then ran the graph they were meant to replace).
+    bound = (fn.__self__,) if isinstance(fn, types.MethodType) else ()
+    fn = _compat.unique_code_function(fn.__func__ if bound else fn, type(model).__name__)
     compiled = torch.compile(fn, backend=state.backend, dynamic=_torch_dynamic(dynamic))
-    state.call_fn, state.call_bound = fn, ()
+    if bound:
+        compiled = functools.partial(compiled, *bound)
+    state.call_fn, state.call_bound = fn, bound
     state.compiled = True
     return RegionGuardedCall(model, state, compiled)
 
