@@ -253,7 +253,8 @@ def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> Reg
                         min_repeats=rc.min_repeats)
 
 
-def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
+def shard_graph(model: nn.Module, config: AOTDistConfig, mesh,
+                checkpointed: tuple[str, ...] = ()) -> list[str]:
     """Shards every parameter of ``model`` as a ``Shard(0)`` DTensor for graph-mode FSDP
     (``(Replicate(), Shard(0))`` on a 2-D HSDP mesh: sharded along dim 1, replicated along 0).
 
@@ -264,6 +265,12 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
         model: The marked (not yet compiled) model; its parameter-owning modules change class.
         config: The config (``fsdp`` section used).
         mesh: A 1-D device mesh, or a 2-D ``(replicate, shard)`` one.
+        checkpointed: FQNs of the region instances run under activation checkpointing.
+            Their modules' gathers are not recomputed on their own: the checkpoint
+            recomputes the region's forward in backward, gathers included, and its
+            backward uses those gathered parameters (else the backward gathered each one
+            twice more, once for the recomputed forward and once for itself: 1.5x the
+            all-gather bytes of hooks mode).
 
     Returns:
         FQNs of the modules whose parameters were sharded.
@@ -289,12 +296,14 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh) -> list[str]:
     done, new_params = [], {}
     for fqn, mod in list(model.named_modules()):
         specs = []
+        reshard = fc.reshard_after_forward and not any(
+            fqn == c or fqn.startswith(c + ".") for c in checkpointed)
         for name, p in list(_compat.param_slots(mod).items()):
             if p is None:
                 continue
             spec = GatherSpec(
                 shape=tuple(p.shape), group=group.group_name, world=world,
-                reshard=fc.reshard_after_forward, param_dtype=torch_dtype(fc.param_dtype),
+                reshard=reshard, param_dtype=torch_dtype(fc.param_dtype),
                 reduce_dtype=torch_dtype(fc.reduce_dtype), replicate_group=replicate,
             )
             specs.append((name, spec))

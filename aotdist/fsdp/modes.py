@@ -104,7 +104,8 @@ class GraphSharding(Sharding):
 
     def shard(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig,
               mesh: Any) -> list[str]:
-        return shard_graph(model, config, mesh)
+        checkpointed = tuple(f for r in plan for f in r.fqns) if config.ac.enabled else ()
+        return shard_graph(model, config, mesh, checkpointed)
 
     def backend(self, config: AOTDistConfig, mesh: Any) -> tuple[Any, dict | None]:
         from aotdist.backends.named import graph_fsdp_backend
