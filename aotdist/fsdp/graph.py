@@ -208,9 +208,11 @@ def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) ->
         raise ConfigError(
             f"fsdp.mode: graph shards plain parameters, but {len(dtensors)} are DTensors "
             f"already, e.g. {dtensors[:3]} (tensor parallelism, or a model sharded before). "
-            "Graph-mode FSDP does not compose with tensor parallelism. Fix: use fsdp.mode: "
-            "hooks (FSDP2 on the data-parallel mesh dim composes with your parallelize_module "
-            "plan), or pass the unsharded model.")
+            "Graph-mode FSDP does not compose with tensor parallelism: its regions would take "
+            "DTensors into a reused invoke_subgraph, which torch cannot trace yet "
+            "(docs/internals.md, 'Tensor parallelism and graph-mode FSDP'). Fix: use "
+            "fsdp.mode: hooks (FSDP2 on the data-parallel mesh dim composes with your "
+            "parallelize_module plan, every region still reused), or pass the unsharded model.")
     if config.float8.enabled and config.float8.fsdp_all_gather:
         raise ConfigError(
             "float8.fsdp_all_gather is not supported with fsdp.mode: graph: torchao's float8 "
