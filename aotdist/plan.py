@@ -134,13 +134,6 @@ def plan(build: Callable[[], tuple[nn.Module, tuple]], *, world: int,
         raise ConfigError(f"plan: unknown optimizer {optimizer!r}; one of "
                           f"{', '.join(OPTIMIZER_STATES)}")
     config = dict(config or {})
-    if config.get("float8", {}).get("enabled"):
-        raise ConfigError("plan: Float8 training cannot be simulated yet (torchao's "
-                          "conversion swaps each Linear's weight for a Float8 tensor "
-                          "subclass, which fails on fake tensors). Fix: plan the job without "
-                          "float8 (drop --float8, or float8.enabled in --config); in hooks "
-                          "mode with float8.fsdp_all_gather its weight all-gathers carry 1 "
-                          "byte per element instead of bf16's 2.")
     config["fsdp"] = {**config.get("fsdp", {}), "enabled": True}
     # the job's compile, with aot_eager: the same graphs, nothing lowered
     config["compile"] = {**config.get("compile", {}), "enabled": True, "backend": "aot_eager"}
@@ -276,7 +269,8 @@ def _unit_collectives(out: Plan, model: nn.Module, dims: tuple[str, ...],
         nested = {id(q) for other in units.values() if _inside(other, unit)
                   for q in other.parameters()}
         own = [p for p in unit.parameters() if id(p) not in nested]
-        full = sum(_padded(p) * size(p, gather_dtype) for p in own)
+        full = sum(_padded(p) * (1 if _float8_gathered(p) else size(p, gather_dtype))
+                   for p in own)
         grads = sum(_padded(p) * size(p, reduce_dtype) for p in own if p.requires_grad)
         shard_bytes = sum(_local(p).numel() * size(p, reduce_dtype) for p in own
                           if p.requires_grad)
@@ -287,6 +281,13 @@ def _unit_collectives(out: Plan, model: nn.Module, dims: tuple[str, ...],
         if ar is not None:
             ar.count, ar.bytes = ar.count + 1, ar.bytes + shard_bytes
     out.collectives = [c for c in (ag, rs, ar) if c is not None and c.count]
+
+
+def _float8_gathered(p: torch.Tensor) -> bool:
+    """Whether FSDP2 gathers ``p`` in float8, 1 byte per element: torchao's weight with
+    ``float8.fsdp_all_gather`` (its local shard implements FSDP2's all-gather extension)."""
+    local = type(_local(p))
+    return hasattr(local, "fsdp_pre_all_gather") and "float8" in local.__name__.lower()
 
 
 def _padded(p: torch.Tensor) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 
 from aotdist._compat._base import attr, unavailable
 
-__all__ = ["fake_store", "fake_tensor_mode", "storage_id"]
+__all__ = ["fake_store", "fake_tensor_mode", "is_fake", "storage_id"]
 
 
 def fake_store() -> Any:
@@ -42,6 +42,13 @@ def fake_tensor_mode() -> Any:
         raise unavailable("torch's FakeTensorMode")
     with attr("torch._dynamo.config", "patch")(fake_tensor_cache_enabled=False):
         return mode(allow_non_fake_inputs=True)
+
+
+def is_fake(t: Any) -> bool:
+    """Whether ``t`` is a fake tensor, or a tensor subclass over fake ones
+    (``torch._subclasses.fake_tensor.is_fake``; torch 2.11, 2.15)."""
+    check = attr("torch._subclasses.fake_tensor", "is_fake")
+    return bool(check is not None and check(t))
 
 
 def storage_id(storage: Any) -> int:

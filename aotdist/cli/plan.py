@@ -82,8 +82,10 @@ def _run(args: argparse.Namespace) -> int:
         config["fsdp"]["param_dtype"] = args.param_dtype
     if args.ac:
         config["ac"]["enabled"] = True
-    if args.float8:
+    if args.float8 or args.float8_all_gather:
         config["float8"]["enabled"] = True
+    if args.float8_all_gather:
+        config["float8"]["fsdp_all_gather"] = True
     result = plan(_builder(args), world=args.world, mesh=mesh, config=config,
                   optimizer=args.optimizer, gpus_per_node=args.gpus_per_node)
     print(result.to_json() if args.json else result.table())
@@ -133,6 +135,9 @@ def register(sub) -> None:
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (ac.enabled)")
     cli.add_float8(p, help="Float8 training (float8.enabled)")
+    p.add_argument("--float8-all-gather", action="store_true",
+                   help="Float8 training with its weights all-gathered in float8 "
+                        "(float8.fsdp_all_gather; hooks mode)")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (--hf, factory)")
     p.add_argument("--gpus-per-node", type=int, default=8,

@@ -79,7 +79,7 @@ def _counting(op, kind: str, names: dict[str, str], counted: dict):
     return run
 
 
-CASES = {  # id: (ranks, mesh, fsdp config, ac)
+CASES = {  # id: (ranks, mesh, fsdp config, ac[, more config])
     "graph": (2, (2,), {"mode": "graph"}, False),
     "hooks": (2, (2,), {"mode": "hooks"}, False),
     "graph-ac": (2, (2,), {"mode": "graph"}, True),
@@ -88,12 +88,15 @@ CASES = {  # id: (ranks, mesh, fsdp config, ac)
     "hooks-bf16": (2, (2,), {"mode": "hooks", "param_dtype": "bfloat16"}, False),
     "graph-hsdp-2x2": (4, (2, 2), {"mode": "graph"}, False),
     "hooks-hsdp-2x2": (4, (2, 2), {"mode": "hooks"}, False),
+    # torchao's weights all-gathered in float8 by FSDP2: 1 byte per element
+    "hooks-bf16-float8-gather": (2, (2,), {"mode": "hooks", "param_dtype": "bfloat16"}, False,
+                                 {"float8": {"enabled": True, "fsdp_all_gather": True}}),
 }
 
 
 def _config(case: str) -> dict:
-    _, _, fsdp, ac = CASES[case]
-    return {"fsdp": dict(fsdp), "ac": {"enabled": ac}}
+    _, _, fsdp, ac, *more = CASES[case]
+    return {"fsdp": dict(fsdp), "ac": {"enabled": ac}, **(more[0] if more else {})}
 
 
 def _real(rank: int, world_size: int, case: str) -> dict:
@@ -105,7 +108,7 @@ def _real(rank: int, world_size: int, case: str) -> dict:
     from aotdist.bench.saved import SavedBytes
     from aotdist.plan import Plan, _memory
 
-    _, shape, fsdp, _ = CASES[case]
+    _, shape, fsdp, *_ = CASES[case]
     dims = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
     torch.manual_seed(0)
     config = {**_config(case), "compile": {"backend": "aot_eager"}}
@@ -147,7 +150,7 @@ def test_the_plan_is_what_the_ranks_run(case):
     """Same model, config and mesh: simulated at N ranks, and run on N gloo ranks."""
     from aotdist.plan import plan
 
-    world, shape, _, _ = CASES[case]
+    world, shape, *_ = CASES[case]
     simulated = plan(_build, world=world, mesh=shape, config=_config(case))
     real = run_distributed(_real, world, case, timeout=300)[0]
     assert simulated.param_bytes == real["params"]
@@ -203,12 +206,26 @@ def test_the_command_prints_the_plan_as_json_with_the_mesh_s_network_dimension(c
     assert hsdp["regions"]["GPTBlock"]["subgraphs"] == 1
 
 
-def test_float8_is_refused_with_the_fix(capsys):
+def test_float8_all_gather_gathers_the_float8_weights_in_one_byte(capsys):
+    """``--float8-all-gather`` (hooks mode): torchao's Float8Linear weights gathered in
+    float8, the rest in bf16 (the exact bytes against a real run: the agreement case)."""
+    import json
+
     from aotdist.cli import main
 
-    assert main(["plan", "--world", "2", "--depth", "2", "--float8"]) != 0
-    err = capsys.readouterr().err
-    assert "Float8 training cannot be simulated yet" in err and "Fix:" in err
+    def gathered(*argv):
+        code = main(["plan", "--depth", "2", "--world", "4", "--param-dtype", "bfloat16",
+                     "--json", *argv])
+        out, err = capsys.readouterr()
+        if code != 0:
+            return code, err
+        return code, next(c for c in json.loads(out)["collectives"] if c["kind"] == "all_gather")
+
+    (_, bf16), (_, float8) = gathered(), gathered("--float8-all-gather")
+    assert float8["count"] == bf16["count"] and float8["bytes"] < 0.6 * bf16["bytes"], (
+        bf16, float8)
+    code, err = gathered("--float8-all-gather", "--fsdp-mode", "graph")
+    assert code != 0 and "float8.fsdp_all_gather is not supported with fsdp.mode: graph" in err
 
 
 def test_a_transformers_config_json_is_planned_as_its_sizes(tmp_path, capsys):
