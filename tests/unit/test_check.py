@@ -126,6 +126,31 @@ def test_a_parity_failure_says_whether_whole_model_compile_is_wrong_too(monkeypa
         "gradients"]
 
 
+def _grads_off(model, by: float):
+    """Scales the head's gradient by ``1 + by``: the loss stays eager's, the gradient not."""
+    head = list(model.parameters())[-1]
+    head.register_hook(lambda g: g * (1 + by))
+    return model
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("regions", "whole", "status"), [
+    (1e-3, 1e-3, "torch.compile fails too"),  # as far off as whole-model compile: torch's
+    (1e-2, 1e-3, "parity"),  # ten times further off: the regions'
+])
+def test_gradients_off_as_much_as_whole_model_compile_s_are_torch_s(monkeypatch, regions,
+                                                                     whole, status):
+    real = aotdist.compile_regions
+    monkeypatch.setattr(aotdist, "compile_regions",
+                        lambda model, **kwargs: real(_grads_off(model, regions), **kwargs))
+    monkeypatch.setattr("aotdist.check.runner._compile_whole",
+                        lambda model, backend: _grads_off(model, whole))
+    result = check_family(f"{__name__}:toy")
+    assert result.status == status, result.line()
+    assert "whole-model torch.compile's gradients are off eager's too" in result.notes[
+        "gradients"]
+
+
 @pytest.mark.timeout(120)
 def test_a_wrong_result_fails_the_check(monkeypatch, capsys, tmp_path):
     real = aotdist.compile_regions
