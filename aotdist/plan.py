@@ -251,6 +251,7 @@ def _unit_collectives(out: Plan, model: nn.Module, dims: tuple[str, ...],
     one in the backward; one reduce-scatter of its gradients; HSDP: one all-reduce. In
     ``fsdp.param_dtype`` / ``fsdp.reduce_dtype`` where set (FSDP2's mixed precision)."""
     from aotdist.config import torch_dtype
+    from aotdist.float8 import float8_linears
     from aotdist.fsdp import fsdp_modules
 
     gather_dtype = torch_dtype(fsdp.param_dtype)
@@ -265,12 +266,14 @@ def _unit_collectives(out: Plan, model: nn.Module, dims: tuple[str, ...],
     rs = Collective("reduce_scatter", shard, network=span[shard])
     ar = Collective("all_reduce", dims[0], network=span[dims[0]]) if len(dims) == 2 else None
     units = {fqn: model.get_submodule(fqn) for fqn in fsdp_modules(model)}  # root: ""
+    # torchao's weights with float8.fsdp_all_gather: FSDP2 gathers them at 1 byte per element
+    float8 = {id(m.weight) for m in float8_linears(model)
+              if m.config.enable_fsdp_float8_all_gather}
     for fqn, unit in units.items():
         nested = {id(q) for other in units.values() if _inside(other, unit)
                   for q in other.parameters()}
         own = [p for p in unit.parameters() if id(p) not in nested]
-        full = sum(_padded(p) * (1 if _float8_gathered(p) else size(p, gather_dtype))
-                   for p in own)
+        full = sum(_padded(p) * (1 if id(p) in float8 else size(p, gather_dtype)) for p in own)
         grads = sum(_padded(p) * size(p, reduce_dtype) for p in own if p.requires_grad)
         shard_bytes = sum(_local(p).numel() * size(p, reduce_dtype) for p in own
                           if p.requires_grad)
@@ -281,13 +284,6 @@ def _unit_collectives(out: Plan, model: nn.Module, dims: tuple[str, ...],
         if ar is not None:
             ar.count, ar.bytes = ar.count + 1, ar.bytes + shard_bytes
     out.collectives = [c for c in (ag, rs, ar) if c is not None and c.count]
-
-
-def _float8_gathered(p: torch.Tensor) -> bool:
-    """Whether FSDP2 gathers ``p`` in float8, 1 byte per element: torchao's weight with
-    ``float8.fsdp_all_gather`` (its local shard implements FSDP2's all-gather extension)."""
-    local = type(_local(p))
-    return hasattr(local, "fsdp_pre_all_gather") and "float8" in local.__name__.lower()
 
 
 def _padded(p: torch.Tensor) -> int:
