@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ __all__ = [
     "compiled_graph_callable",
     "current_frame_locals",
     "custom_graph_pass_base",
+    "fake_mode_of",
+    "recorded_writes",
     "dynamo_config_patch",
     "dynamo_counters",
     "functorch_joint_pass",
@@ -163,6 +165,71 @@ def current_frame_locals() -> dict | None:
         return translator.current_tx().f_locals
     except Exception:  # noqa: BLE001 - not inside a Dynamo frame compile, or renamed
         return None
+
+
+def fake_mode_of(values: list) -> Any:
+    """The ``FakeTensorMode`` the first fake tensor in ``values`` belongs to (its
+    ``fake_mode``, torch 2.11, 2.15; not the tracing context's, which can be another), or
+    ``None``."""
+    fake = attr("torch._subclasses.fake_tensor", "FakeTensor")
+    for value in values:
+        if fake is not None and isinstance(value, fake):
+            return value.fake_mode
+    return None
+
+
+class _Writes:
+    """The storages the aten ops run under :func:`recorded_writes` wrote."""
+
+    def __init__(self) -> None:
+        self.keys: set = set()
+
+    @staticmethod
+    def key(tensor: torch.Tensor) -> Any:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(tensor.untyped_storage())
+
+    def wrote(self, tensor: torch.Tensor) -> bool:
+        """Whether an op wrote ``tensor``'s storage (through it or through a view)."""
+        return self.key(tensor) in self.keys
+
+
+# Ops whose schema does not declare the running statistics they update in training
+# (arguments 3 and 4, when argument 5, ``training``, is true); torch's functionalization
+# special-cases them the same way.
+_UNDECLARED_BATCH_NORM_WRITES = ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")
+
+
+@contextlib.contextmanager
+def recorded_writes() -> Iterator[_Writes]:
+    """Records every tensor an aten op writes in place, as its schema declares
+    (``Tensor(a!)``: ``add_``, ``copy_``...), and the running statistics of the batch-norm
+    ops whose schema does not declare them (``native_batch_norm``; neither moves a version
+    counter), with a ``TorchDispatchMode`` (torch 2.11, 2.15)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    writes = _Writes()
+
+    def note(value: object) -> None:
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                writes.keys.add(writes.key(t))
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            schema = getattr(func, "_schema", None)
+            for i, arg in enumerate(schema.arguments if schema is not None else ()):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    note(args[i] if i < len(args) else kwargs.get(arg.name))
+            name = getattr(getattr(func, "_schema", None), "name", "").split("::")[-1]
+            if name in _UNDECLARED_BATCH_NORM_WRITES and len(args) > 5 and args[5]:
+                note(args[3:5])
+            return func(*args, **kwargs)
+
+    with Recorder():
+        yield writes
 
 
 def compilation_metrics() -> list | None:

@@ -2,14 +2,15 @@
 
 ``invoke_subgraph`` refuses a subgraph that mutates an input in training ("does not
 currently support training with in-place input or buffer mutations"), so a block that
-counts or accumulates into a buffer (torchtitan's MoE tokens-per-expert count, a running
-average) was demoted. This Dynamo-graph pass moves such an update out of the subgraph: the
-update's tensor operands become extra outputs of the subgraph, and each call site applies
-the same in-place op to its own buffer right after the call. It acts only where nothing
-changes: the buffer and the operands need no gradient, the op's result is unused, and the
-subgraph reads the buffer no more after the update, so every value the region computes,
-and the buffer after the call, are as eager's. Anything else stays, and demotes as before.
-Nested regions are handled from the innermost out.
+counts or accumulates into a buffer (torchtitan's MoE tokens-per-expert count, BatchNorm's
+running statistics) was demoted. This Dynamo-graph pass takes such updates out: an
+in-place op whose result is unused and after which the buffer is not read again moves to
+each call site, right after the call, with its tensor operands as extra outputs; any other
+write to an input that needs no gradient (an op that updates it as a side effect, as
+``F.batch_norm`` in training does, or a read after the update) runs, as written, on a copy
+made at the start of the subgraph, whose final value is an extra output that each call
+site writes back into its own buffer. Every value the region computes, and the buffer
+after the call, are as eager's. Nested regions are handled from the innermost out.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from aotdist import _compat
 from aotdist.log import get_logger
 
 __all__ = ["hoist_buffer_updates"]
@@ -46,30 +48,50 @@ class _Update:
 def hoist_buffer_updates(gm: fx.GraphModule) -> list[str]:
     """Rewrites ``gm``'s region subgraphs in place; returns the subgraphs changed."""
     changed: list[str] = []
-    bodies: dict[str, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if _is_invoke(node) and node.args[0].op == "get_attr":
-            bodies.setdefault(node.args[0].target, []).append(node)
-    for name, calls in bodies.items():
-        body = gm.get_submodule(name)
+    bodies: dict[int, tuple[fx.GraphModule, str, list[fx.Node]]] = {}
+    for owner in _graphs_calling_regions(gm):
+        for node in owner.graph.nodes:
+            if _is_invoke(node) and node.args[0].op == "get_attr":
+                body = owner.get_submodule(node.args[0].target)
+                bodies.setdefault(id(body), (body, node.args[0].target, []))[2].append(node)
+    touched: set[int] = set()
+    for body, name, calls in bodies.values():
         changed += [f"{name}.{n}" for n in hoist_buffer_updates(body)]  # innermost first
         updates = _take_updates(body)
-        if not updates:
+        copied = _copy_written_inputs(body)
+        if not updates and not copied:
             continue
-        updated = {u.index for u in updates}
+        updated = {u.index for u in updates} | set(copied)
         inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
         unused = {i for i in updated if not inputs[i].users}
         for call in calls:
-            _apply_after(gm.graph, call, updates)
-            _pass_updated_inputs(gm.graph, call, updated, unused)
+            _apply_after(call.graph, call, updates, copied)
+            _pass_updated_inputs(call.graph, call, updated, unused)
+            touched.add(id(call.graph.owning_module))
         for i in sorted(unused, reverse=True):
             body.graph.erase_node(inputs[i])
         body.recompile()
         changed.append(name)
+    for owner in _graphs_calling_regions(gm):
+        if id(owner) in touched:
+            owner.recompile()
     if changed:
-        gm.recompile()
         _log.debug("buffer updates applied after the region call: %s", changed)
     return changed
+
+
+def _graphs_calling_regions(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and the bodies of the other higher-order ops it calls, at any depth (the
+    region call of an instance under activation checkpointing sits in the body of a
+    ``tag_activation_checkpoint``), not the region bodies themselves."""
+    found = [gm]
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and any(u.op == "call_function" and not _is_invoke(u)
+                                         for u in node.users):
+            sub = gm.get_submodule(str(node.target))
+            if isinstance(sub, fx.GraphModule):
+                found += _graphs_calling_regions(sub)
+    return found
 
 
 def _is_invoke(node: fx.Node) -> bool:
@@ -139,9 +161,59 @@ def _take_updates(body: fx.GraphModule) -> list[_Update]:
     return updates
 
 
-def _apply_after(graph: fx.Graph, call: fx.Node, updates: list[_Update]) -> None:
+def _written_inputs(body: fx.GraphModule) -> list[int]:
+    """The inputs of ``body`` that need no gradient and that running it writes in place:
+    an op writes their storage (as its schema declares) when the subgraph runs once on
+    fake copies of its example inputs (exact whatever op writes them, ``F.batch_norm``'s
+    running statistics included; empty when it cannot run so)."""
+    inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+    examples = [n.meta.get("example_value") for n in inputs]
+    candidates = [i for i, e in enumerate(examples) if isinstance(e, torch.Tensor)
+                  and not e.requires_grad and inputs[i].users]
+    mode = _compat.fake_mode_of(examples) if candidates else None
+    if mode is None:
+        return []
+    try:
+        with mode, torch.no_grad():
+            args = [e.clone() if isinstance(e, torch.Tensor) else e for e in examples]
+            with _compat.recorded_writes() as writes:
+                fx.Interpreter(body).run(*args)
+    except Exception as exc:  # noqa: BLE001 - not runnable so: left to torch, as before
+        _log.debug("subgraph not run on fake inputs (%s): its writes stay", exc)
+        return []
+    return [i for i in candidates if writes.wrote(args[i])]
+
+
+def _copy_written_inputs(body: fx.GraphModule) -> dict[int, int]:
+    """Makes each input :func:`_written_inputs` finds a copy at the start of ``body``, read
+    and written by the subgraph in its place, and returned as an extra output; returns
+    input index -> output index."""
+    written = _written_inputs(body)
+    if not written:
+        return {}
+    graph = body.graph
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    results = list(output.args[0])
+    copied = {}
+    for i in written:
+        with graph.inserting_after(inputs[-1]):
+            copy = graph.call_method("clone", (inputs[i],))
+        copy.meta.update(inputs[i].meta)
+        inputs[i].replace_all_uses_with(copy, delete_user_cb=lambda user, c=copy: user is not c)
+        copied[i] = len(results)
+        results.append(copy)
+    output.args = (tuple(results),)
+    graph.lint()
+    body.recompile()
+    return copied
+
+
+def _apply_after(graph: fx.Graph, call: fx.Node, updates: list[_Update],
+                 copied: dict[int, int]) -> None:
     """After ``call`` and its results, each update applied to the call site's own input,
-    its operands detached (torch 2.11 marks every subgraph output as needing grad)."""
+    its operands detached (torch 2.11 marks every subgraph output as needing grad), and
+    each copied input's final value written back into the call site's own input."""
     cursor = call
     while cursor.next.op == "call_function" and cursor.next.args[:1] == (call,):
         cursor = cursor.next  # the getitems of the results
@@ -170,6 +242,10 @@ def _apply_after(graph: fx.Graph, call: fx.Node, updates: list[_Update]) -> None
         kwargs = {k: value(v) for k, v in update.kwargs.items()}
         target = operands[update.index]
         insert("call_method", update.method, (target, *args), kwargs,
+               example=target.meta.get("example_value"))
+    for index, out in copied.items():
+        target = operands[index]
+        insert("call_method", "copy_", (target, value(("out", out))),
                example=target.meta.get("example_value"))
 
 

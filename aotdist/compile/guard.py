@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from aotdist import _compat
-from aotdist.compile.fixes.batchnorm import overridden_batchnorms
 from aotdist.compile.isolate import Trials
 from aotdist.compile.marking import apply_region_class, unmark_region
 from aotdist.compile.state import CompiledCall, RegionState
@@ -245,12 +244,6 @@ def _demote(model: nn.Module, state: RegionState, name: str, reason: str) -> Non
             "no handling inside the region keeps the model's result, so for training pass "
             "use_cache=False (model(..., use_cache=False) or model.config.use_cache = False), "
             "which keeps the region reused." if _stores_into_an_argument(reason) else "")
-    region = state.plan.by_name(name)
-    if "buffer mutation" in reason and (own := sorted({
-            n for f in region.fqns for n in overridden_batchnorms(model.get_submodule(f))})):
-        hint += (f" Its {', '.join(own)} override BatchNorm's forward, which aotdist "
-                 "keeps as written (its BatchNorm handling reproduces only torch's own "
-                 "forward), so their running statistics are updated in place.")
     rank_zero_warn(
         f"aotdist region {name!r} cannot be a reusable subgraph: {reason}. It is compiled "
         "inline in the surrounding graph instead (no reuse; Dynamo handles its graph breaks "

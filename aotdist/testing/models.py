@@ -191,8 +191,8 @@ class CountingBlock(nn.Module):
 
 
 class ReadAfterUpdateBlock(CountingBlock):
-    """Reads its buffer after updating it in place in training: a region aotdist cannot
-    take the update out of, so it is demoted."""
+    """Reads its buffer after updating it in place in training: the update cannot move
+    after the call, so it runs on a copy made in the region, written back by the caller."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:

@@ -295,26 +295,46 @@ def test_capture_with_inductor_uses_the_options_of_compile_regions(monkeypatch):
         assert patches.get("allow_buffer_reuse") == expected.get("allow_buffer_reuse")
 
 
-def test_a_region_mutating_buffers_in_training_is_demoted_and_reported():
-    # invoke_subgraph rejects in-place buffer mutation in training, and a region that reads
-    # the buffer after its update keeps it: capture must demote the region as
-    # compile_regions does, not crash.
-    model = nn.Sequential(*[ReadAfterUpdateBlock() for _ in range(3)]).train()
+class _BreakingBlock(CountingBlock):
+    """Breaks the graph inside its forward: a region that cannot be a reused subgraph."""
+
+    def forward(self, x):
+        out = torch.relu(self.lin(x))
+        torch._dynamo.graph_break()
+        return out + 1
+
+
+def test_a_region_that_cannot_be_a_subgraph_is_demoted_and_reported():
+    # capture must demote the region as compile_regions does, not crash
+    model = nn.Sequential(nn.Linear(8, 8), *[_BreakingBlock() for _ in range(3)]).train()
     x = torch.randn(2, 8)
     stats = {n: b.clone() for n, b in model.named_buffers()}
     with pytest.warns(aotdist.RegionCompileWarning, match="cannot be a reusable subgraph"):
         cap = aotdist.capture(model, x, loss_fn=_loss)
-    assert list(cap.demoted) == ["ReadAfterUpdateBlock"]
-    assert "mutation" in cap.demoted["ReadAfterUpdateBlock"]
-    region = cap.regions["ReadAfterUpdateBlock"]
-    assert region.demoted == cap.demoted["ReadAfterUpdateBlock"]
-    assert region.call_sites == [] and region.inlined == 3
-    mutated = {m["input"] for m in cap.mutations if m["kind"] == "data"}
-    assert {"0.seen", "2.seen"} <= mutated
-    assert "demoted: ReadAfterUpdateBlock" in cap.summary()
+    assert list(cap.demoted) == ["_BreakingBlock"]
+    region = cap.regions["_BreakingBlock"]
+    assert region.demoted == cap.demoted["_BreakingBlock"]
+    assert region.call_sites == [] and "graph_break" in region.demoted
+    assert "demoted: _BreakingBlock" in cap.summary()
     assert json.loads(json.dumps(cap.to_dict()))["demoted"] == cap.demoted
     assert "_aotdist_state" not in vars(model)  # unmarked again, buffers as before
     for n, b in model.named_buffers():
+        torch.testing.assert_close(b, stats[n])
+
+
+def test_a_region_reading_its_buffer_after_writing_it_stays_one_subgraph_in_capture():
+    # the write runs on a copy in the region and is written back by the caller
+    # (aotdist.backends.hoist); capture reports it as the outer graph's buffer write
+    model = nn.Sequential(nn.Linear(8, 8), *[ReadAfterUpdateBlock() for _ in range(3)]).train()
+    x = torch.randn(2, 8)
+    stats = {n: b.clone() for n, b in model.named_buffers()}
+    cap = aotdist.capture(model, x, loss_fn=_loss)
+    region = cap.regions["ReadAfterUpdateBlock"]
+    assert not cap.demoted and (len(region.call_sites), region.num_subgraphs) == (3, 1), \
+        cap.summary()
+    mutated = {m["input"] for m in cap.mutations if m["kind"] == "data"}
+    assert {"1.seen", "2.seen", "3.seen"} <= mutated, cap.mutations
+    for n, b in model.named_buffers():  # capture leaves the model's state as it was
         torch.testing.assert_close(b, stats[n])
 
 

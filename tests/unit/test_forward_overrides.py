@@ -5,8 +5,9 @@ stochastic depth's drop rate), it does so only where the module's ``forward`` is
 the function the fix reproduces. A subclass that overrides ``forward`` (an activation
 after the norm, as timm's ``BatchNormAct2d``; a SyncBatchNorm-style variant; a custom
 DropPath) runs as written: its losses, gradients and running statistics stay eager's over
-several optimizer steps, and a region that then cannot be a reused subgraph is demoted
-with a warning naming the module's class.
+several optimizer steps. A BatchNorm subclass's region stays one reused subgraph (its
+running statistics are written back by the caller, aotdist.backends.hoist); a custom
+DropPath's rate specializes the graph as written.
 """
 
 from __future__ import annotations
@@ -59,13 +60,17 @@ def _train_compiled(model, reference, *, backend="aot_eager"):
                if issubclass(w.category, aotdist.RegionCompileWarning)]
 
 
+def _reused(m, warned) -> None:
+    assert not warned and not m.demoted, (warned, m.summary())
+    assert (m.regions["ConvNormBlock"].call_sites, m.regions["ConvNormBlock"].subgraphs) == (3, 1)
+
+
 @pytest.mark.parametrize("norm", [BatchNormRelu, _ScaledBatchNorm], ids=["act", "own_bn"])
-def test_a_batchnorm_subclass_with_its_own_forward_trains_as_eager(norm):
+def test_a_batchnorm_subclass_with_its_own_forward_trains_as_eager_in_one_subgraph(norm):
     model = _net(norm)
     reference = copy.deepcopy(model)
-    m, warned = _train_compiled(model, reference)
-    assert norm.__name__ in " ".join(warned), warned  # the demotion names the class
-    assert list(m.demoted) == ["ConvNormBlock"], m.summary()
+    m, warned = _train_compiled(model, reference)  # buffers compared after every step
+    _reused(m, warned)
     assert type(model[1].norm) is norm  # never swapped
     assert model[1].norm.num_batches_tracked.item() == 3
 
@@ -74,8 +79,7 @@ def test_torch_s_own_batchnorm_still_shares_one_subgraph_in_the_same_model():
     model = _net(nn.BatchNorm2d)
     reference = copy.deepcopy(model)
     m, warned = _train_compiled(model, reference)
-    assert not warned and not m.demoted, m.summary()
-    assert (m.regions["ConvNormBlock"].call_sites, m.regions["ConvNormBlock"].subgraphs) == (3, 1)
+    _reused(m, warned)
 
 
 @pytest.mark.inductor
@@ -85,7 +89,7 @@ def test_a_batchnorm_subclass_with_its_own_forward_trains_as_eager_with_inductor
     model = _net(BatchNormRelu)
     reference = copy.deepcopy(model)
     m, warned = _train_compiled(model, reference, backend="inductor")
-    assert "BatchNormRelu" in " ".join(warned) and list(m.demoted) == ["ConvNormBlock"]
+    _reused(m, warned)
 
 
 def test_timm_batchnorm_act_keeps_its_activation():
@@ -93,8 +97,8 @@ def test_timm_batchnorm_act_keeps_its_activation():
     model = _net(timm_layers.BatchNormAct2d)
     reference = copy.deepcopy(model)
     m, warned = _train_compiled(model, reference)
-    assert "BatchNormAct2d" in " ".join(warned), warned
-    assert isinstance(model[1].norm.act, nn.ReLU)
+    _reused(m, warned)
+    assert isinstance(model[1].norm.act, nn.ReLU) and type(model[1].norm) is timm_layers.BatchNormAct2d
 
 
 class _HalfDropPath(nn.Module):

@@ -17,6 +17,7 @@ from aotdist import ConfigError, ConfigWarning, OrderingError, metrics
 from aotdist.config import Float8Config
 from aotdist.float8 import convert_to_float8
 from aotdist.testing import build_model, example_inputs
+from aotdist.testing.models import BatchNormRelu
 from aotdist.testing.parity import assert_parity
 
 AOT_EAGER = {"compile": {"backend": "aot_eager"}}
@@ -104,11 +105,17 @@ def test_checkpointed_regions_save_their_inputs_and_recompute_one_at_a_time(monk
     assert saved >= depth * hidden, (saved, depth * hidden)
 
 
-def test_activation_checkpointing_updates_batchnorm_statistics_once_per_step():
+@pytest.mark.parametrize("norm", [nn.BatchNorm2d, BatchNormRelu], ids=["torch", "own_forward"])
+def test_activation_checkpointing_updates_batchnorm_statistics_once_per_step(norm):
     # the checkpointed region call is recomputed in backward; BatchNorm's running
-    # statistics follow eager without checkpointing (one update a step), and stay reused
+    # statistics follow eager without checkpointing (one update a step), and stay reused:
+    # torch's class through its swap, a subclass with its own forward through the copy
+    # written back after the call (aotdist.backends.hoist)
     torch.manual_seed(0)
     model = build_model("resnet", depth=3)
+    for m in model.modules():
+        if type(m) is nn.BatchNorm2d:
+            m.__class__ = norm
     ref = copy.deepcopy(model)
     aotdist.parallelize(model, config={**AOT_EAGER, "ac": {"enabled": True}})
     (x,), _ = example_inputs(model, 4)

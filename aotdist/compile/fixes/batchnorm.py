@@ -9,7 +9,8 @@ non-mutating on purpose (nothing in a training step reads them after the update)
 outside a compile and in a recompute in backward, BatchNorm runs as the user's class does.
 Only a module whose ``forward`` is torch's own ``_BatchNorm.forward`` (function identity)
 is swapped: a subclass with a forward of its own (timm's ``BatchNormAct2d``) runs as
-written, and its region is demoted with the reason. Details: docs/internals.md.
+written, and the buffer-write pass (aotdist.backends.hoist) keeps its region reused.
+Details: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 from aotdist import _compat
 from aotdist.compile.per_process import made_class
 
-__all__ = ["overridden_batchnorms", "restore", "swap", "update_op"]
+__all__ = ["restore", "swap", "update_op"]
 
 _LIB = "aotdist::update_batch_norm_stats"
 
@@ -83,14 +84,6 @@ def _reproduced(cls: type) -> bool:
     ``_BatchNorm.forward``): a subclass that overrides it (an activation after the norm,
     SyncBatchNorm) is never swapped, whatever its name or base."""
     return cls.forward is nn.modules.batchnorm._BatchNorm.forward
-
-
-def overridden_batchnorms(module: nn.Module) -> list[str]:
-    """Class names of the BatchNorm modules under ``module`` whose ``forward`` is their own
-    (not swapped: their region updates running statistics in place, and is demoted)."""
-    return sorted({type(m).__name__ for m in module.modules()
-                   if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                   and "_aotdist_bn_base" not in vars(type(m)) and not _reproduced(type(m))})
 
 
 def swap(module: nn.Module) -> list[nn.Module]:
