@@ -47,16 +47,13 @@ class _Update:
 
 def hoist_buffer_updates(gm: fx.GraphModule) -> list[str]:
     """Rewrites ``gm``'s region subgraphs in place; returns the subgraphs changed."""
-    changed: list[str] = []
     bodies: dict[int, tuple[fx.GraphModule, str, list[fx.Node]]] = {}
-    for owner in _graphs_calling_regions(gm):
-        for node in owner.graph.nodes:
-            if _is_invoke(node) and node.args[0].op == "get_attr":
-                body = owner.get_submodule(node.args[0].target)
-                bodies.setdefault(id(body), (body, node.args[0].target, []))[2].append(node)
-    touched: set[int] = set()
-    for body, name, calls in bodies.values():
-        changed += [f"{name}.{n}" for n in hoist_buffer_updates(body)]  # innermost first
+    order: list[int] = []
+    _collect_calls(gm, bodies, order)
+    changed: list[str] = []
+    touched: dict[int, fx.GraphModule] = {}
+    for key in order:  # innermost first: an inner body's writes become its caller's
+        body, name, calls = bodies[key]
         updates = _take_updates(body)
         copied = _copy_written_inputs(body)
         if not updates and not copied:
@@ -64,20 +61,36 @@ def hoist_buffer_updates(gm: fx.GraphModule) -> list[str]:
         updated = {u.index for u in updates} | set(copied)
         inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
         unused = {i for i in updated if not inputs[i].users}
-        for call in calls:
+        for call in calls:  # every call site, in whichever graph it sits
             _apply_after(call.graph, call, updates, copied)
             _pass_updated_inputs(call.graph, call, updated, unused)
-            touched.add(id(call.graph.owning_module))
+            owner = call.graph.owning_module
+            touched[id(owner)] = owner
         for i in sorted(unused, reverse=True):
             body.graph.erase_node(inputs[i])
         body.recompile()
         changed.append(name)
-    for owner in _graphs_calling_regions(gm):
-        if id(owner) in touched:
-            owner.recompile()
+    for owner in touched.values():
+        owner.recompile()
     if changed:
         _log.debug("buffer updates applied after the region call: %s", changed)
     return changed
+
+
+def _collect_calls(gm: fx.GraphModule, bodies: dict, order: list[int]) -> None:
+    """Every region call under ``gm`` (nested regions included), grouped by the subgraph
+    called; ``order`` lists the subgraphs innermost first, each once, however many graphs
+    call it."""
+    for owner in _graphs_calling_regions(gm):
+        for node in owner.graph.nodes:
+            if not (_is_invoke(node) and node.args[0].op == "get_attr"):
+                continue
+            body = owner.get_submodule(node.args[0].target)
+            if id(body) not in bodies:
+                bodies[id(body)] = (body, node.args[0].target, [])
+                _collect_calls(body, bodies, order)
+                order.append(id(body))
+            bodies[id(body)][2].append(node)
 
 
 def _graphs_calling_regions(gm: fx.GraphModule) -> list[fx.GraphModule]:
