@@ -15,9 +15,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.zoo, pytest.mark.filterwarnings("ign
 
 def _trains_with_parity(result) -> None:
     assert result.ok and result.steps == 3, result.line() + "\n" + result.error
-    # BatchNormAct2d runs as timm wrote it, updating its statistics in place: torch 2.11
-    # refuses that in a reused subgraph, so there its regions are demoted, each named
-    assert result.status in ("reused", "partly reused", "demoted"), result.line()
+    # BatchNormAct2d runs as timm wrote it; its running statistics (and MoE's token counts)
+    # are written back by each call site, so no region is demoted for a buffer write
+    assert result.status in ("reused", "partly reused"), result.line()
+    assert "buffer" not in str(result.notes), result.line()
     rtol = tolerance("aot_eager")
     assert result.max_grad_diff <= rtol and result.max_buffer_diff <= rtol, result.line()
     assert result.max_loss_diff <= rtol * max(1.0, abs(result.loss_eager)), result.line()
