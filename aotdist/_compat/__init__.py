@@ -103,6 +103,7 @@ from aotdist._compat.precompile import (
 )
 from aotdist._compat.subgraphs import (
     cached_subgraph_schemas,
+    flat_nested_subgraph_refs,
     recomputable_reductions,
     tolerant_subgraph_dedup,
 )
@@ -148,6 +149,7 @@ __all__ = [
     "current_frame_locals",
     "custom_graph_pass_base",
     "fake_mode_of",
+    "flat_nested_subgraph_refs",
     "recorded_writes",
     "default_store",
     "dynamo_config_patch",

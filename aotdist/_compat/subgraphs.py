@@ -1,16 +1,16 @@
 """Scoped fixes to how Dynamo and AOTAutograd handle ``invoke_subgraph``.
 
-Three context managers, each active for the duration of a compiled call only, and each a
+Four context managers, each active for the duration of a compiled call only, and each a
 no-op where the torch function it wraps does not exist (checked on torch 2.11 and 2.15):
 
-- :func:`tolerant_subgraph_dedup`: Dynamo's comparison of a new region body with the
-  installed subgraphs (``are_same_graph_modules``) no longer raises on placeholders
-  without ``example_value``, and sees per-trace autograd-function trampolines of one
-  ``fn_cls`` as equal, so such a region is reused rather than inlined.
+- :func:`tolerant_subgraph_dedup`: Dynamo's region body comparison tolerates placeholders
+  without ``example_value`` and per-trace trampolines of one autograd function.
 - :func:`cached_subgraph_schemas`: memoizes ``invoke_subgraph``'s schema per subgraph and
   operand metadata, so AOTAutograd does not re-trace the region body at every call site.
 - :func:`recomputable_reductions`: lets AOTAutograd's partitioner recompute reductions
   while a graph holding regions compiles.
+- :func:`flat_nested_subgraph_refs`: AOTAutograd's tracer refers to a region subgraph
+  nested in another by a top-level name, not by a dotted one it cannot read back.
 
 Why each is needed: docs/internals.md.
 """
@@ -21,7 +21,8 @@ import contextlib
 import importlib
 from collections.abc import Callable, Iterator
 
-__all__ = ["cached_subgraph_schemas", "recomputable_reductions", "tolerant_subgraph_dedup"]
+__all__ = ["cached_subgraph_schemas", "flat_nested_subgraph_refs", "recomputable_reductions",
+           "tolerant_subgraph_dedup"]
 
 _MODULE = "torch._dynamo.variables.higher_order_ops"
 _NAME = "are_same_graph_modules"
@@ -186,3 +187,54 @@ def recomputable_reductions() -> Iterator[None]:
         return
     with functorch_config.patch(ban_recompute_reductions=False):
         yield
+
+
+@contextlib.contextmanager
+def flat_nested_subgraph_refs() -> Iterator[None]:
+    """Within: when AOTAutograd's tracer (``PythonKeyTracer``) emits a ``get_attr`` of a
+    graph module it finds only under a dotted name (a region's backward subgraph registered
+    inside another's: ``repeated_subgraph16.repeated_subgraph1``), the node refers to a
+    top-level alias of that module instead; ``create_node`` reads the target back with a
+    plain ``getattr``, which raised AttributeError for the dotted name (a region nested in
+    another: timm's LeViT, ResNeXt, FastViT; checked on torch 2.11 and 2.15); restored on
+    exit. Nested use and a torch without the tracer: a no-op."""
+    try:
+        module = importlib.import_module("torch.fx.experimental.proxy_tensor")
+    except ImportError:
+        yield
+        return
+    cls = getattr(module, "PythonKeyTracer", None)
+    original = getattr(cls, "create_node", None)
+    if original is None or hasattr(original, "_aotdist_original"):
+        yield
+        return
+
+    def create_node(self, kind, target, args, kwargs, *rest, **more):
+        if kind == "get_attr" and isinstance(target, str) and "." in target:
+            target = _flat_alias(self, target)
+        return original(self, kind, target, args, kwargs, *rest, **more)
+
+    create_node._aotdist_original = original
+    cls.create_node = create_node
+    try:
+        yield
+    finally:
+        cls.create_node = original
+
+
+def _flat_alias(tracer, target: str) -> str:
+    """A top-level name on ``tracer.root`` for the graph module at dotted ``target`` (one
+    per module), or ``target`` itself when that is not a graph module."""
+    import torch.fx
+
+    try:
+        sub = tracer.root.get_submodule(target)
+    except (AttributeError, TypeError):
+        return target
+    if not isinstance(sub, torch.fx.GraphModule):
+        return target
+    aliases = tracer.__dict__.setdefault("_aotdist_flat_aliases", {})
+    if id(sub) not in aliases:
+        aliases[id(sub)] = name = tracer.get_fresh_qualname("repeated_subgraph")
+        tracer.root.register_module(name, sub)
+    return aliases[id(sub)]

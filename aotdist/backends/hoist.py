@@ -201,12 +201,12 @@ def _copy_written_inputs(body: fx.GraphModule) -> dict[int, int]:
     """Makes each input :func:`_written_inputs` finds a copy at the start of ``body``, read
     and written by the subgraph in its place, and returned as an extra output; returns
     input index -> output index."""
-    written = _written_inputs(body)
+    graph = body.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    written = _written_inputs(body) if isinstance(output.args[0], (tuple, list)) else []
     if not written:
         return {}
-    graph = body.graph
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
-    output = next(n for n in graph.nodes if n.op == "output")
     results = list(output.args[0])
     copied = {}
     for i in written:

@@ -209,6 +209,7 @@ class RecordingBackend:
             # 2.11 would start a Python per ISA in every process, warm starts included);
             # Triton kernels from a cache entry find their autotuning under this cache dir.
             with (_compat.recomputable_reductions() if regions else contextlib.nullcontext(),
+                  _compat.flat_nested_subgraph_refs() if regions else contextlib.nullcontext(),
                   _compat.remembered_isa_loads(), _compat.rerooted_autotune_lookups()):
                 compiled = self._compile(gm, example_inputs, rebuild=bool(complex_regions))
         except Exception as exc:

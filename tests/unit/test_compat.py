@@ -221,3 +221,27 @@ def test_recomputable_reductions_is_scoped():
             assert functorch_config.ban_recompute_reductions is False
         assert functorch_config.ban_recompute_reductions is False
     assert functorch_config.ban_recompute_reductions is True
+
+
+def test_flat_nested_subgraph_refs_names_a_nested_graph_module_by_a_top_level_alias():
+    from torch.fx.experimental.proxy_tensor import PythonKeyTracer
+
+    inner = torch.fx.symbolic_trace(lambda a: (a + 1,))
+    outer = torch.fx.symbolic_trace(lambda a: (a * 2,))
+    outer.add_submodule("repeated_subgraph1", inner)
+    tracer = PythonKeyTracer()
+    tracer.root = torch.nn.Module()
+    tracer.root.add_module("repeated_subgraph0", outer)
+    tracer.graph = torch.fx.Graph(tracer_cls=PythonKeyTracer)
+    original = PythonKeyTracer.create_node
+    with pytest.raises(AttributeError, match="repeated_subgraph0.repeated_subgraph1"):
+        tracer.create_node("get_attr", "repeated_subgraph0.repeated_subgraph1", (), {})
+    with _compat.flat_nested_subgraph_refs():
+        with _compat.flat_nested_subgraph_refs():  # nested: still the one wrapper
+            assert PythonKeyTracer.create_node._aotdist_original is original
+        first = tracer.create_node("get_attr", "repeated_subgraph0.repeated_subgraph1", (), {})
+        again = tracer.create_node("get_attr", "repeated_subgraph0.repeated_subgraph1", (), {})
+        plain = tracer.create_node("get_attr", "repeated_subgraph0", (), {})
+    assert "." not in first.target and again.target == first.target  # one alias per module
+    assert tracer.root.get_submodule(first.target) is inner and plain.target == "repeated_subgraph0"
+    assert PythonKeyTracer.create_node is original  # restored
