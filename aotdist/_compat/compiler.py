@@ -223,7 +223,7 @@ def recorded_writes() -> Iterator[_Writes]:
             for i, arg in enumerate(schema.arguments if schema is not None else ()):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     note(args[i] if i < len(args) else kwargs.get(arg.name))
-            name = getattr(getattr(func, "_schema", None), "name", "").split("::")[-1]
+            name = getattr(schema, "name", "").split("::")[-1]
             if name in _UNDECLARED_BATCH_NORM_WRITES and len(args) > 5 and args[5]:
                 note(args[3:5])
             return func(*args, **kwargs)
