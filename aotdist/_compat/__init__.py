@@ -104,7 +104,9 @@ from aotdist._compat.precompile import (
 from aotdist._compat.subgraphs import (
     cached_subgraph_schemas,
     flat_nested_subgraph_refs,
+    inline_single_use_regions,
     recomputable_reductions,
+    single_use_inlining_deferred,
     tolerant_subgraph_dedup,
 )
 
@@ -150,6 +152,8 @@ __all__ = [
     "custom_graph_pass_base",
     "fake_mode_of",
     "flat_nested_subgraph_refs",
+    "inline_single_use_regions",
+    "single_use_inlining_deferred",
     "recorded_writes",
     "default_store",
     "dynamo_config_patch",

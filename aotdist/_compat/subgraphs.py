@@ -1,16 +1,16 @@
-"""Scoped fixes to how Dynamo and AOTAutograd handle ``invoke_subgraph``.
+"""Scoped fixes to how Dynamo and AOTAutograd handle ``invoke_subgraph``, each active for
+a compiled call only and a no-op where the torch function it wraps does not exist (checked
+on torch 2.11 and 2.15):
 
-Four context managers, each active for the duration of a compiled call only, and each a
-no-op where the torch function it wraps does not exist (checked on torch 2.11 and 2.15):
-
-- :func:`tolerant_subgraph_dedup`: Dynamo's region body comparison tolerates placeholders
-  without ``example_value`` and per-trace trampolines of one autograd function.
-- :func:`cached_subgraph_schemas`: memoizes ``invoke_subgraph``'s schema per subgraph and
-  operand metadata, so AOTAutograd does not re-trace the region body at every call site.
-- :func:`recomputable_reductions`: lets AOTAutograd's partitioner recompute reductions
-  while a graph holding regions compiles.
-- :func:`flat_nested_subgraph_refs`: AOTAutograd's tracer refers to a region subgraph
-  nested in another by a top-level name, not by a dotted one it cannot read back.
+- :func:`tolerant_subgraph_dedup`: Dynamo's body comparison tolerates placeholders without
+  ``example_value`` and per-trace trampolines of one autograd function.
+- :func:`cached_subgraph_schemas`: ``invoke_subgraph``'s schema memoized per subgraph and
+  operand metadata (AOTAutograd does not re-trace the body at every call site).
+- :func:`recomputable_reductions`: the partitioner may recompute reductions.
+- :func:`flat_nested_subgraph_refs`: a subgraph nested in another is referred to by a
+  top-level name, not by a dotted one AOTAutograd's tracer cannot read back.
+- :func:`single_use_inlining_deferred`: the backend sees every region call and inlines
+  those still called once itself (:func:`inline_single_use_regions`).
 
 Why each is needed: docs/internals.md.
 """
@@ -21,8 +21,8 @@ import contextlib
 import importlib
 from collections.abc import Callable, Iterator
 
-__all__ = ["cached_subgraph_schemas", "flat_nested_subgraph_refs", "recomputable_reductions",
-           "tolerant_subgraph_dedup"]
+__all__ = ["cached_subgraph_schemas", "flat_nested_subgraph_refs", "inline_single_use_regions",
+           "recomputable_reductions", "single_use_inlining_deferred", "tolerant_subgraph_dedup"]
 
 _MODULE = "torch._dynamo.variables.higher_order_ops"
 _NAME = "are_same_graph_modules"
@@ -238,3 +238,45 @@ def _flat_alias(tracer, target: str) -> str:
         aliases[id(sub)] = name = tracer.get_fresh_qualname("repeated_subgraph")
         tracer.root.register_module(name, sub)
     return aliases[id(sub)]
+
+
+_INLINING_DEFERRED: list[bool] = []  # non-empty within single_use_inlining_deferred
+
+
+@contextlib.contextmanager
+def single_use_inlining_deferred() -> Iterator[None]:
+    """Within: Dynamo leaves a region subgraph that is called once as a call
+    (``inline_single_use_invoke_subgraph`` off: torch 2.14 and 2.15 inline it before the
+    backend sees it; torch 2.11 has no such pass), so that the recording backend sees every
+    call site of a region, and calls :func:`inline_single_use_regions` after merging the
+    subgraphs that differ only in an input's layout. A no-op where the option does not
+    exist or is off (the user's choice stays), and nested; restored on exit."""
+    try:
+        import torch._dynamo.config as dynamo_config
+    except ImportError:
+        yield
+        return
+    if not getattr(dynamo_config, "inline_single_use_invoke_subgraph", False):
+        yield
+        return
+    _INLINING_DEFERRED.append(True)
+    try:
+        with dynamo_config.patch(inline_single_use_invoke_subgraph=False):
+            yield
+    finally:
+        _INLINING_DEFERRED.pop()
+
+
+def inline_single_use_regions(gm) -> None:
+    """torch's own inlining of region subgraphs called once, applied to ``gm`` in place
+    where :func:`single_use_inlining_deferred` put it off (torch 2.14, 2.15); else a no-op
+    (torch 2.11 has no such pass and inlines nothing)."""
+    if not _INLINING_DEFERRED:
+        return
+    try:
+        from torch._higher_order_ops.passes.inline_invoke_subgraph import (
+            inline_single_use_invoke_subgraph,
+        )
+    except ImportError:
+        return
+    inline_single_use_invoke_subgraph(gm)

@@ -167,18 +167,23 @@ def _run_demoting(model: nn.Module, state, recorder: Recorder, recording, compil
     failed attempt recorded is dropped, and the step is traced again."""
     guard = RegionGuardedCall(model, state, compiled, backend=recording)
     report = recorder.report
+
+    def run():  # the backend sees every region call, as under compile_regions
+        with _compat.single_use_inlining_deferred():
+            return compiled(model, args, kwargs)
+
     for _ in range(2 * len(state.plan) + 1):
         try:
-            return compiled(model, args, kwargs)
+            return run()
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is a region failure
-            if not guard.handle(exc, lambda: compiled(model, args, kwargs)):
+            if not guard.handle(exc, run):
                 raise
         recorder.reset()
         report.graphs.clear()
         report.mutations.clear()
         report.subclass_inputs.clear()
         report.fixes.clear()
-    return compiled(model, args, kwargs)
+    return run()
 
 
 def _unmark(model: nn.Module) -> None:

@@ -150,7 +150,8 @@ class RegionGuardedCall(_compat.CallWrapper):
         # until reuse is reported: torch's own reasons for not reusing a region's subgraph
         why = (_compat.reuse_refusals(self._state.refusals) if not self._state.reuse_checked
                else contextlib.nullcontext())
-        with _compat.tolerant_subgraph_dedup(), _compat.cached_subgraph_schemas(), why:
+        with (_compat.tolerant_subgraph_dedup(), _compat.cached_subgraph_schemas(),
+              _compat.single_use_inlining_deferred(), why):
             return self._compiled(*args, **kwargs)  # dedup: reuse, not a crash (2.11)
 
     def handle(self, exc: Exception, run: Callable[[], Any]) -> bool:

@@ -127,7 +127,8 @@ _MISMATCH_FIXES = {
     "shape": ("a block applied at two sizes (feature maps of two resolutions) cannot share "
               "one subgraph: exclude the region (find_regions(model, exclude=[...])), and "
               "it compiles inline as in whole-model torch.compile, without this warning"),
-    "stride": "hand every instance inputs of one layout (.contiguous())",
+    "stride": ("hand every instance inputs of one layout (.contiguous()); aotdist does so "
+               "itself only for inputs that need a gradient, not for buffers or data"),
     "requires_grad": ("the first block is fed data that needs no gradient: let it compute "
                       "one from a tensor that does, or accept one more subgraph"),
 }

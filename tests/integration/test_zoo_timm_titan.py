@@ -1,6 +1,7 @@
 """Models nobody here wrote, trained 3 SGD steps against eager: timm networks whose
 BatchNorm is timm's ``BatchNormAct2d`` (a BatchNorm subclass with its own forward: batch
-norm, then an activation) and torchtitan's MoE model from its own code."""
+norm, then an activation), timm's CaiT (a region fed inputs of two layouts) and
+torchtitan's MoE model from its own code."""
 
 from __future__ import annotations
 
@@ -46,6 +47,18 @@ def test_timm_regions_nested_in_regions_train_with_parity():
     assert "nested" not in str(result.notes) and "repeated_subgraph" not in str(result.notes), \
         result.line()
     assert any(n.startswith("ConvNormAct") for n in result.regions), result.line()
+
+
+@pytest.mark.timeout(900)
+def test_timm_class_attention_blocks_share_one_subgraph_across_input_layouts():
+    # CaiT: the first class-attention block gets the class token expanded over the batch
+    # (stride 0), the second the first's output; torch traced a second subgraph for it
+    pytest.importorskip("timm")
+    result = check_family("timm:cait_xxs24_224", whole_model=False)
+    _trains_with_parity(result)
+    blocks = result.regions["LayerScaleBlockClassAttn"]
+    assert (blocks["call_sites"], blocks["subgraphs"]) == (2, 1), result.line()
+    assert result.status == "reused", result.line()
 
 
 @pytest.mark.timeout(900)
