@@ -152,6 +152,34 @@ def test_gradients_off_as_much_as_whole_model_compile_s_are_torch_s(monkeypatch,
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("rounding", [True, False])
+def test_gradients_as_close_to_float64_eager_as_eager_is_are_rounding(monkeypatch, rounding):
+    real = aotdist.compile_regions
+    monkeypatch.setattr(aotdist, "compile_regions",
+                        lambda model, **kwargs: real(_grads_off(model, 1e-3), **kwargs))
+    monkeypatch.setattr("aotdist.check.runner._compile_whole",
+                        lambda model, backend: _grads_off(model, 1e-3))
+    seen = {}
+
+    def errors(exact, runs):  # the float64 run is real; the errors as a rounding case has
+        seen["exact"] = exact()
+        off = 1e-3 if rounding else 1e-1
+        return {"eager": 1e-3, "aotdist": off, "whole-model compile": off}
+
+    monkeypatch.setattr("aotdist.check.runner.rounding_errors", errors)
+    result = check_family(f"{__name__}:toy")
+    assert all(g.dtype == torch.float64 for g in seen["exact"][0].values() if g is not None)
+    if rounding:
+        assert result.status == "reused" and result.ok, result.line()
+        assert "fp32 rounding" in result.notes["gradients"] and "parity" not in result.notes
+        assert result.whole_model == "trains", result.whole_model
+    else:  # off as whole-model compile is: torch's, as without the float64 run
+        assert result.status == "torch.compile fails too", result.line()
+        assert result.whole_model.startswith("wrong gradients"), result.whole_model
+        assert "fp32 rounding" not in str(result.notes)
+
+
+@pytest.mark.timeout(120)
 def test_a_wrong_result_fails_the_check(monkeypatch, capsys, tmp_path):
     real = aotdist.compile_regions
     monkeypatch.setattr(aotdist, "compile_regions",
