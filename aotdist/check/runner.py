@@ -19,7 +19,6 @@ import importlib
 import time
 import traceback
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,14 +36,14 @@ from aotdist.check.families import (
 from aotdist.check.families_timm import TIMM_MODELS, timm_family
 from aotdist.check.families_titan import titan_family
 from aotdist.check.rounding import as_float64, describe, only_rounding, rounding_errors
-from aotdist.compile.verify import compare_grads, tolerance
+from aotdist.check.steps import Diff, Run, run_step, train
+from aotdist.compile.verify import tolerance
 from aotdist.config import FSDP_MODES
 from aotdist.errors import first_line
 
 __all__ = ["FAILING", "STEPS", "CheckResult", "check_family", "check_fsdp", "resolve"]
 
 STEPS = 3  # SGD steps each way: a wrong buffer update shows in the next step's loss
-LR = 0.05
 
 # Statuses that fail ``aotdist check`` (non-zero exit) and the zoo's test.
 FAILING = ("crash", "parity", "eager!")
@@ -157,29 +156,6 @@ def resolve(spec: str) -> Family:
     return Family(spec, "user model", build, "user")
 
 
-def _call(model: nn.Module, inputs: dict[str, Any]):
-    if set(inputs) == {"*"}:
-        return model(*inputs["*"])
-    return model(**inputs)
-
-
-def _step(family: Family, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-    loss = family.loss_of(_call(model, inputs))
-    loss.backward()
-    return loss.detach()
-
-
-def _grad_diff(model: nn.Module, reference: nn.Module, *,
-               rtol: float) -> tuple[float, bool, list[str]]:
-    """:func:`aotdist.compile.verify.compare_grads` of the two models' gradients: the
-    largest scaled difference, whether all are within ``rtol``, the zero-for-``None``
-    gradients."""
-    worst, bad, zeros = compare_grads(
-        {n: p.grad for n, p in model.named_parameters()},
-        {n: p.grad for n, p in reference.named_parameters()}, rtol=rtol)
-    return worst, bad is None, zeros
-
-
 def _classify(result: CheckResult, m, caught: list[str]) -> None:
     """Fills ``status``, ``regions`` and ``notes`` from the aotdist step's metrics."""
     for name, st in m.regions.items():
@@ -211,110 +187,13 @@ def _region_warnings(caught) -> list[str]:
             if issubclass(w.category, aotdist.RegionCompileWarning)]
 
 
-@dataclass
-class _Diff:
-    """How far one way of training is from eager, worst over the steps compared."""
-
-    loss: float = 0.0  # absolute
-    loss_ok: bool = True
-    grad: float = 0.0  # scaled, as compare_grads scales
-    grad_bad: str | None = None  # the first parameter beyond tolerance
-    buffer: float | None = None  # ``None``: buffers not compared
-    buffer_bad: str | None = None
-    step: int | None = None  # the first step (1-based) that differs
-    zeros: list[str] = field(default_factory=list)
-    first_loss: float | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.loss_ok and self.grad_bad is None and self.buffer_bad is None
-
-    def add(self, step: int, loss: float, ref_loss: float, grads: dict, ref_grads: dict,
-            buffers: dict | None, ref_buffers: dict | None, rtol: float) -> None:
-        """Adds step ``step``'s comparison (losses, gradients, buffers after the update)."""
-        self.loss = max(self.loss, abs(loss - ref_loss))
-        loss_ok = abs(loss - ref_loss) <= rtol * max(1.0, abs(ref_loss))
-        worst, bad, zeros = compare_grads(grads, ref_grads, rtol=rtol)
-        self.grad = max(self.grad, worst)
-        if step == 1:
-            self.zeros, self.first_loss = zeros, loss
-        ok = loss_ok and bad is None
-        if ref_buffers is not None:
-            # every buffer eager has (aotdist's own non-persistent ones aside)
-            worst_b, bad_b, _ = compare_grads({n: buffers.get(n) for n in ref_buffers},
-                                              ref_buffers, rtol=rtol)
-            self.buffer = max(self.buffer or 0.0, worst_b)
-            self.buffer_bad = self.buffer_bad or bad_b
-            ok &= bad_b is None
-        self.loss_ok &= loss_ok
-        self.grad_bad = self.grad_bad or bad
-        if not ok and self.step is None:
-            self.step = step
-
-    def describe(self) -> str:
-        """Where it first differs: the step and what."""
-        what = [w for w, bad in (("the loss", not self.loss_ok),
-                                 (f"gradient of {self.grad_bad}", self.grad_bad),
-                                 (f"buffer {self.buffer_bad}", self.buffer_bad)) if bad]
-        return f"differs from eager from step {self.step}: {', '.join(what)}"
-
-
-def _snapshot(tensors) -> dict[str, torch.Tensor | None]:
-    """Detached copies (complex ones as real pairs: compare_grads compares reals)."""
-    out = {}
-    for name, t in tensors:
-        if t is not None:
-            t = t.detach().clone()
-            t = torch.view_as_real(t) if t.is_complex() else t
-        out[name] = t
-    return out
-
-
-@dataclass
-class _Run:
-    """Eager's record of each step: loss, gradients, buffers after the update."""
-
-    losses: list[float] = field(default_factory=list)
-    grads: list[dict] = field(default_factory=list)
-    buffers: list[dict] = field(default_factory=list)
-
-
-def _train(family: Family, model: nn.Module, inputs: dict[str, Any], *, steps: int,
-           seed: int, record: _Run | None = None, against: _Run | None = None,
-           rtol: float = 0.0, call: nn.Module | None = None,
-           after_first: Callable[[], None] | None = None) -> _Diff | None:
-    """``steps`` SGD steps of ``model`` (run as ``call``, default itself: a
-    ``torch.compile`` wrapper of it) on ``inputs``, each from the same random seed whichever
-    way the model runs; ``record`` keeps each step (eager), or each step is compared
-    ``against`` eager's record. ``after_first`` is called once the first step is done."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    diff = _Diff() if against is not None else None
-    for i in range(steps):
-        if i == 1 and after_first is not None:
-            after_first()
-        opt.zero_grad(set_to_none=True)
-        torch.manual_seed(seed + 1000 + i)  # the same random stream for every way, per step
-        loss = _step(family, model if call is None else call, inputs).item()
-        grads = _snapshot((n, p.grad) for n, p in model.named_parameters())
-        opt.step()
-        buffers = _snapshot(model.named_buffers())
-        if record is not None:
-            record.losses.append(loss)
-            record.grads.append(grads)
-            record.buffers.append(buffers)
-        if diff is not None:
-            diff.add(i + 1, loss, against.losses[i], grads, against.grads[i], buffers,
-                     against.buffers[i], rtol)
-    return diff
-
-
 def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, reference: nn.Module,
            backend: str, *, frames: bool = False, whole_zeros: list[str] | None = None,
            ran: dict[str, int] | None = None) -> None:
     """:func:`_verdict` on one step: ``loss`` against ``result.loss_eager``, the gradients
     of ``model`` against those of ``reference``."""
     result.loss_aotdist = loss.item()
-    diff = _Diff()
+    diff = Diff()
     diff.add(1, result.loss_aotdist, result.loss_eager,
              {n: p.grad for n, p in model.named_parameters()},
              {n: p.grad for n, p in reference.named_parameters()}, None, None,
@@ -322,7 +201,7 @@ def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, referen
     _verdict(result, m, diff, frames=frames, whole_zeros=whole_zeros, ran=ran)
 
 
-def _verdict(result: CheckResult, m, diff: _Diff, *, frames: bool = False,
+def _verdict(result: CheckResult, m, diff: Diff, *, frames: bool = False,
              whole_zeros: list[str] | None = None, ran: dict[str, int] | None = None) -> None:
     """Status from the metrics, then ``eager!`` (``frames``: a kept region with fewer
     compiled call sites than instances that ran, ``ran`` counting them per region where
@@ -394,8 +273,8 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
         without_randomness(model)
         reference, whole = copy.deepcopy(model), copy.deepcopy(model)
         exact = as_float64(model, inputs)  # eager in float64, where gradients differ
-        eager = _Run()
-        _train(family, reference, inputs, steps=steps, seed=seed, record=eager)
+        eager = Run()
+        train(family, reference, inputs, steps=steps, seed=seed, record=eager)
         result.loss_eager = eager.losses[0]
     except Exception as exc:  # noqa: BLE001 - the tiny build itself fails: not aotdist's
         if family.source == "user":
@@ -413,8 +292,8 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
             with contextlib.ExitStack() as later:
                 m = later.enter_context(aotdist.metrics.track(model))
                 after = []
-                diff = _train(family, model, inputs, steps=steps, seed=seed, against=eager,
-                              record=(ran := _Run()),
+                diff = train(family, model, inputs, steps=steps, seed=seed, against=eager,
+                              record=(ran := Run()),
                               rtol=rtol, after_first=lambda _model=model: (
                                   later.close(), after.append(
                                       later.enter_context(aotdist.metrics.track(_model)))))
@@ -427,10 +306,10 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
             result.error = first_line(exc, 400)
     result.warnings = _region_warnings(caught)
     del model
-    whole_zeros, whole_diff, whole_ran = None, None, _Run()
+    whole_zeros, whole_diff, whole_ran = None, None, Run()
     if whole_model:
         try:
-            whole_diff = _train(family, whole, inputs, steps=steps, seed=seed, against=eager,
+            whole_diff = train(family, whole, inputs, steps=steps, seed=seed, against=eager,
                                 record=whole_ran,
                                 rtol=rtol, call=_compile_whole(whole, backend))
             result.whole_model_grad_diff, whole_zeros = whole_diff.grad, whole_diff.zeros
@@ -453,7 +332,7 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
         if result.status == "parity" and diff.loss_ok and diff.buffer_bad is None:
 
             def exact_grads() -> list[dict]:
-                _train(family, *exact, steps=steps, seed=seed, record=(run := _Run()))
+                train(family, *exact, steps=steps, seed=seed, record=(run := Run()))
                 return run.grads
 
             errors = rounding_errors(exact_grads, {"eager": eager.grads, "aotdist": ran.grads,
@@ -494,7 +373,7 @@ def _judge_as_built(result: CheckResult, family: Family, model: nn.Module,
         try:
             aotdist.compile_regions(model, backend=backend)
             with aotdist.metrics.track(model) as m:
-                _train(family, model, inputs, steps=1, seed=seed)
+                train(family, model, inputs, steps=1, seed=seed)
         except Exception as exc:  # noqa: BLE001 - an aotdist crash with the user's setting
             result.stochastic_depth = "crash"
             result.status = "crash"
@@ -524,14 +403,14 @@ def _fsdp_rank(rank: int, world_size: int, spec: str, backend: str, seed: int,
                          fsdp_mode=mode)
     model, inputs = family.build(seed)
     reference = copy.deepcopy(model)
-    result.loss_eager = _step(family, reference, inputs).item()
+    result.loss_eager = run_step(family, reference, inputs).item()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             aotdist.parallelize(model, config={"fsdp": {"enabled": True, "mode": mode},
                                                "compile": {"backend": backend}})
             with aotdist.metrics.track(model) as m, _instances_run(model) as ran:
-                loss = _step(family, model, inputs)
+                loss = run_step(family, model, inputs)
         except Exception as exc:  # noqa: BLE001 - reported
             result.status = "crash"
             result.error = "".join(traceback.format_exception(exc))[-3000:]

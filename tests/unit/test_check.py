@@ -12,7 +12,8 @@ from torch import nn
 import aotdist
 from aotdist.check import FAMILIES, CheckResult, check_family, check_fsdp, family, render, resolve
 from aotdist.check.families import Family
-from aotdist.check.runner import _classify, _grad_diff, _judge
+from aotdist.check.runner import _classify, _judge
+from aotdist.check.steps import grad_diff as _grad_diff
 from aotdist.cli import main
 from aotdist.metrics import CompileMetrics, RegionStats
 from aotdist.testing.models import TinyGPT
