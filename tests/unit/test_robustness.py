@@ -21,8 +21,6 @@ import aotdist
 from aotdist import _compat, metrics
 from aotdist.testing.models import TinyGPT, example_inputs
 
-_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2])
-
 
 def _step(model, *inputs):
     out = model(*inputs)
@@ -367,11 +365,9 @@ def test_dynamic_true_keeps_every_region_one_reused_subgraph():
                                        for n in (x.shape[1], x.shape[1] // 2)])
     assert m.graphs == 1 and not m.recompiles and not m.demoted, m.summary()
     (st,) = m.regions.values()
-    if _TORCH < (2, 14):  # 2.11: the first block's symbolic input strides differ, named
-        assert (st.call_sites, st.subgraphs) == (3, 2), m.summary()
-        assert "inputs differ" in m.reuse["GPTBlock"] and len(caught) == 1, caught
-    else:
-        assert (st.call_sites, st.subgraphs) == (3, 1) and not caught, (m.summary(), caught)
+    # torch 2.11 traces the first block apart (its input's symbolic strides differ): the
+    # recording backend merges it back, with the input copied to that layout
+    assert (st.call_sites, st.subgraphs) == (3, 1) and not caught, (m.summary(), caught)
 
 
 # -------------------------------------------------------------- isolation between models
