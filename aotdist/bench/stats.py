@@ -156,6 +156,12 @@ def _ratios_one_repeat(rows: list[dict]) -> dict[str, tuple[float, float]]:
                 put(f"compile aotdist-graph/aotdist @depth{d}", g["compile_s"], a["compile_s"])
                 put(f"step aotdist-graph/aotdist @depth{d}", g["steady_step_s"],
                     a["steady_step_s"])
+            for mode in ("aotdist", "aotdist-graph"):  # region bodies only vs lowered whole
+                fx, low = idx.get((mode, d)), idx.get((f"{mode}+lowered", d))
+                if fx and low:
+                    for what, key in (("compile", "compile_s"), ("step", "steady_step_s"),
+                                      ("memory", "peak_mem_mib")):
+                        put(f"{what} {mode}/{mode}+lowered @depth{d}", fx.get(key), low.get(key))
             for name in ("aotdist+cache", "aotdist-graph+cache"):
                 w = idx.get((name, d))
                 if w and w.get("warm_first_step_s") is not None:

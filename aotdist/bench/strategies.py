@@ -176,11 +176,20 @@ def _accelerate(model: nn.Module, setup: Setup) -> nn.Module:
 @register_strategy("aotdist", description="aotdist.parallelize: regions compiled once through "
                    "invoke_subgraph (frames mode under FSDP2)")
 def _aotdist(model: nn.Module, setup: Setup) -> nn.Module:
+    return _parallelize(model, setup)
+
+
+def _parallelize(model: nn.Module, setup: Setup, *, graph: bool = False,
+                 outer: str | None = None) -> nn.Module:
+    """``aotdist.parallelize`` with the bench's settings; ``graph``: graph-mode FSDP under
+    --nproc; ``outer``: ``compile.outer`` (default: aotdist's)."""
     import aotdist
 
+    compile_ = {**setup.compile_kwargs(), **({"outer": outer} if outer else {})}
     return aotdist.parallelize(model, config={
-        "compile": setup.compile_kwargs(),
-        "fsdp": {"enabled": setup.fsdp, "replicate_degree": setup.replicate},
+        "compile": compile_,
+        "fsdp": {"enabled": setup.fsdp, "mode": "graph" if graph and setup.fsdp else "hooks",
+                 "replicate_degree": setup.replicate},
         "float8": {"enabled": setup.float8},
     })
 
@@ -215,27 +224,23 @@ def _per_block(model: nn.Module, setup: Setup) -> nn.Module:
                    notes=lambda model: "" if _graph_sharded(model) else
                    "one process: no sharding, same as aotdist")
 def _aotdist_graph(model: nn.Module, setup: Setup) -> nn.Module:
-    import aotdist
-
-    return aotdist.parallelize(model, config={
-        "compile": setup.compile_kwargs(),
-        "fsdp": {"enabled": setup.fsdp, "mode": "graph" if setup.fsdp else "hooks",
-                 "replicate_degree": setup.replicate},
-        "float8": {"enabled": setup.float8},
-    })
+    return _parallelize(model, setup, graph=True)
 
 
 @register_strategy("aotdist+lowered", description="aotdist.parallelize with compile.outer: "
                    "inductor (the whole graph lowered by Inductor, region bodies inside it; "
                    "aotdist's default compiles the bodies only)")
 def _aotdist_lowered(model: nn.Module, setup: Setup) -> nn.Module:
-    import aotdist
+    return _parallelize(model, setup, outer="inductor")
 
-    return aotdist.parallelize(model, config={
-        "compile": {**setup.compile_kwargs(), "outer": "inductor"},
-        "fsdp": {"enabled": setup.fsdp, "replicate_degree": setup.replicate},
-        "float8": {"enabled": setup.float8},
-    })
+
+@register_strategy("aotdist-graph+lowered", description="aotdist-graph with compile.outer: "
+                   "inductor (the whole sharded step lowered by Inductor, bucket copies and "
+                   "root work included; the default compiles the region bodies only)",
+                   notes=lambda model: "" if _graph_sharded(model) else
+                   "one process: no sharding, same as aotdist+lowered")
+def _aotdist_graph_lowered(model: nn.Module, setup: Setup) -> nn.Module:
+    return _parallelize(model, setup, graph=True, outer="inductor")
 
 
 def _graph_sharded(model: nn.Module) -> bool:

@@ -99,6 +99,24 @@ def test_ratios_and_targets_come_from_the_results():
                    for t in targets)  # not measured
 
 
+def test_each_fsdp_mode_is_compared_with_its_lowered_graph():
+    """``aotdist+lowered`` / ``aotdist-graph+lowered``: the default (region bodies only)
+    against the whole graph lowered, per mode, on the same ranks."""
+    results = [_result("aotdist", 8, 9.0, 0.040, 68, nproc=2),
+               _result("aotdist+lowered", 8, 8.0, 0.040, 68, nproc=2),
+               _result("aotdist-graph", 8, 16.0, 0.040, 92, nproc=2),
+               _result("aotdist-graph+lowered", 8, 24.0, 0.032, 100, nproc=2)]
+    ratios = compute_ratios(results)
+    graph = "gpt fsdp2x2: {} aotdist-graph/aotdist-graph+lowered @depth8"
+    assert ratios[graph.format("compile")]["value"] == pytest.approx(16 / 24)
+    assert ratios[graph.format("step")]["value"] == pytest.approx(1.25)
+    assert ratios[graph.format("memory")]["value"] == pytest.approx(0.92)
+    hooks = "gpt fsdp2x2: compile aotdist/aotdist+lowered @depth8"
+    assert ratios[hooks]["value"] == pytest.approx(9 / 8)
+    assert ratios["gpt fsdp2x2: compile aotdist-graph/aotdist @depth8"]["value"] == \
+        pytest.approx(16 / 9)
+
+
 def test_fresh_start_ratios_add_the_isa_probes_back_on_both_sides(tmp_path):
     """Cold compile leaves Inductor's ISA probes out (timed apart, before the cold step);
     the warm/cold first-step ratio describes a fresh start, so both sides count them (a
