@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -102,7 +103,11 @@ def parallelize(model: nn.Module, *,
     # 1. Float8 first: it replaces nn.Linear modules, and everything after must see the
     #    final modules: region signatures include their classes, and FSDP2 must shard the
     #    Float8Linear weights (with float8 all-gather they become torchao's weight subclass).
-    float8_fqns = convert_to_float8(model, config.float8) if config.float8.enabled else []
+    #    Graph-mode FSDP gathers in float8 itself (aotdist.fsdp.graph): plain weights.
+    f8 = config.float8
+    if f8.fsdp_all_gather and config.fsdp.enabled and config.fsdp.mode == "graph":
+        f8 = dataclasses.replace(f8, fsdp_all_gather=False)
+    float8_fqns = convert_to_float8(model, f8) if f8.enabled else []
     warn_unverified_combination(config)
 
     # 2. Regions are found on the converted model (graph-mode FSDP drops, with a

@@ -164,6 +164,7 @@ def plan(build: Callable[[], tuple[nn.Module, tuple]], *, world: int,
         span = {d: _spans_nodes(mesh, i, gpus_per_node) for i, d in enumerate(dims)}
         if mode == "graph":
             _graph_collectives(out, graphs, groups, span)
+            _float8_scale_all_reduce(out, model, dims[-1], span)
         else:
             _unit_collectives(out, model, dims, span, info.config.fsdp)
         out.activation_bytes = saved.activation_bytes
@@ -243,6 +244,22 @@ def _graph_collectives(out: Plan, graphs: list, groups: dict[str, str],
     for gm in graphs:
         walk(gm, 1)
     out.collectives = list(found.values())
+
+
+def _float8_scale_all_reduce(out: Plan, model: nn.Module, dim: str,
+                             span: dict[str, bool]) -> None:
+    """Graph mode with ``float8.fsdp_all_gather``: before each forward, one all-reduce of
+    the float8 weights' amaxes (float32), outside the graphs."""
+    from aotdist.fsdp.graph import float8_gathered
+
+    n = len(float8_gathered(model))
+    if not n:
+        return
+    c = next((c for c in out.collectives if c.kind == "all_reduce" and c.dim == dim), None)
+    if c is None:
+        c = Collective("all_reduce", dim, network=span.get(dim, False))
+        out.collectives.append(c)
+    c.count, c.bytes = c.count + 1, c.bytes + 4 * n
 
 
 def _unit_collectives(out: Plan, model: nn.Module, dims: tuple[str, ...],

@@ -107,6 +107,7 @@ from aotdist._compat.subgraphs import (
     inline_single_use_regions,
     recomputable_reductions,
     single_use_inlining_deferred,
+    subclass_intermediates_inside,
     tolerant_subgraph_dedup,
 )
 
@@ -186,6 +187,7 @@ __all__ = [
     "set_accelerate_old_forward",
     "set_compiled_call",
     "stable_topological_sort",
+    "subclass_intermediates_inside",
     "tolerant_subgraph_dedup",
     "tracing_context",
     "tree_leaves",

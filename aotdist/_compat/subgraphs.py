@@ -6,11 +6,11 @@ on torch 2.11 and 2.15):
   ``example_value`` and per-trace trampolines of one autograd function.
 - :func:`cached_subgraph_schemas`: ``invoke_subgraph``'s schema memoized per subgraph and
   operand metadata (AOTAutograd does not re-trace the body at every call site).
-- :func:`recomputable_reductions`: the partitioner may recompute reductions.
-- :func:`flat_nested_subgraph_refs`: a subgraph nested in another is referred to by a
-  top-level name, not by a dotted one AOTAutograd's tracer cannot read back.
+- :func:`recomputable_reductions`: the partitioner may recompute reductions;
+  :func:`flat_nested_subgraph_refs`: nested subgraphs referred to by top-level names.
 - :func:`single_use_inlining_deferred`: the backend sees every region call and inlines
   those still called once itself (:func:`inline_single_use_regions`).
+- :func:`subclass_intermediates_inside`: a subclass made inside a region stays there (2.11).
 
 Why each is needed: docs/internals.md.
 """
@@ -22,7 +22,8 @@ import importlib
 from collections.abc import Callable, Iterator
 
 __all__ = ["cached_subgraph_schemas", "flat_nested_subgraph_refs", "inline_single_use_regions",
-           "recomputable_reductions", "single_use_inlining_deferred", "tolerant_subgraph_dedup"]
+           "recomputable_reductions", "single_use_inlining_deferred",
+           "subclass_intermediates_inside", "tolerant_subgraph_dedup"]
 
 _MODULE = "torch._dynamo.variables.higher_order_ops"
 _NAME = "are_same_graph_modules"
@@ -280,3 +281,42 @@ def inline_single_use_regions(gm) -> None:
     except ImportError:
         return
     inline_single_use_invoke_subgraph(gm)
+
+
+_TRACKER = "StorageAliasingTracker"
+
+
+@contextlib.contextmanager
+def subclass_intermediates_inside() -> Iterator[None]:
+    """Within: Dynamo keeps a tensor subclass that a region's body makes (graph-mode FSDP's
+    ``Float8TrainingTensor`` of float8-gathered bytes) inside the region. torch 2.11 offers
+    every intermediate of an ``invoke_subgraph`` body as a possible extra output and asserts
+    each is a ``FakeTensor`` (``_collect_fake_inputs``: "Expected FakeTensor, got
+    Float8TrainingTensor"); 2.14 and 2.15 look inside subclasses and need nothing. An
+    intermediate refused this way is one no output may alias, as torch filters them
+    already. Restored on exit; a no-op where the tracker does not exist."""
+    try:
+        module = importlib.import_module(_MODULE)
+    except ImportError:
+        yield
+        return
+    tracker = getattr(module, _TRACKER, None)
+    original = getattr(tracker, "check_and_track", None)
+    if original is None or hasattr(original, "_aotdist_original"):
+        yield
+        return
+
+    def check_and_track(self, proxy_node) -> bool:
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        node = getattr(proxy_node, "node", proxy_node)
+        if is_traceable_wrapper_subclass(getattr(node, "meta", {}).get("example_value")):
+            return False
+        return original(self, proxy_node)
+
+    check_and_track._aotdist_original = original
+    tracker.check_and_track = check_and_track
+    try:
+        yield
+    finally:
+        tracker.check_and_track = original

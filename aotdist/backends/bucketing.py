@@ -95,9 +95,13 @@ def bucket_collectives(gm: torch.fx.GraphModule | torch.fx.Graph, bucket_mb: flo
         rs = b.bucket_reduce_scatter_by_mb(gm, cap, filter_wait_node=_sole_wait)
         if any(len(bucket) > 1 for bucket in rs):
             b.merge_reduce_scatter(gm, [bucket for bucket in rs if len(bucket) > 1])
-        ag = b.bucket_all_gather_by_mb(gm, cap, filter_wait_node=_sole_wait)
+        # torch buckets adjacent all-gathers of one dtype only; graph-mode float8.
+        # fsdp_all_gather interleaves float8 bytes (uint8) with the other parameters, so
+        # those graphs bucket across dtypes (each input packed bitwise into a byte buffer)
+        mode = "custom_ops_multidtype" if len(_gather_dtypes(gm)) > 1 else "default"
+        ag = b.bucket_all_gather_by_mb(gm, cap, filter_wait_node=_sole_wait, mode=mode)
         if any(len(bucket) > 1 for bucket in ag):
-            b.merge_all_gather(gm, [bucket for bucket in ag if len(bucket) > 1])
+            b.merge_all_gather(gm, [bucket for bucket in ag if len(bucket) > 1], mode=mode)
         # HSDP: the replicas' all-reduces of the reduce-scattered shards
         for bucket in b.bucket_all_reduce_by_mb(gm, cap, filter_wait_node=_sole_wait):
             if len(bucket) > 1:
@@ -125,6 +129,12 @@ def graphs_observed(each: Callable[[torch.fx.GraphModule], None] | None = None,
         yield seen
     finally:
         _OBSERVERS.remove(entry)
+
+
+def _gather_dtypes(gm: torch.fx.GraphModule) -> set[torch.dtype]:
+    """The dtypes of ``gm``'s own (unbucketed) all-gathers."""
+    return {n.meta["val"].dtype for n in gm.graph.nodes if n.op == "call_function"
+            and str(n.target).endswith("all_gather_into_tensor.default") and "val" in n.meta}
 
 
 def _sole_wait(wait: torch.fx.Node) -> bool:

@@ -202,7 +202,8 @@ def _save_call(model: nn.Module, state, args: tuple, kwargs: dict) -> tuple[byte
     recorder = RecordingBackend(state.backend.inner, plan=state.plan)
     start = time.perf_counter()
     with (pickled_with_region_depth(model), _as_sharded_call_runs(model),
-          _compat.single_use_inlining_deferred()):  # the graph the live call compiles
+          _compat.single_use_inlining_deferred(),  # the graph the live call compiles
+          _compat.subclass_intermediates_inside()):
         data, modules = _compat.aot_compile(state.call_fn, (*state.call_bound, *args), kwargs,
                                             model=model, backend=recorder,
                                             dynamic=state.call_dynamic, guard_filter=guard_filter)

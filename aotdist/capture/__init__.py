@@ -169,7 +169,7 @@ def _run_demoting(model: nn.Module, state, recorder: Recorder, recording, compil
     report = recorder.report
 
     def run():  # the backend sees every region call, as under compile_regions
-        with _compat.single_use_inlining_deferred():
+        with _compat.single_use_inlining_deferred(), _compat.subclass_intermediates_inside():
             return compiled(model, args, kwargs)
 
     for _ in range(2 * len(state.plan) + 1):

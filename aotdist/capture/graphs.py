@@ -72,6 +72,17 @@ class GraphCapture:
                 out[key] = out.get(key, 0) + n
         return out
 
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes the graph's own all-gathers gather (their outputs: the unsharded side;
+        ``float8.fsdp_all_gather`` weights at 1 byte per element)."""
+        total = 0
+        for node in self.gm.graph.nodes if self.gm is not None else ():
+            val = node.meta.get("val") if node.op == "call_function" else None
+            if "all_gather" in str(node.target) and isinstance(val, torch.Tensor):
+                total += val.numel() * val.element_size()
+        return total
+
     def to_dict(self) -> dict:
         """JSON-able copy without the ``GraphModule`` (``code`` is kept)."""
         return {k: v for k, v in vars(self).items() if k != "gm"}

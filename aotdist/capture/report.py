@@ -132,7 +132,8 @@ class Capture:
                 kinds[i["kind"]] = kinds.get(i["kind"], 0) + 1
             lines.append(f"  {g.name}: {g.num_ops} ops, saved {g.saved_count} "
                          f"({g.saved_bytes} B), inputs {kinds}"
-                         + (f", collectives {g.collectives}" if g.collectives else ""))
+                         + (f", collectives {g.collectives}, gathered {g.gathered_bytes} B"
+                            if g.collectives else ""))
         lines += [f"  mutation: {x['graph']} {x['input']} {x['kind']}" for x in self.mutations]
         lines += [f"  subclass input: {x['graph']} {x['input']} {x['type']} "
                   f"inner {list(x['inner'])}" for x in self.subclass_inputs]

@@ -44,8 +44,7 @@ def inspect_rank(rank: int, world_size: int, opts: dict) -> str:
     if opts["fsdp"]:
         config["fsdp"] = {"enabled": True, "mode": fsdp_mode}
     if opts["float8"]:
-        config["float8"] = {"enabled": True,
-                            "fsdp_all_gather": opts["fsdp"] and fsdp_mode == "hooks"}
+        config["float8"] = {"enabled": True, "fsdp_all_gather": bool(opts["fsdp"])}
     plan = aotdist.find_regions(model)
     if opts["fsdp"] or opts["float8"]:
         aotdist.parallelize(model, config=config)

@@ -137,7 +137,7 @@ def register(sub) -> None:
     cli.add_float8(p, help="Float8 training (float8.enabled)")
     p.add_argument("--float8-all-gather", action="store_true",
                    help="Float8 training with its weights all-gathered in float8 "
-                        "(float8.fsdp_all_gather; hooks mode)")
+                        "(float8.fsdp_all_gather)")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (--hf, factory)")
     p.add_argument("--gpus-per-node", type=int, default=8,

@@ -151,7 +151,8 @@ class RegionGuardedCall(_compat.CallWrapper):
         why = (_compat.reuse_refusals(self._state.refusals) if not self._state.reuse_checked
                else contextlib.nullcontext())
         with (_compat.tolerant_subgraph_dedup(), _compat.cached_subgraph_schemas(),
-              _compat.single_use_inlining_deferred(), why):
+              _compat.single_use_inlining_deferred(), _compat.subclass_intermediates_inside(),
+              why):
             return self._compiled(*args, **kwargs)  # dedup: reuse, not a crash (2.11)
 
     def handle(self, exc: Exception, run: Callable[[], Any]) -> bool:

@@ -217,8 +217,10 @@ class Float8Config(Section):
         enabled: Swap eligible ``nn.Linear`` layers for torchao ``Float8Linear``.
         recipe: torchao scaling recipe: ``tensorwise``, ``rowwise`` or
             ``rowwise_with_gw_hp``.
-        fsdp_all_gather: All-gather weights in float8 under FSDP2 (tensorwise only);
-            then ``aotdist.precompute_float8_scales(model)`` runs after each optimizer step.
+        fsdp_all_gather: All-gather weights in float8 (tensorwise only). Hooks mode:
+            torchao's FSDP2 extension, then ``aotdist.precompute_float8_scales(model)``
+            runs after each optimizer step; graph mode: cast and gathered inside the
+            graph, the scales set before each forward (``aotdist.fsdp.graph``).
         exclude: FQN globs of ``Linear`` layers to keep in high precision (an output
             head, say). Layers whose dims are not multiples of 16 are always kept.
     """

@@ -29,12 +29,16 @@ from aotdist._compat.checkpoint import quiet_checkpoint_notice
 from aotdist.compile.per_process import made_class
 from aotdist.config import AOTDistConfig, torch_dtype
 from aotdist.errors import ConfigError, RegionCompileWarning
+from aotdist.float8 import float8_linears
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan, find_regions
 from aotdist.version import __version__
 
-__all__ = ["GatherSpec", "ShardedCall", "check_graph_config", "graph_plan", "local_shards",
-           "shard_graph", "sharded_call"]
+__all__ = ["FLOAT8_SCALE", "GatherSpec", "ShardedCall", "check_graph_config", "graph_plan",
+           "float8_gathered", "local_shards", "refresh_float8_scales", "shard_graph", "sharded_call"]
+
+FLOAT8_SCALE = "aotdist_float8_scale"  # a Float8Linear's weight scale (non-persistent buffer)
+
 
 @dataclass(frozen=True)
 class GatherSpec:
@@ -47,6 +51,7 @@ class GatherSpec:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     replicate_group: str | None = None  # HSDP: gradients are averaged over it too
+    float8: torch.dtype | None = None  # float8.fsdp_all_gather: gathered in this dtype
 
     @property
     def padded(self) -> int:
@@ -68,9 +73,9 @@ def _reduce_scatter_avg(x: torch.Tensor, group: str) -> torch.Tensor:
     return funcol.wait_tensor(fn(x, "avg", 0, group))
 
 
-def _all_reduce_avg(x: torch.Tensor, group: str) -> torch.Tensor:
+def _all_reduce_avg(x: torch.Tensor, group: str, op: str = "avg") -> torch.Tensor:
     funcol = _compat.functional_collectives()
-    return funcol.wait_tensor(funcol.all_reduce(x, "avg", group))
+    return funcol.wait_tensor(funcol.all_reduce(x, op, group))
 
 
 def _pad0(t: torch.Tensor, size: int) -> torch.Tensor:
@@ -94,13 +99,69 @@ class _GatherShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        spec = ctx.spec
-        g = grad if spec.reduce_dtype is None else grad.to(spec.reduce_dtype)
-        g = _pad0(g, spec.padded).contiguous()
-        out = _reduce_scatter_avg(g, spec.group)
-        if spec.replicate_group is not None:  # HSDP: the shard, averaged over the replicas
-            out = _all_reduce_avg(out, spec.replicate_group)
-        return out[: ctx.local_rows].to(ctx.local_dtype), None
+        return _scatter_grad(ctx, grad), None
+
+
+def _scatter_grad(ctx, grad: torch.Tensor) -> torch.Tensor:
+    """A gathered parameter's gradient reduce-scattered (and averaged) to its shard."""
+    spec = ctx.spec
+    g = grad if spec.reduce_dtype is None else grad.to(spec.reduce_dtype)
+    g = _pad0(g, spec.padded).contiguous()
+    out = _reduce_scatter_avg(g, spec.group)
+    if spec.replicate_group is not None:  # HSDP: the shard, averaged over the replicas
+        out = _all_reduce_avg(out, spec.replicate_group)
+    return out[: ctx.local_rows].to(ctx.local_dtype)
+
+
+class _GradToShard(torch.autograd.Function):
+    """Forward: a stand-in of the full parameter's shape without storage (an expanded
+    zero); backward: the full gradient reduce-scattered to the local shard. It carries
+    the gradient of a float8-gathered weight, whose forward value comes from elsewhere."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: GatherSpec, dtype: torch.dtype) -> torch.Tensor:
+        ctx.spec, ctx.local_rows, ctx.local_dtype = spec, local.shape[0], local.dtype
+        return local.new_zeros((), dtype=dtype).expand(spec.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _scatter_grad(ctx, grad), None, None
+
+
+class _AsFloat8Weight(torch.autograd.Function):
+    """The gathered float8 bytes as torchao's ``Float8TrainingTensor`` (weight role); the
+    gradient passes through to ``carrier``, as in torchao's own ``_ToFloat8ConstrFunc``."""
+
+    @staticmethod
+    def forward(ctx, carrier: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor,
+                mm_config):
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+        return Float8TrainingTensor(bits, scale, carrier.dtype, mm_config,
+                                    gemm_input_role=GemmInputRole.WEIGHT)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None, None
+
+
+def _float8_parts(local: torch.Tensor, spec: GatherSpec, scale: torch.Tensor, mm_config):
+    """``float8.fsdp_all_gather``, what torchao's ``fsdp_pre_all_gather`` does under FSDP2,
+    inside the region: the local shard cast to float8 with the weight's precomputed
+    tensorwise scale and the float8 bytes all-gathered. Returns them with the carrier of
+    the weight's high-precision gradient (reduce-scattered in backward). Plain tensors
+    only: a tensor subclass may not leave a checkpointed function on torch 2.11."""
+    from torchao.float8.float8_training_tensor import (
+        GemmInputRole,
+        hp_tensor_and_scale_to_float8,
+    )
+
+    bits = hp_tensor_and_scale_to_float8(local.detach(), scale, spec.float8, mm_config,
+                                         GemmInputRole.WEIGHT)._data
+    raw = _pad0(bits.view(torch.uint8), spec.padded // spec.world).contiguous()
+    full = _all_gather(raw, spec.group).view(spec.float8)  # uint8: gloo has no float8
+    full = full if spec.padded == spec.shape[0] else full[: spec.shape[0]]
+    return full, _GradToShard.apply(local, spec, spec.param_dtype or local.dtype)
 
 
 class _AverageGrad(torch.autograd.Function):
@@ -138,20 +199,31 @@ def _recompute_context():
 _recompute_context.cache_hash = f"aotdist {__version__}: gathers MUST_RECOMPUTE"
 
 
-def _gather_fn(local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
+def _gather_fn(local: torch.Tensor, spec: GatherSpec, *float8):
+    if float8:
+        return _float8_parts(local, spec, *float8)
     fn = _AverageGrad if not spec.shape else _GatherShard
     return fn.apply(local, spec)
 
 
-def gather(local: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
-    """The full parameter from this rank's local shard (differentiable, traceable)."""
+def gather(local: torch.Tensor, spec: GatherSpec, *float8) -> torch.Tensor:
+    """The full parameter from this rank's local shard (differentiable, traceable).
+
+    ``float8``: ``(scale, linear_mm_config)`` of a ``Float8Linear`` weight whose spec
+    gathers in float8; the result is then torchao's ``Float8TrainingTensor`` (what
+    ``fsdp_post_all_gather`` makes under FSDP2), made of the gathered bytes."""
     if (spec.reshard and spec.shape and torch.is_grad_enabled() and local.requires_grad
             and torch.compiler.is_compiling()):
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(_gather_fn, local, spec, use_reentrant=False,
-                          context_fn=_recompute_context)
-    return _gather_fn(local, spec)
+        out = checkpoint(_gather_fn, local, spec, *float8, use_reentrant=False,
+                         context_fn=_recompute_context)
+    else:
+        out = _gather_fn(local, spec, *float8)
+    if float8:
+        full, carrier = out
+        return _AsFloat8Weight.apply(carrier, full, *float8)
+    return out
 
 
 def _pack_gathered(t: torch.Tensor):
@@ -179,7 +251,10 @@ def _param_property(name: str) -> property:
         p = _compat.param_slots(self)[name]
         if p is None or isinstance(p, torch.distributed.tensor.DTensor):
             return p  # outside a forward: the sharded DTensor, as under FSDP2
-        return gather(p, type(self)._aotdist_gather[name])
+        spec = type(self)._aotdist_gather[name]
+        if spec.float8 is not None:
+            return gather(p, spec, getattr(self, FLOAT8_SCALE), self.linear_mm_config)
+        return gather(p, spec)
 
     return property(getter, lambda self, value: nn.Module.__setattr__(self, name, value))
 
@@ -197,7 +272,7 @@ def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) ->
     """Refuses what graph-mode FSDP cannot do, before anything changes.
 
     Raises:
-        ConfigError: Float8 all-gather or ``compile.verify`` with ``fsdp.mode: graph``, or
+        ConfigError: ``compile.verify`` with ``fsdp.mode: graph``, or
             ``model`` holds DTensor parameters (tensor parallelism).
     """
     from torch.distributed.tensor import DTensor
@@ -213,16 +288,6 @@ def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) ->
             "(docs/internals.md, 'Tensor parallelism and graph-mode FSDP'). Fix: use "
             "fsdp.mode: hooks (FSDP2 on the data-parallel mesh dim composes with your "
             "parallelize_module plan, every region still reused), or pass the unsharded model.")
-    if config.float8.enabled and config.float8.fsdp_all_gather:
-        raise ConfigError(
-            "float8.fsdp_all_gather is not supported with fsdp.mode: graph: torchao's float8 "
-            "all-gather is built on FSDP2's fsdp_pre_all_gather/fsdp_post_all_gather "
-            "extension hooks of its weight tensor subclass, which only fully_shard calls; "
-            "graph-mode FSDP gathers plain local shards with functional collectives inside a "
-            "region's invoke_subgraph, where no tensor subclass may enter. Fix: set "
-            "float8.fsdp_all_gather: false (weights are gathered in high precision and cast to "
-            "float8 in the graph), or use fsdp.mode: hooks."
-        )
     if config.compile.verify:
         raise ConfigError(
             "compile.verify is not supported with fsdp.mode: graph yet: the check reads each "
@@ -295,6 +360,8 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh,
     replicate = mesh.get_group(0).group_name if mesh.ndim == 2 else None
     world, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
     replicas = [Replicate()] * (mesh.ndim - 1)
+    float8 = ({id(m): m.config.cast_config_weight.target_dtype for m in float8_linears(model)}
+              if config.float8.enabled and config.float8.fsdp_all_gather else {})
     done, new_params = [], {}
     for fqn, mod in list(model.named_modules()):
         specs = []
@@ -307,7 +374,11 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh,
                 shape=tuple(p.shape), group=group.group_name, world=world,
                 reshard=reshard, param_dtype=torch_dtype(fc.param_dtype),
                 reduce_dtype=torch_dtype(fc.reduce_dtype), replicate_group=replicate,
+                float8=float8.get(id(mod)) if name == "weight" else None,
             )
+            if spec.float8 is not None:  # set before each forward (ShardedCall)
+                mod.register_buffer(FLOAT8_SCALE, torch.ones((), device=p.device),
+                                    persistent=False)
             specs.append((name, spec))
             if id(p) not in new_params:
                 if p.device.type != mesh.device_type:
@@ -375,6 +446,7 @@ class ShardedCall(_compat.CallWrapper):
         self._param_dtype = param_dtype
         self._reshard = reshard
         self._slots = _slots(model)
+        self._float8 = float8_gathered(model, self._slots)
         self.rewrap(None)
 
     def rewrap(self, inner) -> None:
@@ -384,6 +456,8 @@ class ShardedCall(_compat.CallWrapper):
         self._eager_reshard = self._reshard and inner is None
 
     def __call__(self, *args, **kwargs):
+        if self._float8:
+            refresh_float8_scales(self._float8)
         with local_shards(None, self._slots):
             if self._param_dtype is not None:  # as FSDP2's root casts its forward inputs
                 args, kwargs = _compat.tree_map(self._cast, (args, kwargs))
@@ -396,6 +470,30 @@ class ShardedCall(_compat.CallWrapper):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             return x.to(self._param_dtype)
         return x
+
+
+def float8_gathered(model: nn.Module, slots: list[tuple[nn.Module, str]] | None = None
+                    ) -> list[tuple[nn.Module, str]]:
+    """The ``(module, name)`` of every weight graph-mode FSDP gathers in float8."""
+    return [(m, n) for m, n in (_slots(model) if slots is None else slots)
+            if type(m)._aotdist_gather[n].float8 is not None]
+
+
+@torch.no_grad()
+def refresh_float8_scales(slots: list[tuple[nn.Module, str]]) -> None:
+    """Sets the scale of every weight gathered in float8 from its full tensor's amax, as
+    torchao's ``precompute_float8_dynamic_scale_for_fsdp`` does under FSDP2: one
+    all-reduce (max) of the local amaxes, then torchao's ``amax_to_scale``. Runs eagerly
+    before each forward, so the scales always match the weights the forward gathers."""
+    from torchao.float8.float8_utils import amax_to_scale
+
+    specs = [type(m)._aotdist_gather[n] for m, n in slots]
+    shards = [_compat.param_slots(m)[n].to_local() for m, n in slots]
+    amax = torch.stack([t.detach().abs().max().float() if t.numel() else t.new_zeros((),
+                        dtype=torch.float32) for t in shards])
+    amax = _all_reduce_avg(amax, specs[0].group, "max")  # one shard group, one float8 dtype
+    for (m, _), scale in zip(slots, amax_to_scale(amax, specs[0].float8), strict=True):
+        getattr(m, FLOAT8_SCALE).copy_(scale)
 
 
 def sharded_call(model: nn.Module, config: AOTDistConfig) -> None:

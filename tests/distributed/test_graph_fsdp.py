@@ -40,6 +40,9 @@ CONFIGS = {
     "graph+eager": {"fsdp": GRAPH, "compile": {"enabled": False}},
     "graph+float8": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"},
                      "float8": {"enabled": True}},
+    # weights cast to float8 before the in-graph all-gather, gathered as float8 bytes
+    "graph+float8ag": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"},
+                       "float8": {"enabled": True, "fsdp_all_gather": True}},
     # fsdp.bucket_mb: the default (2000 MiB) merges each graph's collectives into one;
     # off: one collective per parameter; a cap (~20 KiB) below one block's parameters
     # (~50 KiB): a few buckets per graph
@@ -53,6 +56,7 @@ TRAIN = {  # optimizer, micro-batches per rank, clip_grad_norm_ max norm
     "graph+ac+adamw+accum+clip": ("adamw", 2, 0.05),
     "graph+eager": ("adamw", 1, None),
     "graph+float8": ("sgd", 1, None),
+    "graph+float8ag": ("adamw", 2, None),
     "graph+nobucket": ("sgd", 1, None),
     "graph+smallbucket": ("sgd", 1, None),
 }
@@ -65,7 +69,7 @@ def _model(float8: dict | None = None):
         from aotdist.config import Float8Config
         from aotdist.float8 import convert_to_float8
 
-        convert_to_float8(model, Float8Config(**float8))
+        convert_to_float8(model, Float8Config(**{**float8, "fsdp_all_gather": False}))
     return model
 
 
@@ -150,13 +154,14 @@ class _BucketLog:
         from aotdist.backends import bucketing
 
         self.mod, self.orig = bucketing, bucketing.bucket_collectives
-        self.before, self.after = {}, {}
+        self.before, self.after, self.gathered = {}, {}, {}
 
         def wrapped(gm, bucket_mb, *, recurse=True):
             g = gm if isinstance(gm, torch.fx.GraphModule) else gm.owning_module
             mods = [g, *(bucketing._subgraphs(g) if recurse else [])]
             for m in mods:
                 self.before.setdefault(id(m), bucketing.count_collectives(m))
+                self.gathered.setdefault(id(m), _gathered_bytes(m))
             out = self.orig(gm, bucket_mb, recurse=recurse)
             for m in mods:
                 self.after[id(m)] = bucketing.count_collectives(m)
@@ -171,11 +176,32 @@ class _BucketLog:
     def graphs(self) -> list[tuple[dict, dict]]:
         return [(self.before[k], self.after[k]) for k in self.before]
 
+    def gathered_bytes(self) -> dict[str, int]:
+        """Bytes all-gathered by dtype, summed over the graph modules (a region's subgraph
+        once, however many call sites it has)."""
+        out: dict[str, int] = {}
+        for found in self.gathered.values():
+            for dtype, n in found.items():
+                out[dtype] = out.get(dtype, 0) + n
+        return out
+
+
+def _gathered_bytes(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """This graph's own all-gathers (before bucketing): their gathered bytes by dtype."""
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "all_gather" in str(node.target):
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                key = str(val.dtype).removeprefix("torch.")
+                out[key] = out.get(key, 0) + val.numel() * val.element_size()
+    return out
+
 
 def _train(rank: int, world_size: int, name: str, *, config: dict | None = None):
     with _BucketLog() as log:
         out = _train_steps(rank, world_size, name, config=config)
-    out["buckets"] = log.graphs()
+    out["buckets"], out["gathered"] = log.graphs(), log.gathered_bytes()
     return out
 
 
@@ -334,7 +360,88 @@ def test_bucketing_merges_collectives(two_ranks, kind):
 
 def test_float8_layers_in_graph_mode(two_ranks):
     assert two_ranks[0]["graph+float8"]["float8"] == 4 * DEPTH  # every block linear
+    assert two_ranks[0]["graph+float8ag"]["float8"] == 4 * DEPTH
     assert two_ranks[0]["graph"]["float8"] == 0
+
+
+def test_float8_all_gather_gathers_the_weights_in_one_byte(two_ranks):
+    """float8.fsdp_all_gather in graph mode: each block's 4 Float8Linear weights leave the
+    float32 all-gathers and are gathered as float8 bytes (uint8: gloo has no float8), 1
+    byte per element; biases, norms, embeddings and the head stay float32. Parity with
+    eager Float8: test_matches_single_process_eager."""
+    block = build_model("gpt", depth=1, vocab=VOCAB).blocks[0]
+    weights = sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear))
+    for res in two_ranks:
+        hp, f8 = res["graph+float8"]["gathered"], res["graph+float8ag"]["gathered"]
+        assert "uint8" not in hp, hp
+        # one region subgraph (the gathers of every block's call), recomputed in backward
+        # under reshard_after_forward: the same weights gathered again there
+        assert f8["uint8"] in (weights, 2 * weights), (f8, weights)
+        assert hp["float32"] - f8["float32"] == 4 * f8["uint8"], (hp, f8)
+        # float8 bytes and float32 parameters bucketed together (torch buckets one dtype
+        # at a time otherwise: 9 all-gathers left in a block's forward instead of 2); the
+        # second one: the last Float8Linear's bias, which the partitioner keeps gathered
+        buckets = res["graph+float8ag"]["buckets"]
+        assert max(before["all_gather"] for before, _ in buckets) >= 12, buckets
+        assert all(after["all_gather"] <= 2 for _, after in buckets), buckets
+
+
+def _float8_saved(rank: int, world_size: int):
+    """The float8 tensors a compiled steady step saves for backward, by shape, with and
+    without reshard_after_forward (width 48, one sequence: no activation has a weight's
+    shape)."""
+    out = {}
+    for reshard in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build_model("gpt", depth=2, dim=48)
+        aotdist.parallelize(model, config={
+            "fsdp": {**GRAPH, "reshard_after_forward": reshard},
+            "compile": {"backend": "aot_eager"},
+            "float8": {"enabled": True, "fsdp_all_gather": True}})
+        (x,), y = example_inputs(model, 1)
+        lm_loss(model, x, y).backward()  # the compile
+        seen = set()
+
+        def pack(t, seen=seen):
+            if "float8" in str(t.dtype):
+                seen.add(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = lm_loss(model, x, y)
+        loss.backward()
+        weights = {tuple(m.weight.shape) for m in model.modules()
+                   if type(m).__name__ == "Float8Linear"}
+        out[reshard] = (seen, weights | {w[::-1] for w in weights})
+    for all_gather in (False, True):  # aotdist.capture: what each graph gathers, in bf16
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build_model("gpt", depth=2, dim=48)
+        aotdist.parallelize(model, config={
+            "fsdp": {**GRAPH, "param_dtype": "bfloat16"}, "compile": {"enabled": False},
+            "float8": {"enabled": True, "fsdp_all_gather": all_gather}})
+        (x,), _ = example_inputs(model, 1)
+        cap = aotdist.capture(model, x, loss_fn=lambda o: o.float().mean())
+        graphs = [*cap.graphs, *(g for r in cap.regions.values()
+                                 for g in (*r.forward, *r.backward))]
+        out[f"capture {all_gather}"] = (sum(g.gathered_bytes for g in graphs), cap.summary())
+    return out
+
+
+def test_float8_gathered_weights_are_gathered_again_in_backward():
+    """reshard_after_forward with float8.fsdp_all_gather: the backward casts and gathers
+    again, no gathered float8 weight is saved; without resharding they are (1 byte per
+    element, the check's control)."""
+    out = run_distributed(_float8_saved, 2, timeout=300)[0]
+    saved, weights = out[True]
+    assert saved and not saved & weights, (saved, weights)
+    saved, weights = out[False]
+    assert saved & weights, (saved, weights)
+    # aotdist.capture shows the gathers' bytes: float8 weights at 1 byte, not bf16's 2
+    (bf16, _), (float8, summary) = out["capture False"], out["capture True"]
+    assert 0 < float8 < 0.6 * bf16, (bf16, float8)
+    assert "gathered" in summary, summary
 
 
 INDUCTOR = {"fsdp": GRAPH, "compile": {"backend": "inductor"}}
@@ -522,9 +629,6 @@ def test_config_keys():
         aotdist.AOTDistConfig.from_dict({"fsdp": {"enabled": True, "mode": "simple"}})
     with pytest.raises(ConfigError, match="fsdp.enabled: true"):
         aotdist.AOTDistConfig.from_dict({"fsdp": {"mode": "graph"}})
-    with pytest.raises(ConfigError, match="fsdp_all_gather is not supported with fsdp.mode"):
-        aotdist.parallelize(build_model("gpt", depth=2), config={
-            "fsdp": GRAPH, "float8": {"enabled": True, "fsdp_all_gather": True}})
 
 
 # --- mixed precision and checkpoints across modes (one more spawn) -------------------------
@@ -754,15 +858,29 @@ def test_capture_shows_collectives(modes):
     assert "collectives" in rank0["capture_summary"]
 
 
+HOOKS_FLOAT8AG = {"fsdp": {"enabled": True}, "compile": {"backend": "aot_eager"},
+                  "float8": {"enabled": True, "fsdp_all_gather": True}}
+
+
 def _four(rank: int, world_size: int):
-    model = _model()
-    aotdist.parallelize(model, config=CONFIGS["graph"])
-    losses = _sgd_steps(model, rank, world_size, 3)
-    return losses, _full(model.state_dict())
+    out = {}
+    for name, config in (("graph", CONFIGS["graph"]), ("graph+float8ag", CONFIGS["graph+float8ag"]),
+                         ("hooks+float8ag", HOOKS_FLOAT8AG)):
+        torch._dynamo.reset()
+        model = _model()
+        aotdist.parallelize(model, config=config)
+        with metrics.track(model) as m:
+            losses = _sgd_steps(model, rank, world_size, 3)
+        out[name] = (losses, _full(model.state_dict()), m.to_dict())
+    return out
 
 
-def test_four_ranks_match_eager():
-    out = run_distributed(_four, 4, timeout=400)
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(_four, 4, timeout=500)
+
+
+def test_four_ranks_match_eager(four_ranks):
     optim, accum, clip = TRAIN["graph"]
     model = _model()
     opt = _optimizer(optim, model.parameters())
@@ -771,10 +889,25 @@ def test_four_ranks_match_eager():
         ref_losses.append(accumulate_grads(model, list(zip(xs, ys, strict=True))))
         opt.step()
         opt.zero_grad()
-    torch.testing.assert_close(torch.tensor(out[0][0]), torch.tensor(ref_losses),
+    losses, params, _ = four_ranks[0]["graph"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
                                rtol=1e-5, atol=1e-5)
     for key, ref in model.state_dict().items():
-        torch.testing.assert_close(out[0][1][key], ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_four_ranks_float8_all_gather_matches_hooks_mode(four_ranks):
+    """Weights gathered in float8 inside the graph train as FSDP2's float8 all-gather
+    (torchao's hooks) does, with every region one reused subgraph."""
+    graph_losses, graph_params, graph_m = four_ranks[0]["graph+float8ag"]
+    hooks_losses, hooks_params, _ = four_ranks[0]["hooks+float8ag"]
+    assert graph_m["regions"]["GPTBlock"]["subgraphs"] == 1, graph_m["regions"]
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(hooks_losses),
+                               **_tol("float8"))
+    initial = _model().state_dict()
+    for key, ref in hooks_params.items():
+        torch.testing.assert_close(graph_params[key], ref, **_tol("float8"))
+        assert not torch.equal(ref, initial[key]), f"{key} never trained: vacuous test"
 
 
 def _rank_dies(rank: int, world_size: int):

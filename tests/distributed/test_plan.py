@@ -5,6 +5,8 @@ activations within 5% of what autograd saves in the real compiled step."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from aotdist.testing import build_model, example_inputs, run_distributed
@@ -68,6 +70,36 @@ def _count_as_run(gm, names: dict[str, str], counted: dict) -> None:
         module.recompile()
 
 
+@contextlib.contextmanager
+def _eager_scales_counted(names: dict[str, str], counted: dict):
+    """Graph mode with float8 all-gather: the functional collectives of the eager scale
+    refresh before each forward (outside every graph) counted as they run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import aotdist.fsdp.graph as graph_fsdp
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            space, _, op = func.name().partition("::")
+            kind = next((k for k in ("all_gather", "reduce_scatter", "all_reduce")
+                         if space == "_c10d_functional" and op.startswith(k)), None)
+            if kind is None:
+                return func(*args, **(kwargs or {}))
+            return _counting(func, kind, names, counted)(*args, **(kwargs or {}))
+
+    refresh = graph_fsdp.refresh_float8_scales
+
+    def counted_refresh(slots):
+        with Mode():
+            return refresh(slots)
+
+    graph_fsdp.refresh_float8_scales = counted_refresh
+    try:
+        yield
+    finally:
+        graph_fsdp.refresh_float8_scales = refresh
+
+
 def _counting(op, kind: str, names: dict[str, str], counted: dict):
     def run(*args, **kwargs):
         result = op(*args, **kwargs)
@@ -90,6 +122,10 @@ CASES = {  # id: (ranks, mesh, fsdp config, ac[, more config])
     "hooks-hsdp-2x2": (4, (2, 2), {"mode": "hooks"}, False),
     # torchao's weights all-gathered in float8 by FSDP2: 1 byte per element
     "hooks-bf16-float8-gather": (2, (2,), {"mode": "hooks", "param_dtype": "bfloat16"}, False,
+                                 {"float8": {"enabled": True, "fsdp_all_gather": True}}),
+    # graph mode casts them to float8 in the graph and gathers the bytes; the amaxes are
+    # all-reduced eagerly before each forward (counted as they run too)
+    "graph-bf16-float8-gather": (2, (2,), {"mode": "graph", "param_dtype": "bfloat16"}, False,
                                  {"float8": {"enabled": True, "fsdp_all_gather": True}}),
 }
 
@@ -128,7 +164,8 @@ def _real(rank: int, world_size: int, case: str) -> dict:
     with graphs_observed(count):
         model(x).float().mean().backward()  # the compile
     counted.clear()  # the steady step's
-    with SavedBytes(exclude=[*model.parameters(), *model.buffers()]) as saved:
+    with _eager_scales_counted(names, counted), \
+            SavedBytes(exclude=[*model.parameters(), *model.buffers()]) as saved:
         loss = model(x).float().mean()
     loss.backward()
     if fsdp["mode"] == "graph":
@@ -207,8 +244,9 @@ def test_the_command_prints_the_plan_as_json_with_the_mesh_s_network_dimension(c
 
 
 def test_float8_all_gather_gathers_the_float8_weights_in_one_byte(capsys):
-    """``--float8-all-gather`` (hooks mode): torchao's Float8Linear weights gathered in
-    float8, the rest in bf16 (the exact bytes against a real run: the agreement case)."""
+    """``--float8-all-gather``, in hooks and in graph mode: torchao's Float8Linear weights
+    gathered in float8, the rest in bf16 (the exact bytes against a real run: the
+    agreement cases)."""
     import json
 
     from aotdist.cli import main
@@ -221,11 +259,11 @@ def test_float8_all_gather_gathers_the_float8_weights_in_one_byte(capsys):
             return code, err
         return code, next(c for c in json.loads(out)["collectives"] if c["kind"] == "all_gather")
 
-    (_, bf16), (_, float8) = gathered(), gathered("--float8-all-gather")
-    assert float8["count"] == bf16["count"] and float8["bytes"] < 0.6 * bf16["bytes"], (
-        bf16, float8)
-    code, err = gathered("--float8-all-gather", "--fsdp-mode", "graph")
-    assert code != 0 and "float8.fsdp_all_gather is not supported with fsdp.mode: graph" in err
+    for mode in ("hooks", "graph"):  # Float8 compute with bf16 gathers, then float8 ones
+        bf16 = gathered("--fsdp-mode", mode, "--float8")[1]
+        float8 = gathered("--fsdp-mode", mode, "--float8-all-gather")[1]
+        assert float8["count"] == bf16["count"] and float8["bytes"] < 0.6 * bf16["bytes"], (
+            mode, bf16, float8)
 
 
 def test_a_transformers_config_json_is_planned_as_its_sizes(tmp_path, capsys):
