@@ -157,6 +157,7 @@ def bucketing_aot_eager(bucket_mb: float) -> Callable:
         TorchFeatureUnavailable: This torch lacks ``aot_eager``'s parts.
     """
     aot_eager, boxed_nop = _compat.aot_eager_parts()
+    _register_bucket_ops()
 
     @functools.wraps(boxed_nop)
     def compile_graph(gm, example_inputs, *args, **kwargs):
@@ -174,7 +175,14 @@ def bucketing_aot_eager(bucket_mb: float) -> Callable:
     return backend
 
 
-_UUID = "aotdist.bucket_collectives.v1"
+_UUID = "aotdist.bucket_collectives.v2"  # v2: all-gathers of mixed dtypes bucketed together
+
+
+def _register_bucket_ops() -> None:
+    """Imports torch's bucketing module, which registers the custom ops a graph bucketed
+    across dtypes calls (``torch.ops.bucketing``): before any graph runs, compiled now or
+    loaded from torch's caches or a saved bundle in a fresh process."""
+    _compat.fx_bucketing()
 
 
 @functools.cache
@@ -201,6 +209,7 @@ def bucketing_pass(bucket_mb: float):
     Raises:
         TorchFeatureUnavailable: This torch has no ``CustomGraphPass``.
     """
+    _register_bucket_ops()
     return _pass_class()(bucket_mb)
 
 

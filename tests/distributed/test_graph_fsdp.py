@@ -444,6 +444,46 @@ def test_float8_gathered_weights_are_gathered_again_in_backward():
     assert "gathered" in summary, summary
 
 
+def _float8_cached(rank: int, world_size: int, root: str, phase: str):
+    """Graph mode with float8 all-gather and the artifact cache: the cold run saves after
+    its first step; the warm one, in fresh processes, loads the bundle."""
+    import os
+
+    import aotdist.cache
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, f"inductor-{phase}-{rank}")
+    model = _model()
+    aotdist.parallelize(model, config={
+        "fsdp": GRAPH, "compile": {"backend": "inductor"},
+        "float8": {"enabled": True, "fsdp_all_gather": True},
+        "cache": {"mode": "local", "dir": os.path.join(root, "bundle")}})
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step, (xs, ys) in enumerate(list(_batches(model, world_size))[:3]):
+        losses.append(rank_step(model, opt, xs[rank], ys[rank]))
+        if phase == "cold" and step == 0:
+            aotdist.cache.save(model)
+    load = vars(model)[aotdist.cache.STATE_ATTR]["load"]
+    return {"losses": losses, "load": load.status, "reason": load.precompile_reason}
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_float8_all_gather_restarts_from_the_artifact_cache(tmp_path):
+    """The saved whole-model graph calls torch's bucketing custom ops (float8 bytes and
+    float32 parameters bucketed together), which a fresh process must register before it
+    runs it (AttributeError: no '_pre_bucket_all_gather' without)."""
+    from aotdist import _compat
+
+    cold = run_distributed(_float8_cached, 2, str(tmp_path), "cold", timeout=560)
+    warm = run_distributed(_float8_cached, 2, str(tmp_path), "warm", timeout=560)
+    for c, w in zip(cold, warm, strict=True):
+        assert w["load"] == "loaded", w
+        assert w["losses"] == c["losses"], (c, w)
+        if _compat.precompile_unavailable() is None:  # the saved graph ran
+            assert w["reason"] == "", w
+
+
 INDUCTOR = {"fsdp": GRAPH, "compile": {"backend": "inductor"}}
 
 
