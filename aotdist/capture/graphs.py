@@ -79,7 +79,9 @@ class GraphCapture:
         total = 0
         for node in self.gm.graph.nodes if self.gm is not None else ():
             val = node.meta.get("val") if node.op == "call_function" else None
-            if "all_gather" in str(node.target) and isinstance(val, torch.Tensor):
+            target = str(node.target)  # the collective, not a bucket's copy-in op
+            if ("_c10d_functional" in target and "all_gather" in target
+                    and isinstance(val, torch.Tensor)):
                 total += val.numel() * val.element_size()
         return total
 
