@@ -73,7 +73,7 @@ def _reduce_scatter_avg(x: torch.Tensor, group: str) -> torch.Tensor:
     return funcol.wait_tensor(fn(x, "avg", 0, group))
 
 
-def _all_reduce_avg(x: torch.Tensor, group: str, op: str = "avg") -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: str, op: str = "avg") -> torch.Tensor:
     funcol = _compat.functional_collectives()
     return funcol.wait_tensor(funcol.all_reduce(x, op, group))
 
@@ -109,7 +109,7 @@ def _scatter_grad(ctx, grad: torch.Tensor) -> torch.Tensor:
     g = _pad0(g, spec.padded).contiguous()
     out = _reduce_scatter_avg(g, spec.group)
     if spec.replicate_group is not None:  # HSDP: the shard, averaged over the replicas
-        out = _all_reduce_avg(out, spec.replicate_group)
+        out = _all_reduce(out, spec.replicate_group)
     return out[: ctx.local_rows].to(ctx.local_dtype)
 
 
@@ -176,9 +176,9 @@ class _AverageGrad(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.spec
         g = grad if spec.reduce_dtype is None else grad.to(spec.reduce_dtype)
-        out = _all_reduce_avg(g.contiguous(), spec.group)
+        out = _all_reduce(g.contiguous(), spec.group)
         if spec.replicate_group is not None:
-            out = _all_reduce_avg(out, spec.replicate_group)
+            out = _all_reduce(out, spec.replicate_group)
         return out.to(ctx.local_dtype), None
 
 
@@ -491,7 +491,7 @@ def refresh_float8_scales(slots: list[tuple[nn.Module, str]]) -> None:
     shards = [_compat.param_slots(m)[n].to_local() for m, n in slots]
     amax = torch.stack([t.detach().abs().max().float() if t.numel() else t.new_zeros((),
                         dtype=torch.float32) for t in shards])
-    amax = _all_reduce_avg(amax, specs[0].group, "max")  # one shard group, one float8 dtype
+    amax = _all_reduce(amax, specs[0].group, "max")  # one shard group, one float8 dtype
     for (m, _), scale in zip(slots, amax_to_scale(amax, specs[0].float8), strict=True):
         getattr(m, FLOAT8_SCALE).copy_(scale)
 
