@@ -36,17 +36,37 @@ def _is_resize(node: torch.fx.Node) -> bool:
 
 
 def storage_resized_inputs(gm: torch.fx.GraphModule) -> list[str]:
-    """Placeholders of ``gm`` whose storage is resized inside it (the FSDP pattern).
+    """Placeholders of ``gm`` whose storage is resized inside it (the FSDP pattern),
+    directly or in the body of a higher-order op it calls with them (the region call
+    and its moved resizes under activation checkpointing sit in such a body).
 
     Works on Dynamo graphs (before AOTAutograd) and on AOTAutograd graphs.
     """
-    found = []
+    found: list[str] = []
     for node in gm.graph.nodes:
         if _is_resize(node) and node.args and isinstance(node.args[0], torch.fx.Node):
-            target = node.args[0]
-            if target.op == "placeholder" and target.name not in found:
+            targets = [node.args[0]]
+        elif node.op == "call_function" and node.args and _body(gm, node.args[0]) is not None:
+            inner = storage_resized_inputs(_body(gm, node.args[0]))
+            names = [n.name for n in _body(gm, node.args[0]).graph.find_nodes(op="placeholder")]
+            operands = node.args[1:]
+            targets = [operands[names.index(n)] for n in inner
+                       if names.index(n) < len(operands)]
+        else:
+            continue
+        for target in targets:
+            if (isinstance(target, torch.fx.Node) and target.op == "placeholder"
+                    and target.name not in found):
                 found.append(target.name)
     return found
+
+
+def _body(gm: torch.fx.GraphModule, arg: object) -> torch.fx.GraphModule | None:
+    """The graph module a higher-order op's first argument names, if it is one."""
+    if not (isinstance(arg, torch.fx.Node) and arg.op == "get_attr"):
+        return None
+    sub = getattr(gm, str(arg.target), None)
+    return sub if isinstance(sub, torch.fx.GraphModule) else None
 
 
 def fix_storage_resizes(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[str]:

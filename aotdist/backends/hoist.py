@@ -1,16 +1,17 @@
 """Buffer updates that need no gradient leave the region: applied by the caller after it.
 
-``invoke_subgraph`` refuses a subgraph that mutates an input in training ("does not
-currently support training with in-place input or buffer mutations"), so a block that
-counts or accumulates into a buffer (torchtitan's MoE tokens-per-expert count, BatchNorm's
-running statistics) was demoted. This Dynamo-graph pass takes such updates out: an
-in-place op whose result is unused and after which the buffer is not read again moves to
-each call site, right after the call, with its tensor operands as extra outputs; any other
-write to an input that needs no gradient (an op that updates it as a side effect, as
-``F.batch_norm`` in training does, or a read after the update) runs, as written, on a copy
-made at the start of the subgraph, whose final value is an extra output that each call
-site writes back into its own buffer. Every value the region computes, and the buffer
-after the call, are as eager's. Nested regions are handled from the innermost out.
+``invoke_subgraph`` refuses a subgraph that mutates an input in training, so a block that
+counts or accumulates into a buffer (MoE token counts, BatchNorm's running statistics)
+was demoted. This Dynamo-graph pass takes such updates out: an in-place op whose result
+is unused and after which the buffer is not read again moves to each call site, right
+after the call; any other write to an input that needs no gradient runs, as written, on a
+copy made at the start of the subgraph, which each call site writes back into its own
+buffer. Storage resizes of such an input at the region's edges (grown before its first
+use, freed after its last: FSDP's pattern on a buffer) move around each call; a subgraph
+that resizes an input elsewhere, or writes one whose storage is empty at the call, is
+left alone (torch refuses it, and the region is demoted with a warning). Every value the
+region computes, and the buffer after the call, are as eager's; nested regions are
+handled innermost first.
 """
 
 from __future__ import annotations
@@ -35,6 +36,18 @@ _RANDOM = {"bernoulli_", "cauchy_", "exponential_", "geometric_", "log_normal_",
 
 
 @dataclass(frozen=True)
+class _Resizes:
+    """Storage resizes of inputs at the subgraph's edges, taken out of it: ``before`` the
+    call and ``after`` it, each ``(input index, target, nbytes)`` in program order."""
+
+    before: list[tuple[int, object, int]]
+    after: list[tuple[int, object, int]]
+
+    def inputs(self) -> set[int]:
+        return {i for i, _, _ in (*self.before, *self.after)}
+
+
+@dataclass(frozen=True)
 class _Update:
     """An in-place op on the subgraph's input ``index``; tensor operands are the extra
     outputs ``outputs`` (in order), other arguments kept as they are."""
@@ -50,19 +63,25 @@ def hoist_buffer_updates(gm: fx.GraphModule) -> list[str]:
     bodies: dict[int, tuple[fx.GraphModule, str, list[fx.Node]]] = {}
     order: list[int] = []
     _collect_calls(gm, bodies, order)
+    recomputed = {id(g.graph) for g in _graphs_calling_regions(gm)[1:]}
     changed: list[str] = []
     touched: dict[int, fx.GraphModule] = {}
     for key in order:  # innermost first: an inner body's writes become its caller's
         body, name, calls = bodies[key]
+        resizes = _take_edge_resizes(
+            body, name, recomputed=any(id(c.graph) in recomputed for c in calls))
+        if resizes is None:  # not safe to rewrite: torch decides, as without this pass
+            continue
         updates = _take_updates(body)
         copied = _copy_written_inputs(body)
-        if not updates and not copied:
+        if not updates and not copied and not resizes.inputs():
             continue
-        updated = {u.index for u in updates} | set(copied)
+        updated = {u.index for u in updates} | set(copied) | resizes.inputs()
         inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
         unused = {i for i in updated if not inputs[i].users}
         for call in calls:  # every call site, in whichever graph it sits
-            _apply_after(call.graph, call, updates, copied)
+            _resize_before(call, resizes.before)
+            _apply_after(call.graph, call, updates, copied, resizes.after)
             _pass_updated_inputs(call.graph, call, updated, unused)
             owner = call.graph.owning_module
             touched[id(owner)] = owner
@@ -127,6 +146,72 @@ def _needs_grad(value: object) -> bool:
         return False
     example = value.meta.get("example_value")
     return not isinstance(example, torch.Tensor) or example.requires_grad
+
+
+def _is_resize(node: fx.Node) -> bool:
+    return (node.op == "call_function"
+            and getattr(node.target, "__name__", "").startswith("resize_storage_bytes_"))
+
+
+def _storage_bytes(value: object) -> int | None:
+    try:
+        return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else None
+    except (RuntimeError, NotImplementedError):  # a tensor without storage: not known
+        return None
+
+
+def _take_edge_resizes(body: fx.GraphModule, name: str, *,
+                       recomputed: bool) -> _Resizes | None:
+    """Removes the storage resizes of inputs that come before every other use of the input
+    or after every one, and returns them; ``None`` (``body`` unchanged) when rewriting
+    the subgraph's buffer writes is not safe: an input resized between its uses, by a
+    size computed in the subgraph, one that needs a gradient, an input written whose
+    storage is empty when the subgraph starts (a copy of it would read freed memory), or
+    any resize where a call site is recomputed in backward (activation checkpointing: the
+    recomputed call would copy a buffer whose storage the moved resize freed)."""
+    graph = body.graph
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    before, after, edge = [], [], []
+    for node in nodes:
+        if not _is_resize(node):
+            continue
+        target, nbytes = node.args[0], node.args[1] if len(node.args) > 1 else None
+        if (recomputed or not isinstance(target, fx.Node) or target.op != "placeholder"
+                or _needs_grad(target) or not isinstance(nbytes, int)):
+            _log.debug("subgraph %s resizes a storage it cannot move: left alone", name)
+            return None
+        uses = [u for u in target.users if not _is_resize(u)]
+        index = inputs.index(target)
+        if all(order[u] > order[node] for u in uses):
+            before.append((index, node.target, nbytes))
+        elif all(order[u] < order[node] for u in uses):
+            after.append((index, node.target, nbytes))
+        else:
+            _log.debug("subgraph %s resizes input %d between its uses: left alone", name, index)
+            return None
+        edge.append(node)
+    grown = {i for i, _, nbytes in before if nbytes > 0}
+    for i, node in enumerate(inputs):  # a write needs the storage there at the call
+        if i not in grown and _storage_bytes(node.meta.get("example_value")) == 0 and any(
+                _in_place(u) or _is_resize(u) for u in node.users):
+            _log.debug("subgraph %s writes input %d, empty at the call: left alone", name, i)
+            return None
+    for node in edge:
+        graph.erase_node(node)
+    if edge:
+        graph.lint()
+        body.recompile()
+    return _Resizes(before, after)
+
+
+def _resize_before(call: fx.Node, resizes: list) -> None:
+    """The resizes moved from the subgraph's start, applied to the call site's own inputs
+    right before ``call``."""
+    for index, target, nbytes in resizes:
+        with call.graph.inserting_before(call):
+            call.graph.call_function(target, (call.args[2 + index], nbytes))
 
 
 def _take_updates(body: fx.GraphModule) -> list[_Update]:
@@ -223,10 +308,11 @@ def _copy_written_inputs(body: fx.GraphModule) -> dict[int, int]:
 
 
 def _apply_after(graph: fx.Graph, call: fx.Node, updates: list[_Update],
-                 copied: dict[int, int]) -> None:
+                 copied: dict[int, int], resizes: list) -> None:
     """After ``call`` and its results, each update applied to the call site's own input,
-    its operands detached (torch 2.11 marks every subgraph output as needing grad), and
-    each copied input's final value written back into the call site's own input."""
+    its operands detached (torch 2.11 marks every subgraph output as needing grad), each
+    copied input's final value written back into the call site's own input, then the
+    resizes moved from the subgraph's end."""
     cursor = call
     while cursor.next.op == "call_function" and cursor.next.args[:1] == (call,):
         cursor = cursor.next  # the getitems of the results
@@ -260,6 +346,8 @@ def _apply_after(graph: fx.Graph, call: fx.Node, updates: list[_Update],
         target = operands[index]
         insert("call_method", "copy_", (target, value(("out", out))),
                example=target.meta.get("example_value"))
+    for index, target, nbytes in resizes:
+        insert("call_function", target, (operands[index], nbytes))
 
 
 def _pass_updated_inputs(graph: fx.Graph, call: fx.Node, updated: set[int],

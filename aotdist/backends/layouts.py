@@ -26,7 +26,7 @@ __all__ = ["merge_layout_variants"]
 
 _log = get_logger(__name__)
 # ops whose result depends on an input's memory, not only on its values
-_MEMORY_READERS = ("as_strided", "storage", "data_ptr", "set_", "stride", "view_as_real")
+_MEMORY_READERS = ("as_strided", "storage", "data_ptr", "stride", "view_as_real")
 
 
 def merge_layout_variants(gm: fx.GraphModule) -> list[str]:
@@ -117,7 +117,11 @@ def _same_ops(a: fx.GraphModule, b: fx.GraphModule) -> bool:
     for x, y in zip(a_nodes, b_nodes, strict=True):
         if x.op != y.op or (x.op != "placeholder" and x.target != y.target):
             return False
-        if any(r in getattr(x.target, "__name__", str(x.target)) for r in _MEMORY_READERS):
+        name = getattr(x.target, "__name__", str(x.target))
+        if name.startswith("resize_storage_bytes_"):  # sizes a storage, reads no layout:
+            if not _same_layout(x.args[0], mapping.get(x.args[0])):  # only one's that differs
+                return False
+        elif name.split(".")[0] == "set_" or any(r in name for r in _MEMORY_READERS):
             return False
         if x.op == "placeholder":
             vx, vy = _value(x), _value(y)
@@ -132,6 +136,12 @@ def _same_ops(a: fx.GraphModule, b: fx.GraphModule) -> bool:
             return False
         mapping[x] = y
     return True
+
+
+def _same_layout(a: object, b: object) -> bool:
+    va, vb = (_value(n) if isinstance(n, fx.Node) else None for n in (a, b))
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
+            and va.stride() == vb.stride())
 
 
 def _layout(node: fx.Node) -> torch.memory_format | None:
