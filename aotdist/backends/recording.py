@@ -38,7 +38,7 @@ from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_c
 from aotdist.log import rank_zero_warn
 
 __all__ = ["DryRunDone", "GraphRecord", "RecordingBackend", "append_record", "graph_log_cursor",
-           "module_path_to_fqn", "records_since", "stack_fqns", "submodule"]
+           "module_path_to_fqn", "records_since", "stack_regions", "submodule"]
 
 # Every RecordingBackend appends here, so track() can see graphs compiled in its window;
 # readers hold a cursor (graph_log_cursor) and ask for the records since (records_since).
@@ -94,21 +94,40 @@ class GraphRecord:
     precompiled: bool = False  # loaded from a cache bundle's saved graph, not compiled here
     # Inductor's graphs: "fx" when only the region bodies were lowered, else "inductor"
     outer: str | None = None
+    # region name -> per call site, each operand's (shape, dtype, stride, requires_grad)
+    operands: dict[str, list[tuple]] = field(default_factory=dict)
 
 
 _PATH_TOKEN = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]|\.(\w+)")
 
 
+_GETATTR = re.compile(r"getattr\(((?:(?!getattr\().)*?), ['\"]([^'\"]+)['\"]\)")
+
+
 def module_path_to_fqn(path: str) -> str:
-    """``L['self'].blocks.1`` / ``L['self']._modules['blocks']._modules['1']`` -> ``blocks.1``."""
+    """``L['self'].blocks.1`` / ``L['self']._modules['blocks']._modules['1']`` -> ``blocks.1``.
+
+    Also read: ``__dict__['_modules'][...]`` (a class that defines ``__getattr__``:
+    diffusers' ``ModelMixin``, peft's models), ``getattr(..., 'x')``, ``[0]`` indices and
+    the ``_orig_mod`` of an ``OptimizedModule`` (an outer ``torch.compile``).
+    """
     path = path.strip()
+    while (unwrapped := _GETATTR.sub(r"\1.\2", path)) != path:  # innermost first
+        path = unwrapped
+    path = re.sub(r"\.__dict__\[['\"]_modules['\"]\]", "._modules", path)
     if re.match(r"^L\[['\"][^'\"]+['\"]\]\[", path):
         return ""  # rooted at an argument (L['args'][0]): a frame compiled on its own
     path = re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", path)
     path = re.sub(r"^\.__self__", "", path)  # root compiled as model._call_impl: L['fn'].__self__
-    path = re.sub(r"getattr\((.*?), ['\"]([^'\"]+)['\"]\)", r"\1.\2", path)
     parts = [next(g for g in m.groups() if g is not None) for m in _PATH_TOKEN.finditer(path)]
-    return ".".join(parts)
+    return ".".join(p for p in parts if p != "_orig_mod")
+
+
+def _operand_kind(arg: object) -> tuple | None:
+    value = arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        return None
+    return (tuple(value.shape), value.dtype, value.stride(), value.requires_grad)
 
 
 def _nodes_outside_regions(gm: torch.fx.GraphModule, invoke) -> Iterator[torch.fx.Node]:
@@ -135,18 +154,36 @@ def submodule(gm: torch.fx.GraphModule, target: object) -> Any:
         return None
 
 
-def stack_fqns(node: torch.fx.Node, prefix: str = "") -> list[str]:
-    """The model fqns of ``node``'s module stack; ``prefix``: the fqn of the frame's own
-    module, which its ``L['self']`` paths are relative to."""
+def _stack(node: torch.fx.Node, prefix: str) -> list[tuple[str, object]]:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    fqns = []
+    entries = []
     for v in stack.values():
         if isinstance(v, tuple):
             fqn = module_path_to_fqn(v[0])
             if prefix and _SELF_PATH.match(v[0].strip()):
                 fqn = f"{prefix}.{fqn}" if fqn else prefix
-            fqns.append(fqn)
-    return fqns
+            entries.append((fqn, v[1] if len(v) > 1 else None))
+    return entries
+
+
+def stack_regions(node: torch.fx.Node, fqn_to_region: dict[str, str],
+                  prefix: str = "") -> list[tuple[str, str]]:
+    """``(instance fqn, region)`` for each region instance on ``node``'s module stack,
+    outermost first. The region is read from the class marking gave the instance (its
+    ``_aotdist_region``), so it never depends on how Dynamo spells the path; the fqn is
+    the path as read, ``"?"`` where it names no instance of that region."""
+    regions = set(fqn_to_region.values())
+    found = []
+    for fqn, cls in _stack(node, prefix):
+        region = getattr(cls, "_aotdist_region", None) if isinstance(cls, type) else None
+        if region not in regions:
+            region = None
+        by_path = fqn_to_region.get(fqn)
+        if region is None and by_path is not None:
+            region = by_path  # a class not marked here (frames mode's FSDP class is)
+        if region is not None:
+            found.append((fqn if by_path == region else "?", region))
+    return found
 
 
 _SELF_PATH = re.compile(r"^L\[['\"]self['\"]\]")
@@ -279,19 +316,18 @@ class RecordingBackend:
                 continue
             if node.target is operator.getitem and getattr(node.args[0], "target", None) is invoke:
                 continue  # unpacking a region's outputs is not an inlined op
-            fqns = [f for f in stack_fqns(node, prefix) if f in self._fqn_to_region]
+            found = stack_regions(node, self._fqn_to_region, prefix)
+            fqn, region = found[-1] if found else ("?", None)
             if node.target is invoke:
                 ident = str(node.args[1])
-                fqn = fqns[-1] if fqns else None
-                region = self._fqn_to_region.get(fqn) if fqn else None
-                if region is None:
-                    region = "<unknown>"
-                record.call_sites.setdefault(region, []).append(fqn or "?")
+                region = region or "<unknown>"
+                record.call_sites.setdefault(region, []).append(fqn)
                 record.subgraphs.setdefault(region, set()).add(f"{record.index}:{ident}")
+                record.operands.setdefault(region, []).append(
+                    tuple(_operand_kind(a) for a in node.args[2:]))
                 node_regions[node.name] = region
-            elif fqns:
-                region = self._fqn_to_region[fqns[-1]]
-                record.inlined.setdefault(region, set()).add(fqns[-1])
+            elif region is not None:
+                record.inlined.setdefault(region, set()).add(fqn)
         for region, fqns in list(record.inlined.items()):
             # An instance that is also a call site ran as the subgraph: its nodes outside
             # are the call's glue (aotdist's de-aliasing clones), not an inlined body.

@@ -17,7 +17,12 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist.backends.aot import storage_resized_inputs
-from aotdist.backends.recording import RecordingBackend, module_path_to_fqn, stack_fqns, submodule
+from aotdist.backends.recording import (
+    RecordingBackend,
+    module_path_to_fqn,
+    stack_regions,
+    submodule,
+)
 from aotdist.capture.graphs import GraphCapture, analyse_graph, tensor_info
 from aotdist.capture.report import Capture
 from aotdist.fsdp import fsdp_params
@@ -181,11 +186,11 @@ class Recorder:
             if invoke is None or node.target is not invoke:
                 continue
             sub = submodule(gm, node.args[0].target)
-            fqns = [f for f in stack_fqns(node, entry.prefix) if f in self.fqn_to_region]
-            region = self.report.regions.get(self.fqn_to_region[fqns[-1]]) if fqns else None
+            found = stack_regions(node, self.fqn_to_region, entry.prefix)
+            region = self.report.regions.get(found[-1][1]) if found else None
             if region is None or not isinstance(sub, torch.fx.GraphModule):
                 continue
-            site = fqns[-1]
+            site = found[-1][0]
             sub_cap = self.subgraphs.get(id(sub))
             if sub_cap is None:
                 graphs = region.backward if cap.kind == "backward" else region.forward

@@ -54,12 +54,13 @@ def report_reuse(model: nn.Module, state: RegionState, records=None,
         meshes = distinct_meshes(instances)
         refused = next((why for code, why in state.refusals.items()
                         if _compat.is_region_code(code, region.name)), None)
+        refused = refused or _observed_mismatch(records, region.name)  # torch < 2.14
         # torch's own reason (torch 2.14+) for skipping its reuse check: the cause when its
         # fallback, comparing each traced body, also merged none (Gemma 4); where it merged
         # some, what differs between the rest is something else. An input that differed
         # at one call site explains one split only: constants that differ come first.
         mismatch = refused is not None and "tensor metadata mismatch" in refused
-        if mismatch and (differ or meshes):
+        if mismatch and (differ or meshes) and n > 2:
             differ, refused = differ + [("an input at one call site", "torch", refused)], None
         if refused is not None and (n >= region.count or mismatch):
             cause, fix = _refused(refused)
@@ -129,8 +130,11 @@ _MISMATCH_FIXES = {
               "it compiles inline as in whole-model torch.compile, without this warning"),
     "stride": ("hand every instance inputs of one layout (.contiguous()); aotdist does so "
                "itself only for inputs that need a gradient, not for buffers or data"),
-    "requires_grad": ("the first block is fed data that needs no gradient: let it compute "
-                      "one from a tensor that does, or accept one more subgraph"),
+    "requires_grad": ("the first block is fed data that needs no gradient (a frozen "
+                      "embedding, as in LoRA fine-tuning): call "
+                      "model.enable_input_require_grads() (transformers and peft models), "
+                      "or let it compute its input from a tensor that does, or accept one "
+                      "more subgraph"),
 }
 
 
@@ -144,6 +148,23 @@ def _refused(why: str) -> tuple[str, str]:
             return f"{cause} (torch: {why})", fix
     return (f"torch does not reuse its subgraph (torch: {why})",
             "TORCH_LOGS=+hierarchical_compile shows torch's reasoning")
+
+
+_KIND_FIELDS = ("shape", "dtype", "stride", "requires_grad")
+
+
+def _observed_mismatch(records, region: str) -> str | None:
+    """The first operand whose kind differs between the region's call sites in one graph,
+    in torch's own words (torch 2.14+ logs them; older torch says nothing)."""
+    for rec in records:
+        sites = getattr(rec, "operands", {}).get(region, [])
+        for i, kinds in enumerate(zip(*sites, strict=False)) if len(sites) > 1 else ():
+            for field in ("requires_grad", "stride", "shape", "dtype"):
+                seen = [k[_KIND_FIELDS.index(field)] for k in kinds if k is not None]
+                if len(set(seen)) > 1:
+                    return (f"reuse failed -- input {i} tensor metadata mismatch: {field} "
+                            f"{seen[0]} vs {next(v for v in seen if v != seen[0])}")
+    return None
 
 
 def differing_attributes(instances: list[nn.Module]) -> list[tuple[str, str, str]]:

@@ -1,0 +1,91 @@
+"""The stacks people fine-tune with, built tiny from their configs: a diffusers DiT and peft
+LoRA adapters on a frozen transformers Llama train as eager does over several SGD steps,
+every region named (their classes define ``__getattr__``, so Dynamo spells their module
+paths ``__dict__['_modules'][...]``) and every instance a call site of one subgraph."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import aotdist
+from aotdist import metrics
+from aotdist.testing import assert_training_parity
+
+STEPS = 3
+
+
+def _train(model, batches, loss_fn=None):
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        aotdist.compile_regions(model, backend="aot_eager")
+        with metrics.track(model) as tracked:
+            assert_training_parity(model, ref, batches, loss_fn=loss_fn)
+    warned = [str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)]
+    return tracked, warned
+
+
+def _reused(tracked, region: str, count: int) -> None:
+    assert set(tracked.regions) == {region}, tracked.summary()  # no <unknown>
+    st = tracked.regions[region]
+    assert (st.instances, st.call_sites, st.subgraphs) == (count, count, 1), tracked.summary()
+
+
+def test_a_diffusers_dit_trains_as_eager_with_its_blocks_named():
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        num_layers=3, sample_size=8, patch_size=2, num_embeds_ada_norm=10).train()
+    g = torch.Generator().manual_seed(1)
+
+    def batch():
+        return (torch.randn(2, 4, 8, 8, generator=g), torch.tensor([1, 2]), torch.tensor([0, 1]))
+
+    tracked, warned = _train(model, [batch() for _ in range(STEPS)])
+    assert not warned, warned
+    _reused(tracked, "BasicTransformerBlock", 3)
+
+
+def _lora_llama(layers: int = 4):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=layers, num_attention_heads=2,
+                                   num_key_value_heads=2, use_cache=False)
+    base = transformers.LlamaForCausalLM(cfg)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                           lora_dropout=0.0)
+    model = peft.get_peft_model(base, lora).train()
+    for name, p in model.named_parameters():  # adapters start at zero: make them count
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _token_batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 64, (2, 8), generator=g),) for _ in range(STEPS)]
+
+
+def test_lora_on_a_frozen_llama_trains_every_layer_as_one_subgraph():
+    model = _lora_llama()
+    model.enable_input_require_grads()  # what the warning below tells a LoRA user to do
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "lora" not in n)
+    tracked, warned = _train(model, _token_batches())
+    assert not warned, warned
+    _reused(tracked, "LlamaDecoderLayer", 4)
+
+
+def test_lora_without_input_grads_names_the_split_first_layer_and_the_fix():
+    model = _lora_llama()
+    tracked, warned = _train(model, _token_batches())
+    assert tracked.regions["LlamaDecoderLayer"].call_sites >= 3, tracked.summary()
+    split = [w for w in warned if "'LlamaDecoderLayer'" in w]
+    assert split and "requires_grad" in split[0], warned
+    assert "enable_input_require_grads()" in split[0], split
