@@ -20,6 +20,7 @@ from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import OrderingError
 from aotdist.float8 import convert_to_float8, warn_unverified_combination
 from aotdist.fsdp.modes import sharding_for
+from aotdist.fsdp.replaced import record_replaced
 from aotdist.log import get_logger
 from aotdist.regions import RegionPlan, find_regions
 
@@ -124,7 +125,9 @@ def parallelize(model: nn.Module, *,
     # 4. Shard. Hooks mode: fully_shard each region instance, then the root (one
     #    all-gather per instance, issued as it runs). Graph-mode FSDP: every parameter a
     #    DTensor shard, the collectives then live in the compiled graph (aotdist.fsdp.graph).
+    before = list(model.parameters())
     sharded = sharding.shard(model, plan, config, mesh)
+    record_replaced(model, before)  # an optimizer built before this holds the old ones
 
     # 5. Compile last, so FSDP2's hooks (installed in 4) stay outside compiled code and
     #    fire per instance: with FSDP2 each region is compiled once as its own graph,
