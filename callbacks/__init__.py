@@ -5,6 +5,7 @@ Accelerate:
 
 - :class:`RegionalCompile` — a ``lightning.pytorch.Callback`` (``callbacks/lightning.py``).
 - :class:`RegionalCompileHook` and :func:`prepare` — Accelerate (``callbacks/accelerate.py``).
+- :class:`TrainerRegionalCompile` — a Hugging Face ``TrainerCallback`` (``callbacks/trainer.py``).
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from typing import Any
 
 from aotdist._compat.extras import require
 
-__all__ = ["RegionalCompile", "RegionalCompileHook", "prepare"]
+__all__ = ["RegionalCompile", "RegionalCompileHook", "TrainerRegionalCompile", "prepare"]
 
 _WHERE = {
     "RegionalCompile": "aotdist.callbacks.lightning",
     "RegionalCompileHook": "aotdist.callbacks.accelerate",
     "prepare": "aotdist.callbacks.accelerate",
+    "TrainerRegionalCompile": "aotdist.callbacks.trainer",
 }
 _NEEDS = {"aotdist.callbacks.lightning": "lightning.pytorch",
-          "aotdist.callbacks.accelerate": "accelerate.hooks"}
+          "aotdist.callbacks.accelerate": "accelerate.hooks",
+          "aotdist.callbacks.trainer": "transformers"}
 
 
 def __getattr__(name: str) -> Any:

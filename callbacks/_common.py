@@ -22,7 +22,8 @@ from aotdist.fsdp import fsdp_modules
 from aotdist.parallelize import parallelize, parallelize_info
 from aotdist.regions import RegionPlan, find_regions
 
-__all__ = ["Applied", "ApplyHow", "apply_aotdist", "enable_fsdp_for_host", "merge_config"]
+__all__ = ["Applied", "ApplyHow", "apply_aotdist", "compile_only_config", "enable_fsdp_for_host",
+           "merge_config", "metric_values"]
 
 
 class ApplyHow(StrEnum):
@@ -59,6 +60,23 @@ def merge_config(config: AOTDistConfig | Mapping | str | os.PathLike | None, *,
     if mode is not None:
         compile_["mode"] = mode
     return cfg.replace(regions=regions, compile=compile_) if regions or compile_ else cfg
+
+
+def compile_only_config(config: AOTDistConfig | Mapping | str | os.PathLike | None, *,
+                        include: list[str] | str | None, exclude: list[str] | str | None,
+                        backend: str | None, what: str, why: str, fix: str) -> AOTDistConfig:
+    """:func:`merge_config` for an integration that compiles only (a hook, a callback that
+    gets the model after the optimizer or the host's wrapping).
+
+    Raises:
+        ConfigError: A bad config, or ``fsdp`` / ``float8`` enabled: ``what`` compiles
+            only, ``why`` it cannot replace the parameters, and the ``fix``.
+    """
+    cfg = merge_config(config, include=include, exclude=exclude, backend=backend)
+    if cfg.fsdp.enabled or cfg.float8.enabled:
+        raise ConfigError(f"{what} compiles only; fsdp.enabled / float8.enabled replace the "
+                          f"model's parameters, {why}. Fix: {fix}.")
+    return cfg
 
 
 def enable_fsdp_for_host(config: AOTDistConfig, *, host: str, over: str,
@@ -175,3 +193,23 @@ def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
     effective = config.replace(regions=exact)
     parallelize(target, config=effective, mesh=mesh if config.fsdp.enabled else None)
     return Applied(target, fqn, ApplyHow.PARALLELIZE, effective)
+
+
+def metric_values(m: Any) -> dict[str, float]:
+    """A metrics window (``aotdist.metrics.CompileMetrics``) as the flat ``aotdist/...``
+    values the integrations log: compile time by phase, graphs, breaks, recompiles, and
+    per region its instances, call sites and subgraphs."""
+    values: dict[str, float] = {
+        "aotdist/compile_seconds": m.compile_seconds,
+        "aotdist/dynamo_seconds": m.dynamo_seconds,
+        "aotdist/aot_autograd_seconds": m.aot_autograd_seconds,
+        "aotdist/backend_seconds": m.backend_seconds,
+        "aotdist/graphs": m.graphs,
+        "aotdist/graph_breaks": m.num_graph_breaks,
+        "aotdist/recompiles": len(m.recompiles),
+    }
+    for name, st in m.regions.items():
+        values[f"aotdist/{name}/instances"] = st.instances
+        values[f"aotdist/{name}/call_sites"] = st.call_sites
+        values[f"aotdist/{name}/subgraphs"] = st.subgraphs
+    return values

@@ -25,6 +25,7 @@ from aotdist.callbacks._common import (
     Applied,
     ApplyHow,
     apply_aotdist,
+    compile_only_config,
     enable_fsdp_for_host,
     merge_config,
 )
@@ -110,14 +111,11 @@ class RegionalCompileHook(ModelHook):
     def __init__(self, config: AOTDistConfig | Mapping | str | None = None, *,
                  include: list[str] | str | None = None, exclude: list[str] | str | None = None,
                  backend: str | None = None) -> None:
-        self.config = merge_config(config, include=include, exclude=exclude, backend=backend)
-        if self.config.fsdp.enabled or self.config.float8.enabled:
-            raise ConfigError(
-                "RegionalCompileHook compiles only; fsdp.enabled / float8.enabled replace the "
-                "model's parameters, which a hook cannot do under an existing optimizer. "
-                "Fix: use aotdist.callbacks.prepare(accelerator, model, optimizer, ..., "
-                "config=...) for FSDP2 and Float8."
-            )
+        self.config = compile_only_config(
+            config, include=include, exclude=exclude, backend=backend,
+            what="RegionalCompileHook", why="which a hook cannot do under an existing optimizer",
+            fix="use aotdist.callbacks.prepare(accelerator, model, optimizer, ..., config=...) "
+                "for FSDP2 and Float8")
         self.applied: Applied | None = None
         self.metrics: metrics.CompileMetrics | None = None
         self._window: metrics.Tracker | None = None

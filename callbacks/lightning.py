@@ -19,6 +19,7 @@ from aotdist.callbacks._common import (
     apply_aotdist,
     enable_fsdp_for_host,
     merge_config,
+    metric_values,
 )
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -232,19 +233,7 @@ class RegionalCompile(Callback):
         if m is None or not self.log_metrics or not trainer.loggers \
                 or not trainer.is_global_zero:
             return
-        values: dict[str, float] = {
-            "aotdist/compile_seconds": m.compile_seconds,
-            "aotdist/dynamo_seconds": m.dynamo_seconds,
-            "aotdist/aot_autograd_seconds": m.aot_autograd_seconds,
-            "aotdist/backend_seconds": m.backend_seconds,
-            "aotdist/graphs": m.graphs,
-            "aotdist/graph_breaks": m.num_graph_breaks,
-            "aotdist/recompiles": len(m.recompiles),
-        }
-        for name, st in m.regions.items():
-            values[f"aotdist/{name}/instances"] = st.instances
-            values[f"aotdist/{name}/call_sites"] = st.call_sites
-            values[f"aotdist/{name}/subgraphs"] = st.subgraphs
+        values = metric_values(m)
         for logger in trainer.loggers:  # every logger, as Lightning's own monitors do
             logger.log_metrics(values, step=trainer.global_step)
 

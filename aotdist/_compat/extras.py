@@ -23,6 +23,7 @@ EXTRAS = {
     "matplotlib": "bench",
     "torchao": "float8",
     "torchvision": "bench",
+    "transformers": "hf",
 }
 
 

@@ -131,10 +131,12 @@ _MISMATCH_FIXES = {
     "stride": ("hand every instance inputs of one layout (.contiguous()); aotdist does so "
                "itself only for inputs that need a gradient, not for buffers or data"),
     "requires_grad": ("the first block is fed data that needs no gradient (a frozen "
-                      "embedding, as in LoRA fine-tuning): call "
-                      "model.enable_input_require_grads() (transformers and peft models), "
-                      "or let it compute its input from a tensor that does, or accept one "
-                      "more subgraph"),
+                      "embedding, as in LoRA fine-tuning), so it compiles once more, inline; "
+                      "this costs one block's trace and is usually the cheapest option "
+                      "(model.enable_input_require_grads() makes it reuse the subgraph but "
+                      "breaks the graph at the embedding, which costs more); otherwise let "
+                      "the first block compute its input from a tensor that needs a "
+                      "gradient"),
 }
 
 

@@ -73,19 +73,17 @@ def _token_batches():
     return [(torch.randint(0, 64, (2, 8), generator=g),) for _ in range(STEPS)]
 
 
-def test_lora_on_a_frozen_llama_trains_every_layer_as_one_subgraph():
+def test_lora_on_a_frozen_llama_trains_as_eager_and_names_the_inlined_first_layer():
+    # the first layer's input (a frozen embedding's output) needs no gradient: it compiles
+    # once more, inline, and the warning says why and what the alternatives cost
     model = _lora_llama()
-    model.enable_input_require_grads()  # what the warning below tells a LoRA user to do
     assert not any(p.requires_grad for n, p in model.named_parameters() if "lora" not in n)
     tracked, warned = _train(model, _token_batches())
-    assert not warned, warned
-    _reused(tracked, "LlamaDecoderLayer", 4)
-
-
-def test_lora_without_input_grads_names_the_split_first_layer_and_the_fix():
-    model = _lora_llama()
-    tracked, warned = _train(model, _token_batches())
-    assert tracked.regions["LlamaDecoderLayer"].call_sites >= 3, tracked.summary()
+    st = tracked.regions["LlamaDecoderLayer"]
+    # torch 2.14+ inlines a subgraph called once (the first layer's); 2.11 keeps it apart
+    assert (st.instances, st.call_sites, st.subgraphs) in ((4, 3, 1), (4, 4, 2)), \
+        tracked.summary()
+    assert tracked.num_graph_breaks == 0, tracked.summary()
     split = [w for w in warned if "'LlamaDecoderLayer'" in w]
     assert split and "requires_grad" in split[0], warned
-    assert "enable_input_require_grads()" in split[0], split
+    assert "frozen embedding" in split[0] and "enable_input_require_grads()" in split[0], split

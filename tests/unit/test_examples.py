@@ -19,6 +19,7 @@ ENTRY_POINTS = [
     ("aotdist.callbacks", "RegionalCompile", "lightning.pytorch"),
     ("aotdist.callbacks", "RegionalCompileHook", "accelerate"),
     ("aotdist.callbacks", "prepare", "accelerate"),
+    ("aotdist.callbacks", "TrainerRegionalCompile", "transformers"),
 ]
 
 
