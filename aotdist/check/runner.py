@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import time
 import traceback
 import warnings
@@ -26,22 +25,18 @@ import torch
 from torch import nn
 
 from aotdist.check.families import (
-    FAMILIES,
     Family,
-    hf_family,
     stochastic_depth,
-    torchvision_family,
     without_randomness,
 )
-from aotdist.check.families_timm import TIMM_MODELS, timm_family
-from aotdist.check.families_titan import titan_family
 from aotdist.check.rounding import as_float64, describe, only_rounding, rounding_errors
+from aotdist.check.specs import resolve
 from aotdist.check.steps import Diff, Run, run_step, train
 from aotdist.compile.verify import tolerance
 from aotdist.config import FSDP_MODES
 from aotdist.errors import first_line
 
-__all__ = ["FAILING", "STEPS", "CheckResult", "check_family", "check_fsdp", "resolve"]
+__all__ = ["FAILING", "STEPS", "CheckResult", "check_family", "check_fsdp"]
 
 STEPS = 3  # SGD steps each way: a wrong buffer update shows in the next step's loss
 
@@ -116,44 +111,6 @@ class CheckResult:
         where = f" (FSDP x{self.fsdp}{mode})" if self.fsdp else ""
         text = f"{self.name}{where}: {self.status} | {regions}{diff} | {self.seconds:.0f} s"
         return text + (f" | {self.error.splitlines()[0][:160]}" if self.error else "")
-
-
-def resolve(spec: str) -> Family:
-    """A family from a spec: a name in :data:`FAMILIES`, ``hf:TYPE`` (a ``transformers``
-    model type, causal LM unless listed), ``torchvision:NAME``, ``timm:ARCH`` (a
-    ``timm.create_model`` architecture), ``titan:NAME`` (a torchtitan model:
-    :data:`~aotdist.check.families_titan.TITAN_MODELS`), or ``module:factory`` (a
-    zero-argument function returning ``(model, inputs)``, ``inputs`` a dict of keyword
-    arguments or a tuple of positional ones)."""
-    kind, _, rest = spec.partition(":")
-    known = {f.name: f for f in FAMILIES}
-    if not rest:
-        if spec in known:
-            return known[spec]
-        raise ValueError(f"unknown model {spec!r}: give a family ({', '.join(known)}), "
-                         "hf:TYPE, torchvision:NAME, timm:ARCH, titan:NAME or module:factory")
-    listed = known.get(rest)
-    if kind == "hf":
-        return listed if listed is not None and listed.source == "transformers" else \
-            hf_family(rest, "transformers model")
-    if kind == "torchvision":
-        return listed if listed is not None and listed.source == "torchvision" else \
-            torchvision_family(rest, "torchvision model")
-    if kind == "timm":  # one of the sweep's at its size, else at the architecture's own
-        return next((f for f in TIMM_MODELS if f.name == rest), None) or timm_family(rest)
-    if kind == "titan":
-        return titan_family(rest)
-
-    def build(seed: int):
-        torch.manual_seed(seed)
-        made = getattr(importlib.import_module(kind), rest)()
-        if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module)):
-            raise TypeError(f"{spec} must return (model, inputs): inputs a dict of keyword "
-                            f"arguments or a tuple of positional ones; got {type(made).__name__}")
-        model, inputs = made
-        return model, inputs if isinstance(inputs, dict) else {"*": tuple(inputs)}
-
-    return Family(spec, "user model", build, "user")
 
 
 def _classify(result: CheckResult, m, caught: list[str]) -> None:
