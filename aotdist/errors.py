@@ -95,20 +95,25 @@ class RegionMismatchError(AOTDistError, RuntimeError):
 
     def __init__(self, comparison, regions: list[str], *, whole_model: bool = False):
         if whole_model:
-            where = ("it remains with every region compiled inline, so it is the "
-                     "compiler's own (whole-model torch.compile computes the same). Fix: "
-                     "try another compile.backend (aot_eager) or torch version, and report "
-                     "it to PyTorch")
+            where = (
+                "it remains with every region compiled inline, so it is the "
+                "compiler's own (whole-model torch.compile computes the same). Fix: "
+                "try another compile.backend (aot_eager) or torch version, and report "
+                "it to PyTorch"
+            )
         else:
-            where = (f"it comes with region(s) {regions}: compiled inline they match eager. "
-                     f"Fix: exclude them (regions.exclude: {regions}, or find_regions("
-                     "exclude=[...])) and report it to aotdist")
+            where = (
+                f"it comes with region(s) {regions}: compiled inline they match eager. "
+                f"Fix: exclude them (regions.exclude: {regions}, or find_regions("
+                "exclude=[...])) and report it to aotdist"
+            )
         super().__init__(
             f"aotdist's first-step check: the compiled training step differs from eager on "
             f"the same state ({comparison.describe()}); {where}. Training was stopped "
             "before any optimizer step. If your model draws random numbers outside "
             "nn.Dropout modules (F.dropout, a stochastic-depth function), set their rate to "
-            "0 for the check, or turn compile.verify off.")
+            "0 for the check, or turn compile.verify off."
+        )
         self.regions = list(regions)
         self.comparison = comparison
 
@@ -132,8 +137,7 @@ class DistributedTestError(AOTDistError, RuntimeError):
             ``multiprocessing`` reports it); ``None`` when it raised or was stopped.
     """
 
-    def __init__(self, message: str, rank: int | None = None,
-                 exit_code: int | None = None):
+    def __init__(self, message: str, rank: int | None = None, exit_code: int | None = None):
         super().__init__(message)
         self.rank = rank
         self.exit_code = exit_code

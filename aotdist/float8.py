@@ -84,8 +84,9 @@ def convert_to_float8(model: nn.Module, config: Float8Config) -> list[str]:
     return chosen
 
 
-def _check_recipe_runs(ao, ao_config, recipe: str, device: torch.device,
-                       dtype: torch.dtype) -> None:
+def _check_recipe_runs(
+    ao, ao_config, recipe: str, device: torch.device, dtype: torch.dtype
+) -> None:
     """Runs one tiny ``Float8Linear`` of ``recipe`` forward and backward on ``device``.
 
     Every recipe needs ``torch._scaled_mm``: CUDA GPUs of compute capability >= 8.9; on
@@ -112,17 +113,23 @@ def _check_recipe_runs(ao, ao_config, recipe: str, device: torch.device,
     except (RuntimeError, NotImplementedError, AssertionError) as exc:
         cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         if recipe != "tensorwise":
-            fix = ("set float8.recipe: tensorwise, or train on a CUDA GPU of compute "
-                   "capability >= 8.9 (row-wise scaled matmul)")
+            fix = (
+                "set float8.recipe: tensorwise, or train on a CUDA GPU of compute "
+                "capability >= 8.9 (row-wise scaled matmul)"
+            )
         elif device.type == "cpu" and os.environ.get("ONEDNN_MAX_CPU_ISA"):
-            fix = (f"torch's CPU float8 matmul runs in oneDNN on this AMX CPU, and "
-                   f"ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']} caps oneDNN below "
-                   "AMX: unset it (or set AVX512_CORE_AMX), or set float8.enabled: false")
+            fix = (
+                f"torch's CPU float8 matmul runs in oneDNN on this AMX CPU, and "
+                f"ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']} caps oneDNN below "
+                "AMX: unset it (or set AVX512_CORE_AMX), or set float8.enabled: false"
+            )
         elif device.type == "cpu":
             fix = "set float8.enabled: false on this machine, or train on a CUDA GPU"
         else:
-            fix = ("train on a GPU with float8 matmuls (CUDA compute capability >= 8.9), or "
-                   "set float8.enabled: false")
+            fix = (
+                "train on a GPU with float8 matmuls (CUDA compute capability >= 8.9), or "
+                "set float8.enabled: false"
+            )
         raise ConfigError(
             f"float8.recipe: {recipe!r} cannot run on {device} with torch {torch.__version__}"
             f" (torchao's Float8Linear fails: {cause}). Fix: {fix}."
@@ -153,8 +160,13 @@ def warn_unverified_combination(config, *, stacklevel: int = 3) -> None:
     parity test sees a drift from the same Float8 model in eager: Inductor's, the same with
     the all-gather off and under ``torch.compile`` of the whole model (the measurements:
     docs/guide/limits.md)."""
-    if (config.float8.enabled and config.float8.fsdp_all_gather and config.fsdp.enabled
-            and config.compile.enabled and config.compile.backend == "inductor"):
+    if (
+        config.float8.enabled
+        and config.float8.fsdp_all_gather
+        and config.fsdp.enabled
+        and config.compile.enabled
+        and config.compile.backend == "inductor"
+    ):
         rank_zero_warn(
             "float8.fsdp_all_gather with compile.backend: inductor: aotdist's parity test "
             "sees parameters drift from eager Float8 by up to 1.5e-3 after 5 SGD steps on "
@@ -164,7 +176,8 @@ def warn_unverified_combination(config, *, stacklevel: int = 3) -> None:
             "Float8's 3-bit rounding carries it (docs/guide/limits.md). Fix, if you need "
             "eager-exact Float8: compile.backend: aot_eager; keeping the all-gather costs "
             "nothing more.",
-            RegionCompileWarning, stacklevel=stacklevel,
+            RegionCompileWarning,
+            stacklevel=stacklevel,
         )
 
 

@@ -21,8 +21,14 @@ import sys
 import sysconfig
 import warnings
 
-__all__ = ["LOGGER_NAME", "get_logger", "is_user_file", "rank_zero_info", "rank_zero_warn",
-           "user_stacklevel"]
+__all__ = [
+    "LOGGER_NAME",
+    "get_logger",
+    "is_user_file",
+    "rank_zero_info",
+    "rank_zero_warn",
+    "user_stacklevel",
+]
 
 LOGGER_NAME = "aotdist"
 
@@ -63,8 +69,10 @@ def _internal_prefixes() -> tuple[str, ...]:
     the standard library and installed packages (torch, Lightning, Accelerate...)."""
     import aotdist
 
-    dirs = {os.path.dirname(os.path.abspath(aotdist.__file__)),
-            os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + "callbacks"}
+    dirs = {
+        os.path.dirname(os.path.abspath(aotdist.__file__)),
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + "callbacks",
+    }
     dirs |= {os.path.abspath(sysconfig.get_paths()[k]) for k in ("stdlib", "purelib", "platlib")}
     return tuple(d + os.sep for d in dirs)
 
@@ -72,8 +80,9 @@ def _internal_prefixes() -> tuple[str, ...]:
 def is_user_file(filename: str) -> bool:
     """Whether ``filename`` is the user's code: not aotdist's, not the standard library's or
     an installed package's, not generated (``<string>``)."""
-    return not (filename.startswith("<")
-                or os.path.abspath(filename).startswith(_internal_prefixes()))
+    return not (
+        filename.startswith("<") or os.path.abspath(filename).startswith(_internal_prefixes())
+    )
 
 
 def user_stacklevel(default: int) -> int:
@@ -93,8 +102,9 @@ def user_stacklevel(default: int) -> int:
     return default
 
 
-def rank_zero_warn(message: str, category: type[Warning] = UserWarning, *,
-                   stacklevel: int = 2) -> None:
+def rank_zero_warn(
+    message: str, category: type[Warning] = UserWarning, *, stacklevel: int = 2
+) -> None:
     """Warns once per job: on rank 0 when distributed, else in this process. The warning
     names the user's line: the innermost frame outside aotdist and the installed libraries.
 

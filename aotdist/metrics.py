@@ -136,13 +136,22 @@ def _us(cm, name: str) -> float:
 
 # CompileMetrics figure -> the CompilationMetrics fields it is computed from
 _NEEDS = {
-    "compile_seconds": ("is_forward", "dynamo_cumulative_compile_time_us",
-                        "backward_cumulative_compile_time_us"),
-    "dynamo_seconds": ("is_forward", "dynamo_cumulative_compile_time_us",
-                       "aot_autograd_cumulative_compile_time_us"),
-    "aot_autograd_seconds": ("is_forward", "aot_autograd_cumulative_compile_time_us",
-                             "inductor_cumulative_compile_time_us",
-                             "backward_cumulative_compile_time_us"),
+    "compile_seconds": (
+        "is_forward",
+        "dynamo_cumulative_compile_time_us",
+        "backward_cumulative_compile_time_us",
+    ),
+    "dynamo_seconds": (
+        "is_forward",
+        "dynamo_cumulative_compile_time_us",
+        "aot_autograd_cumulative_compile_time_us",
+    ),
+    "aot_autograd_seconds": (
+        "is_forward",
+        "aot_autograd_cumulative_compile_time_us",
+        "inductor_cumulative_compile_time_us",
+        "backward_cumulative_compile_time_us",
+    ),
     "backend_seconds": ("inductor_cumulative_compile_time_us",),
     "frames_compiled": ("is_forward",),
 }
@@ -179,10 +188,13 @@ class Tracker:
             raise RuntimeError("Tracker.start() called twice; call stop() first")
         self.metrics = CompileMetrics()
         self._precompiled_calls = _precompiled_calls(self.model)
-        self._before = ({id(m) for m in _compat.compilation_metrics() or []},
-                        Counter(_compat.dynamo_counters("graph_break")),
-                        Counter(_compat.dynamo_counters("unimplemented")),
-                        graph_log_cursor(), time.perf_counter())
+        self._before = (
+            {id(m) for m in _compat.compilation_metrics() or []},
+            Counter(_compat.dynamo_counters("graph_break")),
+            Counter(_compat.dynamo_counters("unimplemented")),
+            graph_log_cursor(),
+            time.perf_counter(),
+        )
         return self.metrics
 
     def stop(self) -> CompileMetrics:
@@ -199,18 +211,21 @@ class Tracker:
         metrics.wall_seconds = time.perf_counter() - start
         records_now = _compat.compilation_metrics()
         _fill_times(metrics, [m for m in records_now or [] if id(m) not in before_ids])
-        _mark_unavailable(metrics, None if records_now is None
-                          else _compat.compilation_metric_fields())
+        _mark_unavailable(
+            metrics, None if records_now is None else _compat.compilation_metric_fields()
+        )
         breaks = Counter(_compat.dynamo_counters("graph_break")) - breaks_before
         metrics.graph_breaks = dict(breaks)
-        metrics.unsupported = dict(Counter(_compat.dynamo_counters("unimplemented"))
-                                   - unsupported_before)
+        metrics.unsupported = dict(
+            Counter(_compat.dynamo_counters("unimplemented")) - unsupported_before
+        )
         records = records_since(cursor)
         if self.model is not None:
             records = [r for r in records if r.model_id == id(self.model)]
         metrics.graphs = len(records)
-        metrics.precompiled = (_precompiled_calls(self.model) > self._precompiled_calls
-                               or any(r.precompiled for r in records))
+        metrics.precompiled = _precompiled_calls(self.model) > self._precompiled_calls or any(
+            r.precompiled for r in records
+        )
         _fill_regions(metrics, self.model, records)
         return metrics
 
@@ -288,7 +303,9 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
         metrics.demoted = dict(state.demoted)
         metrics.eager = dict(state.eager)
         metrics.reuse = dict(state.reuse)
-        metrics.precompile_misses = [miss for saved in _saved_graphs(state) for miss in saved.misses]
+        metrics.precompile_misses = [
+            miss for saved in _saved_graphs(state) for miss in saved.misses
+        ]
     subgraphs: dict[str, set[str]] = {}
     inlined: dict[str, set[str]] = {}
     for rec in records:

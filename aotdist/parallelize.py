@@ -49,9 +49,12 @@ class ParallelizeInfo:
 
 
 @positional_after_first_deprecated
-def parallelize(model: nn.Module, *,
-                config: AOTDistConfig | Mapping | str | os.PathLike | None = None,
-                mesh: Any = None) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    *,
+    config: AOTDistConfig | Mapping | str | os.PathLike | None = None,
+    mesh: Any = None,
+) -> nn.Module:
     """Applies Float8, activation checkpointing, region marking, FSDP2 and compile in order.
 
     With ``cache.mode`` ``local`` or ``shared``, compile artifacts of an earlier run are
@@ -114,8 +117,11 @@ def parallelize(model: nn.Module, *,
     # 2. Regions are found on the converted model (graph-mode FSDP drops, with a
     #    warning, regions it cannot feed their shards).
     rc = config.regions
-    plan = sharding.plan(model, find_regions(model, include=rc.include, exclude=rc.exclude,
-                                             min_repeats=rc.min_repeats), config)
+    plan = sharding.plan(
+        model,
+        find_regions(model, include=rc.include, exclude=rc.exclude, min_repeats=rc.min_repeats),
+        config,
+    )
 
     # 3. Mark regions (with activation checkpointing around each instance) *before*
     #    sharding: marking swaps each instance's class, and fully_shard swaps it again
@@ -136,18 +142,34 @@ def parallelize(model: nn.Module, *,
     if config.compile.enabled:
         cc = config.compile
         backend, options = sharding.backend(config, mesh)
-        compile_regions(model, plan=plan, backend=backend, mode=cc.mode, dynamic=cc.dynamic,
-                        options=options, verify=cc.verify, outer=configured_outer(config))
+        compile_regions(
+            model,
+            plan=plan,
+            backend=backend,
+            mode=cc.mode,
+            dynamic=cc.dynamic,
+            options=options,
+            verify=cc.verify,
+            outer=configured_outer(config),
+        )
     sharding.finish(model, config)
 
     model.__dict__[INFO_ATTR] = ParallelizeInfo(
-        config=config, plan=plan, float8_fqns=tuple(float8_fqns),
-        sharded_fqns=tuple(sharded), mesh=mesh,
+        config=config,
+        plan=plan,
+        float8_fqns=tuple(float8_fqns),
+        sharded_fqns=tuple(sharded),
+        mesh=mesh,
     )
-    _log.info("parallelize %s: %d region(s) %s, %d Float8 layer(s), %d FSDP unit(s), "
-              "compile %s", type(model).__name__, len(plan), [r.name for r in plan],
-              len(float8_fqns), len(sharded),
-              config.compile.backend if config.compile.enabled else "off")
+    _log.info(
+        "parallelize %s: %d region(s) %s, %d Float8 layer(s), %d FSDP unit(s), compile %s",
+        type(model).__name__,
+        len(plan),
+        [r.name for r in plan],
+        len(float8_fqns),
+        len(sharded),
+        config.compile.backend if config.compile.enabled else "off",
+    )
 
     # 6. Compile artifacts: loaded after everything that changes the graphs (the key holds
     #    the region plan and parameters) and before the first forward, which compiles.

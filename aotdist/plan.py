@@ -73,8 +73,13 @@ class Plan:
     @property
     def peak_bytes(self) -> int:
         """Estimate: held state, saved activations, the largest unit gathered twice."""
-        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes
-                + self.activation_bytes + 2 * self.gathered_unit_bytes)
+        return (
+            self.param_bytes
+            + self.grad_bytes
+            + self.optimizer_bytes
+            + self.activation_bytes
+            + 2 * self.gathered_unit_bytes
+        )
 
     def to_json(self) -> str:
         """The plan as JSON (tools read this)."""
@@ -83,21 +88,25 @@ class Plan:
     def table(self) -> str:
         """The plan as a short table (people read this)."""
         mesh = "x".join(map(str, self.mesh))
-        lines = [f"plan: {self.world} ranks, mesh {mesh} ({', '.join(self.mesh_dims)}), "
-                 f"FSDP {self.fsdp_mode}, optimizer {self.optimizer} (per rank; simulated)",
-                 f"  parameters   {_mib(self.param_bytes)}",
-                 f"  gradients    {_mib(self.grad_bytes)}",
-                 f"  optimizer    {_mib(self.optimizer_bytes)}",
-                 f"  activations  {_mib(self.activation_bytes)} saved for backward",
-                 f"  peak (est.)  {_mib(self.peak_bytes)}",
-                 "  collectives per step:"]
+        lines = [
+            f"plan: {self.world} ranks, mesh {mesh} ({', '.join(self.mesh_dims)}), "
+            f"FSDP {self.fsdp_mode}, optimizer {self.optimizer} (per rank; simulated)",
+            f"  parameters   {_mib(self.param_bytes)}",
+            f"  gradients    {_mib(self.grad_bytes)}",
+            f"  optimizer    {_mib(self.optimizer_bytes)}",
+            f"  activations  {_mib(self.activation_bytes)} saved for backward",
+            f"  peak (est.)  {_mib(self.peak_bytes)}",
+            "  collectives per step:",
+        ]
         for c in self.collectives:
             where = "network" if c.network else "within a node"
-            lines.append(f"    {c.kind:<15}{c.dim:<14}{c.count:>5} x  {_mib(c.bytes)} "
-                         f"unsharded ({where})")
+            lines.append(
+                f"    {c.kind:<15}{c.dim:<14}{c.count:>5} x  {_mib(c.bytes)} unsharded ({where})"
+            )
         for name, r in self.regions.items():
-            lines.append(f"  region {name}: {r['call_sites']} call sites, "
-                         f"{r['subgraphs']} subgraph(s)")
+            lines.append(
+                f"  region {name}: {r['call_sites']} call sites, {r['subgraphs']} subgraph(s)"
+            )
         return "\n".join(lines)
 
 
@@ -105,10 +114,16 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:10.1f} MiB"
 
 
-def plan(build: Callable[[], tuple[nn.Module, tuple]], *, world: int,
-         mesh: tuple[int, ...] | None = None, config: dict | None = None,
-         optimizer: str = "adamw", loss_fn: Callable | None = None,
-         gpus_per_node: int = 8) -> Plan:
+def plan(
+    build: Callable[[], tuple[nn.Module, tuple]],
+    *,
+    world: int,
+    mesh: tuple[int, ...] | None = None,
+    config: dict | None = None,
+    optimizer: str = "adamw",
+    loss_fn: Callable | None = None,
+    gpus_per_node: int = 8,
+) -> Plan:
     """Traces one training step of the job at ``world`` ranks and returns its :class:`Plan`.
 
     Args:
@@ -128,11 +143,14 @@ def plan(build: Callable[[], tuple[nn.Module, tuple]], *, world: int,
     """
     mesh = tuple(mesh or (world,))
     if world < 1 or math.prod(mesh) != world or len(mesh) not in (1, 2):
-        raise ConfigError(f"plan: mesh {'x'.join(map(str, mesh))} does not give {world} "
-                          "ranks. Fix: --mesh SHARD or REPLICATExSHARD, multiplying to --world.")
+        raise ConfigError(
+            f"plan: mesh {'x'.join(map(str, mesh))} does not give {world} "
+            "ranks. Fix: --mesh SHARD or REPLICATExSHARD, multiplying to --world."
+        )
     if optimizer not in OPTIMIZER_STATES:
-        raise ConfigError(f"plan: unknown optimizer {optimizer!r}; one of "
-                          f"{', '.join(OPTIMIZER_STATES)}")
+        raise ConfigError(
+            f"plan: unknown optimizer {optimizer!r}; one of {', '.join(OPTIMIZER_STATES)}"
+        )
     config = dict(config or {})
     config["fsdp"] = {**config.get("fsdp", {}), "enabled": True}
     # the job's compile, with aot_eager: the same graphs, nothing lowered
@@ -168,8 +186,10 @@ def plan(build: Callable[[], tuple[nn.Module, tuple]], *, world: int,
         else:
             _unit_collectives(out, model, dims, span, info.config.fsdp)
         out.activation_bytes = saved.activation_bytes
-        out.regions = {name: {"call_sites": r.call_sites, "subgraphs": r.subgraphs}
-                       for name, r in m.regions.items()}
+        out.regions = {
+            name: {"call_sites": r.call_sites, "subgraphs": r.subgraphs}
+            for name, r in m.regions.items()
+        }
     return out
 
 
@@ -178,8 +198,10 @@ def _fake_world(world: int) -> Iterator[None]:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        raise ConfigError("plan: this process already has a process group; run aotdist plan "
-                          "in a process of its own (it makes a fake world of --world ranks)")
+        raise ConfigError(
+            "plan: this process already has a process group; run aotdist plan "
+            "in a process of its own (it makes a fake world of --world ranks)"
+        )
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
     try:
         yield
@@ -189,7 +211,7 @@ def _fake_world(world: int) -> Iterator[None]:
 
 def _spans_nodes(mesh: tuple[int, ...], i: int, per_node: int) -> bool:
     """Whether the groups of mesh dimension ``i`` (row-major ranks) span nodes."""
-    stride = math.prod(mesh[i + 1:])
+    stride = math.prod(mesh[i + 1 :])
     return stride * (mesh[i] - 1) >= per_node or (mesh[i] > per_node)
 
 
@@ -207,14 +229,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _memory(out: Plan, model: nn.Module, optimizer: str) -> None:
     params = {id(p): _local(p) for p in model.parameters()}
     out.param_bytes = sum(t.numel() * t.element_size() for t in params.values())
-    trained = [t for p, t in zip(model.parameters(), params.values(), strict=False)
-               if p.requires_grad]
+    trained = [
+        t for p, t in zip(model.parameters(), params.values(), strict=False) if p.requires_grad
+    ]
     out.grad_bytes = sum(t.numel() * t.element_size() for t in trained)
     out.optimizer_bytes = OPTIMIZER_STATES[optimizer] * sum(4 * t.numel() for t in trained)
 
 
-def _graph_collectives(out: Plan, graphs: list, groups: dict[str, str],
-                       span: dict[str, bool]) -> None:
+def _graph_collectives(
+    out: Plan, graphs: list, groups: dict[str, str], span: dict[str, bool]
+) -> None:
     """The collectives of the job's bucketed forward and backward graphs, a region
     subgraph's once per call."""
     found: dict[tuple[str, str], Collective] = {}
@@ -246,8 +270,7 @@ def _graph_collectives(out: Plan, graphs: list, groups: dict[str, str],
     out.collectives = list(found.values())
 
 
-def _float8_scale_all_reduce(out: Plan, model: nn.Module, dim: str,
-                             span: dict[str, bool]) -> None:
+def _float8_scale_all_reduce(out: Plan, model: nn.Module, dim: str, span: dict[str, bool]) -> None:
     """Graph mode with ``float8.fsdp_all_gather``: before each forward, one all-reduce of
     the float8 weights' amaxes (float32), outside the graphs."""
     from aotdist.fsdp.graph import float8_gathered
@@ -262,8 +285,9 @@ def _float8_scale_all_reduce(out: Plan, model: nn.Module, dim: str,
     c.count, c.bytes = c.count + 1, c.bytes + 4 * n
 
 
-def _unit_collectives(out: Plan, model: nn.Module, dims: tuple[str, ...],
-                      span: dict[str, bool], fsdp: Any) -> None:
+def _unit_collectives(
+    out: Plan, model: nn.Module, dims: tuple[str, ...], span: dict[str, bool], fsdp: Any
+) -> None:
     """Hooks mode: per FSDP2 unit, one all-gather in the forward and, resharded after it,
     one in the backward; one reduce-scatter of its gradients; HSDP: one all-reduce. In
     ``fsdp.param_dtype`` / ``fsdp.reduce_dtype`` where set (FSDP2's mixed precision)."""
@@ -275,8 +299,11 @@ def _unit_collectives(out: Plan, model: nn.Module, dims: tuple[str, ...],
     reduce_dtype = torch_dtype(fsdp.reduce_dtype) or gather_dtype
 
     def size(p: torch.Tensor, dtype: torch.dtype | None) -> int:
-        return (dtype.itemsize if dtype is not None and p.is_floating_point()
-                else _local(p).element_size())
+        return (
+            dtype.itemsize
+            if dtype is not None and p.is_floating_point()
+            else _local(p).element_size()
+        )
 
     shard = dims[-1]
     ag = Collective("all_gather", shard, network=span[shard])
@@ -284,16 +311,15 @@ def _unit_collectives(out: Plan, model: nn.Module, dims: tuple[str, ...],
     ar = Collective("all_reduce", dims[0], network=span[dims[0]]) if len(dims) == 2 else None
     units = {fqn: model.get_submodule(fqn) for fqn in fsdp_modules(model)}  # root: ""
     # torchao's weights with float8.fsdp_all_gather: FSDP2 gathers them at 1 byte per element
-    float8 = {id(m.weight) for m in float8_linears(model)
-              if m.config.enable_fsdp_float8_all_gather}
+    float8 = {id(m.weight) for m in float8_linears(model) if m.config.enable_fsdp_float8_all_gather}
     for fqn, unit in units.items():
-        nested = {id(q) for other in units.values() if _inside(other, unit)
-                  for q in other.parameters()}
+        nested = {
+            id(q) for other in units.values() if _inside(other, unit) for q in other.parameters()
+        }
         own = [p for p in unit.parameters() if id(p) not in nested]
         full = sum(_padded(p) * (1 if id(p) in float8 else size(p, gather_dtype)) for p in own)
         grads = sum(_padded(p) * size(p, reduce_dtype) for p in own if p.requires_grad)
-        shard_bytes = sum(_local(p).numel() * size(p, reduce_dtype) for p in own
-                          if p.requires_grad)
+        shard_bytes = sum(_local(p).numel() * size(p, reduce_dtype) for p in own if p.requires_grad)
         out.gathered_unit_bytes = max(out.gathered_unit_bytes, full)
         gathers = 1 + (1 if fsdp.reshard_after_forward and fqn != "" else 0)
         ag.count, ag.bytes = ag.count + gathers, ag.bytes + gathers * full

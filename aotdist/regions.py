@@ -125,8 +125,13 @@ class RegionPlan(Sequence[Region]):
     def __str__(self) -> str:
         header = ("region", "class", "count", "params/inst", "instances")
         rows = [
-            (r.name, r.module_type.__name__, str(r.count), f"{r.params_per_instance:,}",
-             abbreviate_fqns(r.fqns))
+            (
+                r.name,
+                r.module_type.__name__,
+                str(r.count),
+                f"{r.params_per_instance:,}",
+                abbreviate_fqns(r.fqns),
+            )
             for r in self._regions
         ]
         if not rows:
@@ -200,8 +205,13 @@ def _plain_attrs(module: nn.Module) -> tuple:
     if not type(module).__module__.startswith("torch.nn."):
         # A user module's flags (T5's is_decoder, is_causal) do select what it computes:
         # encoder and decoder layers of one class are two regions, not one split by guards.
-        return tuple(sorted((k, repr(v)) for k, v in vars(module).items()
-                            if not k.startswith("_") and k != "training" and type(v) is bool))
+        return tuple(
+            sorted(
+                (k, repr(v))
+                for k, v in vars(module).items()
+                if not k.startswith("_") and k != "training" and type(v) is bool
+            )
+        )
     items = []
     for key, value in vars(module).items():
         if key.startswith("_"):

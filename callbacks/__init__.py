@@ -23,9 +23,11 @@ _WHERE = {
     "prepare": "aotdist.callbacks.accelerate",
     "TrainerRegionalCompile": "aotdist.callbacks.trainer",
 }
-_NEEDS = {"aotdist.callbacks.lightning": "lightning.pytorch",
-          "aotdist.callbacks.accelerate": "accelerate.hooks",
-          "aotdist.callbacks.trainer": "transformers"}
+_NEEDS = {
+    "aotdist.callbacks.lightning": "lightning.pytorch",
+    "aotdist.callbacks.accelerate": "accelerate.hooks",
+    "aotdist.callbacks.trainer": "transformers",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -27,8 +27,9 @@ class _AlreadyLoaded:
         return [], []  # (missing, unexpected): none
 
 
-def full_state_checkpoints(accelerator: Any, model: nn.Module,
-                            optimizers: list[torch.optim.Optimizer]) -> None:
+def full_state_checkpoints(
+    accelerator: Any, model: nn.Module, optimizers: list[torch.optim.Optimizer]
+) -> None:
     """``save_state``/``load_state`` of an FSDP2 model as full, unsharded state dicts."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -55,8 +56,11 @@ def full_state_checkpoints(accelerator: Any, model: nn.Module,
             path = os.path.join(input_dir, f"{stem}.safetensors")
             if not os.path.exists(path):
                 path = os.path.join(input_dir, f"{stem}.bin")
-            state = read_weights(path) if path.endswith(".safetensors") else torch.load(
-                path, map_location="cpu", weights_only=True)
+            state = (
+                read_weights(path)
+                if path.endswith(".safetensors")
+                else torch.load(path, map_location="cpu", weights_only=True)
+            )
             keys = list(state)
             set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
             models[i] = _AlreadyLoaded(keys)
@@ -64,8 +68,9 @@ def full_state_checkpoints(accelerator: Any, model: nn.Module,
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
     for opt in optimizers:
-        _full_state_optimizer(opt, model, options, get_optimizer_state_dict,
-                              set_optimizer_state_dict)
+        _full_state_optimizer(
+            opt, model, options, get_optimizer_state_dict, set_optimizer_state_dict
+        )
 
 
 def _full_state_optimizer(opt, model, options, get_sd, set_sd) -> None:
@@ -94,4 +99,3 @@ def _full_state_optimizer(opt, model, options, get_sd, set_sd) -> None:
 
     opt.state_dict = state_dict
     opt.load_state_dict = load_state_dict
-

@@ -22,8 +22,15 @@ from aotdist.fsdp import fsdp_modules
 from aotdist.parallelize import parallelize, parallelize_info
 from aotdist.regions import RegionPlan, find_regions
 
-__all__ = ["Applied", "ApplyHow", "apply_aotdist", "compile_only_config", "enable_fsdp_for_host",
-           "merge_config", "metric_values"]
+__all__ = [
+    "Applied",
+    "ApplyHow",
+    "apply_aotdist",
+    "compile_only_config",
+    "enable_fsdp_for_host",
+    "merge_config",
+    "metric_values",
+]
 
 
 class ApplyHow(StrEnum):
@@ -40,9 +47,14 @@ class ApplyHow(StrEnum):
     COMPILE_IN_USER_FSDP = "compile_in_user_fsdp"
 
 
-def merge_config(config: AOTDistConfig | Mapping | str | os.PathLike | None, *,
-                 include: list[str] | str | None = None, exclude: list[str] | str | None = None,
-                 backend: str | None = None, mode: str | None = None) -> AOTDistConfig:
+def merge_config(
+    config: AOTDistConfig | Mapping | str | os.PathLike | None,
+    *,
+    include: list[str] | str | None = None,
+    exclude: list[str] | str | None = None,
+    backend: str | None = None,
+    mode: str | None = None,
+) -> AOTDistConfig:
     """``config`` (object, mapping or YAML path) with the keyword arguments given applied.
 
     Raises:
@@ -62,9 +74,16 @@ def merge_config(config: AOTDistConfig | Mapping | str | os.PathLike | None, *,
     return cfg.replace(regions=regions, compile=compile_) if regions or compile_ else cfg
 
 
-def compile_only_config(config: AOTDistConfig | Mapping | str | os.PathLike | None, *,
-                        include: list[str] | str | None, exclude: list[str] | str | None,
-                        backend: str | None, what: str, why: str, fix: str) -> AOTDistConfig:
+def compile_only_config(
+    config: AOTDistConfig | Mapping | str | os.PathLike | None,
+    *,
+    include: list[str] | str | None,
+    exclude: list[str] | str | None,
+    backend: str | None,
+    what: str,
+    why: str,
+    fix: str,
+) -> AOTDistConfig:
     """:func:`merge_config` for an integration that compiles only (a hook, a callback that
     gets the model after the optimizer or the host's wrapping).
 
@@ -74,13 +93,16 @@ def compile_only_config(config: AOTDistConfig | Mapping | str | os.PathLike | No
     """
     cfg = merge_config(config, include=include, exclude=exclude, backend=backend)
     if cfg.fsdp.enabled or cfg.float8.enabled:
-        raise ConfigError(f"{what} compiles only; fsdp.enabled / float8.enabled replace the "
-                          f"model's parameters, {why}. Fix: {fix}.")
+        raise ConfigError(
+            f"{what} compiles only; fsdp.enabled / float8.enabled replace the "
+            f"model's parameters, {why}. Fix: {fix}."
+        )
     return cfg
 
 
-def enable_fsdp_for_host(config: AOTDistConfig, *, host: str, over: str,
-                         log: Callable[[str], Any]) -> AOTDistConfig:
+def enable_fsdp_for_host(
+    config: AOTDistConfig, *, host: str, over: str, log: Callable[[str], Any]
+) -> AOTDistConfig:
     """``config`` with FSDP2 on (``fsdp.enabled``), logged with ``log`` once, when the host
     (Lightning's ``ModelParallelStrategy``, Accelerate's ``ParallelismConfig``) shards over
     data-parallel ranks and leaves the sharding to aotdist; ``config`` itself if it is on.
@@ -133,8 +155,14 @@ def _target(root: nn.Module, plan: RegionPlan) -> str:
     return ""
 
 
-def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
-                  what: str = "aotdist", child_target: bool = True) -> Applied:
+def apply_aotdist(
+    root: nn.Module,
+    config: AOTDistConfig,
+    *,
+    mesh: Any = None,
+    what: str = "aotdist",
+    child_target: bool = True,
+) -> Applied:
     """Applies ``config`` to ``root`` once, cooperating with what the user already did.
 
     - The user called ``aotdist.parallelize`` / ``compile_regions`` on ``root`` or a
@@ -162,8 +190,7 @@ def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
         info = parallelize_info(module)
         return Applied(module, fqn, ApplyHow.USER, info.config if info else config)
     rc = config.regions
-    plan = find_regions(root, include=rc.include, exclude=rc.exclude,
-                        min_repeats=rc.min_repeats)
+    plan = find_regions(root, include=rc.include, exclude=rc.exclude, min_repeats=rc.min_repeats)
     if len(plan) == 0:
         raise ConfigError(
             f"{what} found no repeated regions in {type(root).__name__}. Fix: pass "
@@ -173,7 +200,7 @@ def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
     target = root.get_submodule(fqn) if fqn else root
     prefix = f"{fqn}." if fqn else ""
     # Patterns were matched against the root's FQNs; the target sees them without prefix.
-    exact = {"include": [f[len(prefix):] for f in plan.fqns], "exclude": None}
+    exact = {"include": [f[len(prefix) :] for f in plan.fqns], "exclude": None}
     sharded = fsdp_modules(root)
     if sharded:
         if config.fsdp.enabled or config.float8.enabled:
@@ -185,10 +212,16 @@ def apply_aotdist(root: nn.Module, config: AOTDistConfig, *, mesh: Any = None,
             )
         if config.compile.enabled:
             cc = config.compile
-            compile_regions(target, plan=find_regions(target, include=exact["include"]),
-                            backend=cc.backend, mode=cc.mode, dynamic=cc.dynamic,
-                            options=cc.options, verify=cc.verify,
-                            outer=configured_outer(config))
+            compile_regions(
+                target,
+                plan=find_regions(target, include=exact["include"]),
+                backend=cc.backend,
+                mode=cc.mode,
+                dynamic=cc.dynamic,
+                options=cc.options,
+                verify=cc.verify,
+                outer=configured_outer(config),
+            )
         return Applied(target, fqn, ApplyHow.COMPILE_IN_USER_FSDP, config)
     effective = config.replace(regions=exact)
     parallelize(target, config=effective, mesh=mesh if config.fsdp.enabled else None)

@@ -108,14 +108,24 @@ class RegionalCompileHook(ModelHook):
         remove_hook_from_module(model)  # eager again
     """
 
-    def __init__(self, config: AOTDistConfig | Mapping | str | None = None, *,
-                 include: list[str] | str | None = None, exclude: list[str] | str | None = None,
-                 backend: str | None = None) -> None:
+    def __init__(
+        self,
+        config: AOTDistConfig | Mapping | str | None = None,
+        *,
+        include: list[str] | str | None = None,
+        exclude: list[str] | str | None = None,
+        backend: str | None = None,
+    ) -> None:
         self.config = compile_only_config(
-            config, include=include, exclude=exclude, backend=backend,
-            what="RegionalCompileHook", why="which a hook cannot do under an existing optimizer",
+            config,
+            include=include,
+            exclude=exclude,
+            backend=backend,
+            what="RegionalCompileHook",
+            why="which a hook cannot do under an existing optimizer",
             fix="use aotdist.callbacks.prepare(accelerator, model, optimizer, ..., config=...) "
-                "for FSDP2 and Float8")
+            "for FSDP2 and Float8",
+        )
         self.applied: Applied | None = None
         self.metrics: metrics.CompileMetrics | None = None
         self._window: metrics.Tracker | None = None
@@ -125,12 +135,16 @@ class RegionalCompileHook(ModelHook):
     def init_hook(self, module: nn.Module) -> nn.Module:
         _check_accelerate_dynamo(self.config)
         root = _unwrap_ddp(module)
-        if (root is not module or fsdp_modules(root)
-                or _compat.accelerate_old_forward(module) is None):
+        if (
+            root is not module
+            or fsdp_modules(root)
+            or _compat.accelerate_old_forward(module) is None
+        ):
             # Inside DDP or FSDP units: compile the module in place; the wrapper's own
             # forward and FSDP's hooks stay eager around it.
-            self.applied = apply_aotdist(root, self.config, what="RegionalCompileHook",
-                                         child_target=False)
+            self.applied = apply_aotdist(
+                root, self.config, what="RegionalCompileHook", child_target=False
+            )
             target = self.applied.target
             call = _compat.compiled_call(target)
             if call is not None and self.applied.how != ApplyHow.USER:  # restore undoes it
@@ -140,13 +154,24 @@ class RegionalCompileHook(ModelHook):
         # A plain module: compile the forward this hook wraps (Accelerate's pre/post hooks,
         # some of them torch.compiler.disable-d, stay outside the graph).
         cc = self.config.compile
-        self.applied = apply_aotdist(root, self.config.replace(compile={"enabled": False}),
-                                     what="RegionalCompileHook", child_target=False)
+        self.applied = apply_aotdist(
+            root,
+            self.config.replace(compile={"enabled": False}),
+            what="RegionalCompileHook",
+            child_target=False,
+        )
         if cc.enabled and self.applied.how != ApplyHow.USER:
             self._plain_forward = _compat.accelerate_old_forward(module)
-            compiled = compile_callable(module, self._plain_forward, backend=cc.backend,
-                                        mode=cc.mode, dynamic=cc.dynamic, options=cc.options,
-                                        verify=cc.verify, outer=configured_outer(self.config))
+            compiled = compile_callable(
+                module,
+                self._plain_forward,
+                backend=cc.backend,
+                mode=cc.mode,
+                dynamic=cc.dynamic,
+                options=cc.options,
+                verify=cc.verify,
+                outer=configured_outer(self.config),
+            )
             _compat.set_accelerate_old_forward(module, _FirstCallMetrics(self, module, compiled))
         return module
 
@@ -205,9 +230,13 @@ def _unwrap_ddp(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def prepare(accelerator: Any, model: nn.Module, *objects: Any,
-            config: AOTDistConfig | Mapping | str | os.PathLike | None = None,
-            mesh: Any = None) -> tuple:
+def prepare(
+    accelerator: Any,
+    model: nn.Module,
+    *objects: Any,
+    config: AOTDistConfig | Mapping | str | os.PathLike | None = None,
+    mesh: Any = None,
+) -> tuple:
     """``aotdist.parallelize`` then ``accelerator.prepare``, in the order that works.
 
     Args:
@@ -319,16 +348,19 @@ def _accelerate_mesh(accelerator: Any, cfg: AOTDistConfig) -> tuple[AOTDistConfi
         raise ConfigError(
             f"Accelerate's ParallelismConfig has dims {names}; aotdist composes FSDP with "
             "tensor parallelism only, not context or sequence parallelism. Fix: cp_size=1 "
-            "and sp_size=1, or use Accelerate's own FSDP2 with RegionalCompileHook.")
+            "and sp_size=1, or use Accelerate's own FSDP2 with RegionalCompileHook."
+        )
     if "dp_shard" not in names:
         if cfg.fsdp.enabled:
             raise ConfigError(
                 f"fsdp.enabled, but Accelerate's ParallelismConfig (dims {names}) has no "
                 "dp_shard dim to shard over. Fix: ParallelismConfig(dp_shard_size=N, ...) "
-                "(with dp_replicate_size=R for HSDP), or fsdp.enabled: false.")
+                "(with dp_replicate_size=R for HSDP), or fsdp.enabled: false."
+            )
         return cfg, None
-    cfg = enable_fsdp_for_host(cfg, host="Accelerate's ParallelismConfig shards (dp_shard)",
-                               over="dims", log=_log.info)
+    cfg = enable_fsdp_for_host(
+        cfg, host="Accelerate's ParallelismConfig shards (dp_shard)", over="dims", log=_log.info
+    )
     dp = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
     return cfg, mesh[dp] if len(dp) == 2 else mesh["dp_shard"]
 
@@ -363,8 +395,7 @@ def _mixed_precision(cfg: AOTDistConfig, accelerator: Any) -> AOTDistConfig:
             f"fsdp.param_dtype: {cfg.fsdp.param_dtype}. Fix: remove fsdp.param_dtype (aotdist "
             f"then computes in {dtype}), or set mixed_precision to match or to 'no'."
         )
-    return cfg.replace(fsdp={"param_dtype": dtype,
-                             "reduce_dtype": cfg.fsdp.reduce_dtype or dtype})
+    return cfg.replace(fsdp={"param_dtype": dtype, "reduce_dtype": cfg.fsdp.reduce_dtype or dtype})
 
 
 def _save_cache_after_first_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
@@ -399,8 +430,9 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str]
         )
 
 
-def _rebind(optimizer: torch.optim.Optimizer, old_names: dict[int, str],
-            new_params: dict[str, nn.Parameter]) -> None:
+def _rebind(
+    optimizer: torch.optim.Optimizer, old_names: dict[int, str], new_params: dict[str, nn.Parameter]
+) -> None:
     """Points ``optimizer`` at the parameters that replaced the ones it was built with."""
     for group in optimizer.param_groups:
         group["params"] = [new_params[old_names[id(p)]] for p in group["params"]]

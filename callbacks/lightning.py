@@ -44,8 +44,12 @@ def _register_config_type() -> None:
     except ImportError:  # no LightningCLI: nothing parses the callback's arguments
         return
     if get_registered_type(AOTDistConfig) is None:
-        register_type(AOTDistConfig, serializer=lambda cfg: cfg.to_dict(),
-                      deserializer=as_config, deserializer_exceptions=(ConfigError,))
+        register_type(
+            AOTDistConfig,
+            serializer=lambda cfg: cfg.to_dict(),
+            deserializer=as_config,
+            deserializer_exceptions=(ConfigError,),
+        )
 
 
 _register_config_type()  # when the callback's module loads, before LightningCLI reads it
@@ -105,15 +109,24 @@ class RegionalCompile(Callback):
         assert callback.applied.target_fqn == "model" and trainer.global_step == 1
     """
 
-    def __init__(self, config: AOTDistConfig | None = None, *,
-                 include: list[str] | str | None = None, exclude: list[str] | str | None = None,
-                 backend: str | None = None, mode: str | None = None,
-                 log_metrics: bool = True) -> None:
+    def __init__(
+        self,
+        config: AOTDistConfig | None = None,
+        *,
+        include: list[str] | str | None = None,
+        exclude: list[str] | str | None = None,
+        backend: str | None = None,
+        mode: str | None = None,
+        log_metrics: bool = True,
+    ) -> None:
         if not isinstance(log_metrics, bool):
-            raise ConfigError(f"RegionalCompile(log_metrics=...) must be a bool; got {log_metrics!r}")
+            raise ConfigError(
+                f"RegionalCompile(log_metrics=...) must be a bool; got {log_metrics!r}"
+            )
         super().__init__()
-        self.config: AOTDistConfig = merge_config(config, include=include, exclude=exclude,
-                                                  backend=backend, mode=mode)
+        self.config: AOTDistConfig = merge_config(
+            config, include=include, exclude=exclude, backend=backend, mode=mode
+        )
         self.log_metrics = log_metrics
         self.applied: Applied | None = None
         self._window: metrics.Tracker | None = None  # the metrics window in progress
@@ -145,8 +158,9 @@ class RegionalCompile(Callback):
         config, mesh = self.config, None
         if _is_model_parallel(trainer.strategy):
             mesh = _data_parallel_mesh(trainer.strategy, config)
-            config = enable_fsdp_for_host(config, host="ModelParallelStrategy", over="mesh",
-                                          log=rank_zero_info)
+            config = enable_fsdp_for_host(
+                config, host="ModelParallelStrategy", over="mesh", log=rank_zero_info
+            )
         self.applied = apply_aotdist(pl_module, config, mesh=mesh, what="RegionalCompile")
         self._float8_all_gather = uses_fsdp_float8_all_gather(pl_module)
         where = self.applied.target_fqn or type(pl_module).__name__
@@ -163,14 +177,21 @@ class RegionalCompile(Callback):
     # ---- training: metrics windows and the Float8 precompute ---------------------------
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                             batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._first_batch_done and self._window is None:
             self._open_window()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         if trainer.global_step != self._last_step:  # an optimizer step happened
             if not self._cache_saved:  # the first: forward and backward are compiled now
                 self._cache_saved = True
@@ -182,9 +203,14 @@ class RegionalCompile(Callback):
             self._first_batch_done = True
             first = self._close_window()
             self._log(trainer, first, first_step=True)
-            if first is not None and self.config.compile.enabled and first.frames_compiled == 0 \
-                    and not first.precompiled and self.applied is not None \
-                    and self.applied.how == ApplyHow.PARALLELIZE:  # (a saved graph ran: no trace)
+            if (
+                first is not None
+                and self.config.compile.enabled
+                and first.frames_compiled == 0
+                and not first.precompiled
+                and self.applied is not None
+                and self.applied.how == ApplyHow.PARALLELIZE
+            ):  # (a saved graph ran: no trace)
                 rank_zero_warn(
                     f"aotdist: nothing was compiled in the first training step: "
                     f"{self.applied.target_fqn or 'the LightningModule'} did not run through "
@@ -213,8 +239,9 @@ class RegionalCompile(Callback):
             )
         if window is not None and self.log_metrics and trainer.is_global_zero:
             for logger in trainer.loggers:  # every logger, as Lightning's own monitors do
-                logger.log_metrics({"aotdist/recompiles_epoch": len(window.recompiles)},
-                                   step=trainer.global_step)
+                logger.log_metrics(
+                    {"aotdist/recompiles_epoch": len(window.recompiles)}, step=trainer.global_step
+                )
         self._open_window()
 
     def _open_window(self) -> None:
@@ -228,10 +255,10 @@ class RegionalCompile(Callback):
         out, self._window = self._window.stop(), None
         return out
 
-    def _log(self, trainer: pl.Trainer, m: metrics.CompileMetrics | None, *,
-             first_step: bool) -> None:
-        if m is None or not self.log_metrics or not trainer.loggers \
-                or not trainer.is_global_zero:
+    def _log(
+        self, trainer: pl.Trainer, m: metrics.CompileMetrics | None, *, first_step: bool
+    ) -> None:
+        if m is None or not self.log_metrics or not trainer.loggers or not trainer.is_global_zero:
             return
         values = metric_values(m)
         for logger in trainer.loggers:  # every logger, as Lightning's own monitors do
@@ -241,8 +268,10 @@ class RegionalCompile(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict(),
-                "recompiles_after_first_epoch": self.recompiles_after_first_epoch}
+        return {
+            "config": self.config.to_dict(),
+            "recompiles_after_first_epoch": self.recompiles_after_first_epoch,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -276,12 +305,12 @@ def _data_parallel_mesh(strategy: Any, config: AOTDistConfig):
             f"with tensor_parallel_size={tp}: ModelParallelStrategy's mesh has one "
             "data-parallel dim, which aotdist cannot split into (replicate, shard). Fix: "
             "drop fsdp.replicate_degree (FSDP over the data-parallel dim, tensor parallelism "
-            "within), or tensor_parallel_size=1 for HSDP.")
+            "within), or tensor_parallel_size=1 for HSDP."
+        )
     return None
 
 
-def _validate(trainer: pl.Trainer, pl_module: pl.LightningModule,
-              config: AOTDistConfig) -> None:
+def _validate(trainer: pl.Trainer, pl_module: pl.LightningModule, config: AOTDistConfig) -> None:
     from lightning.pytorch.strategies import (
         DDPStrategy,
         FSDPStrategy,
@@ -310,8 +339,9 @@ def _validate(trainer: pl.Trainer, pl_module: pl.LightningModule,
             "fsdp.enabled: false."
         )
     precision = str(trainer.precision)
-    if config.float8.enabled and (precision.startswith(("64", "16-true", "transformer-engine"))
-                                  or "bnb" in precision):
+    if config.float8.enabled and (
+        precision.startswith(("64", "16-true", "transformer-engine")) or "bnb" in precision
+    ):
         raise ConfigError(
             f"RegionalCompile: float8.enabled with precision={precision!r}: torchao Float8 "
             "needs float32 or bfloat16 master weights and no other low-precision plugin. "
@@ -324,4 +354,3 @@ def _validate(trainer: pl.Trainer, pl_module: pl.LightningModule,
             "torch.compile; Lightning would compile the whole model again on top. Fix: "
             "pass the uncompiled LightningModule; RegionalCompile compiles it."
         )
-

@@ -55,17 +55,29 @@ class TrainerRegionalCompile(TrainerCallback):
         # Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     """
 
-    def __init__(self, config: AOTDistConfig | Mapping | str | os.PathLike | None = None, *,
-                 include: list[str] | str | None = None, exclude: list[str] | str | None = None,
-                 backend: str | None = None, log_metrics: bool = True) -> None:
+    def __init__(
+        self,
+        config: AOTDistConfig | Mapping | str | os.PathLike | None = None,
+        *,
+        include: list[str] | str | None = None,
+        exclude: list[str] | str | None = None,
+        backend: str | None = None,
+        log_metrics: bool = True,
+    ) -> None:
         self.config = compile_only_config(
-            config, include=include, exclude=exclude, backend=backend,
-            what="TrainerRegionalCompile", why="after the Trainer has taken the model",
+            config,
+            include=include,
+            exclude=exclude,
+            backend=backend,
+            what="TrainerRegionalCompile",
+            why="after the Trainer has taken the model",
             fix="remove them here, and use aotdist.parallelize / aotdist.callbacks.prepare "
-                "with Accelerate, or Lightning's RegionalCompile, for FSDP2 and Float8")
+            "with Accelerate, or Lightning's RegionalCompile, for FSDP2 and Float8",
+        )
         if not isinstance(log_metrics, bool):
-            raise ConfigError(f"TrainerRegionalCompile(log_metrics=...) must be a bool; got "
-                              f"{log_metrics!r}")
+            raise ConfigError(
+                f"TrainerRegionalCompile(log_metrics=...) must be a bool; got {log_metrics!r}"
+            )
         self.log_metrics = log_metrics
         self.applied: Applied | None = None
         self._window: metrics.Tracker | None = None
@@ -73,14 +85,16 @@ class TrainerRegionalCompile(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         _check_arguments(args)
         if model is not None and self.config.compile.enabled and self.applied is None:
-            self.applied = apply_aotdist(model, self.config, what="TrainerRegionalCompile",
-                                         child_target=False)
+            self.applied = apply_aotdist(
+                model, self.config, what="TrainerRegionalCompile", child_target=False
+            )
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         _check_arguments(args)
         if model is not None and self.config.compile.enabled and self.applied is None:
-            self.applied = apply_aotdist(model, self.config, what="TrainerRegionalCompile",
-                                         child_target=False)
+            self.applied = apply_aotdist(
+                model, self.config, what="TrainerRegionalCompile", child_target=False
+            )
         self._open_window()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -111,11 +125,13 @@ def _check_arguments(args: Any) -> None:
             "TrainingArguments(torch_compile=True) would torch.compile the whole model on "
             "top of the regions aotdist compiled: its trace enters aotdist's compiled call "
             "(graph breaks, a recompile). Fix: torch_compile=False; aotdist compiles the "
-            "model (choose the backend with TrainerRegionalCompile(backend=...)).")
+            "model (choose the backend with TrainerRegionalCompile(backend=...))."
+        )
     if getattr(args, "fsdp", None):  # an empty list when off
         raise ConfigError(
             f"TrainingArguments(fsdp={getattr(args, 'fsdp', None)!r}): the Trainer's FSDP "
             "wraps and shards the model after TrainerRegionalCompile compiled it, which "
             "replaces the parameters the compiled regions hold. Fix: drop fsdp from "
             "TrainingArguments and shard with aotdist.parallelize(model, config={'fsdp': "
-            "{'enabled': True}}) in an Accelerate or Lightning script.")
+            "{'enabled': True}}) in an Accelerate or Lightning script."
+        )

@@ -31,8 +31,11 @@ SIZES = {  # image, patch, layers, heads, hidden, mlp, classes
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--aotdist-config", default="configs/aotdist/regional_compile.yaml",
-                   help="aotdist YAML (configs/aotdist/*.yaml), or 'none' for plain eager")
+    p.add_argument(
+        "--aotdist-config",
+        default="configs/aotdist/regional_compile.yaml",
+        help="aotdist YAML (configs/aotdist/*.yaml), or 'none' for plain eager",
+    )
     p.add_argument("--backend", default=None, help="override compile.backend (e.g. aot_eager)")
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
     p.add_argument("--num-layers", type=int, default=None, help="override the size's depth")
@@ -43,8 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-dir", default=None, help="accelerator.save_state here at the end")
     p.add_argument("--resume-from", default=None, help="accelerator.load_state from here")
-    p.add_argument("--skip-batches", type=int, default=0,
-                   help="batches to skip (resuming mid-run with the same data order)")
+    p.add_argument(
+        "--skip-batches",
+        type=int,
+        default=0,
+        help="batches to skip (resuming mid-run with the same data order)",
+    )
     return p.parse_args(argv)
 
 
@@ -53,8 +60,15 @@ def build_model(size: str, num_layers: int | None, seed: int) -> torch.nn.Module
 
     image, patch, layers, heads, hidden, mlp, classes = SIZES[size]
     torch.manual_seed(seed)
-    return VisionTransformer(image_size=image, patch_size=patch, num_layers=num_layers or layers,
-                             num_heads=heads, hidden_dim=hidden, mlp_dim=mlp, num_classes=classes)
+    return VisionTransformer(
+        image_size=image,
+        patch_size=patch,
+        num_layers=num_layers or layers,
+        num_heads=heads,
+        hidden_dim=hidden,
+        mlp_dim=mlp,
+        num_classes=classes,
+    )
 
 
 def build_loader(size: str, batch_size: int, samples: int) -> torch.utils.data.DataLoader:
@@ -62,8 +76,12 @@ def build_loader(size: str, batch_size: int, samples: int) -> torch.utils.data.D
     from torchvision.datasets import FakeData
 
     image, *_, classes = SIZES[size]
-    data = FakeData(size=samples, image_size=(3, image, image), num_classes=classes,
-                    transform=transforms.ToTensor())
+    data = FakeData(
+        size=samples,
+        image_size=(3, image, image),
+        num_classes=classes,
+        transform=transforms.ToTensor(),
+    )
     return torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False, drop_last=True)
 
 
@@ -74,13 +92,19 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     args = parse_args(argv)
     # cpu=True without GPUs: several CPU processes (gloo) under the torchrun launcher.
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum,
-                              dynamo_backend=DynamoBackend.NO, cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.grad_accum,
+        dynamo_backend=DynamoBackend.NO,
+        cpu=not torch.cuda.is_available(),
+    )
     model = build_model(args.size, args.num_layers, args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     micro_steps = (args.steps + args.skip_batches // args.grad_accum) * args.grad_accum
-    loader = build_loader(args.size, args.batch_size,
-                          samples=micro_steps * args.batch_size * accelerator.num_processes)
+    loader = build_loader(
+        args.size,
+        args.batch_size,
+        samples=micro_steps * args.batch_size * accelerator.num_processes,
+    )
     if args.aotdist_config.lower() == "none":
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     else:

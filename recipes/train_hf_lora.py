@@ -30,12 +30,23 @@ def build(layers: int, vocab: int):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=layers, num_attention_heads=4,
-                                   num_key_value_heads=2, use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
     base = transformers.LlamaForCausalLM(cfg)
-    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                           lora_dropout=0.0, task_type="CAUSAL_LM")
+    lora = peft.LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj"],
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
     model = peft.get_peft_model(base, lora)
     return model
 
@@ -61,18 +72,32 @@ def main(argv: list[str] | None = None) -> dict:
     callback = None if args.eager else TrainerRegionalCompile(backend=args.backend)
     with tempfile.TemporaryDirectory() as tmp:
         targs = transformers.TrainingArguments(
-            output_dir=args.out or tmp, max_steps=args.steps, per_device_train_batch_size=2,
-            learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0,
-            data_seed=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+            output_dir=args.out or tmp,
+            max_steps=args.steps,
+            per_device_train_batch_size=2,
+            learning_rate=1e-3,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            seed=0,
+            data_seed=0,
+            use_cpu=not torch.cuda.is_available(),
+            disable_tqdm=True,
             dataloader_num_workers=0,
-            ddp_backend="gloo" if not torch.cuda.is_available() and world > 1 else None)
-        trainer = transformers.Trainer(model=build(args.layers, vocab), args=targs,
-                                       train_dataset=data,
-                                       callbacks=[callback] if callback else [])
+            ddp_backend="gloo" if not torch.cuda.is_available() and world > 1 else None,
+        )
+        trainer = transformers.Trainer(
+            model=build(args.layers, vocab),
+            args=targs,
+            train_dataset=data,
+            callbacks=[callback] if callback else [],
+        )
         trainer.train()
     history = trainer.state.log_history
-    result = {"losses": [h["loss"] for h in history if "loss" in h],
-              "aotdist": {k: v for k, v in history[0].items() if k.startswith("aotdist/")}}
+    result = {
+        "losses": [h["loss"] for h in history if "loss" in h],
+        "aotdist": {k: v for k, v in history[0].items() if k.startswith("aotdist/")},
+    }
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result), flush=True)
     return result

@@ -25,16 +25,28 @@ from lightning.pytorch.cli import LightningCLI
 class ViTClassifier(LightningModule):
     """torchvision's ``VisionTransformer`` (tiny by default) as a classifier."""
 
-    def __init__(self, image_size: int = 32, patch_size: int = 8, num_layers: int = 4,
-                 num_heads: int = 2, hidden_dim: int = 32, mlp_dim: int = 64,
-                 num_classes: int = 10, lr: float = 1e-3):
+    def __init__(
+        self,
+        image_size: int = 32,
+        patch_size: int = 8,
+        num_layers: int = 4,
+        num_heads: int = 2,
+        hidden_dim: int = 32,
+        mlp_dim: int = 64,
+        num_classes: int = 10,
+        lr: float = 1e-3,
+    ):
         super().__init__()
         self.save_hyperparameters()
         from torchvision.models import VisionTransformer
 
         self.model = VisionTransformer(
-            image_size=image_size, patch_size=patch_size, num_layers=num_layers,
-            num_heads=num_heads, hidden_dim=hidden_dim, mlp_dim=mlp_dim,
+            image_size=image_size,
+            patch_size=patch_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            hidden_dim=hidden_dim,
+            mlp_dim=mlp_dim,
             num_classes=num_classes,
         )
 
@@ -57,8 +69,15 @@ class ViTClassifier(LightningModule):
 class FakeImages(LightningDataModule):
     """``torchvision.datasets.FakeData``: random images and labels, seeded."""
 
-    def __init__(self, image_size: int = 32, num_classes: int = 10, train_size: int = 256,
-                 val_size: int = 64, batch_size: int = 16, num_workers: int = 0):
+    def __init__(
+        self,
+        image_size: int = 32,
+        num_classes: int = 10,
+        train_size: int = 256,
+        val_size: int = 64,
+        batch_size: int = 16,
+        num_workers: int = 0,
+    ):
         super().__init__()
         self.save_hyperparameters()
 
@@ -67,11 +86,20 @@ class FakeImages(LightningDataModule):
         from torchvision.datasets import FakeData
 
         hp = self.hparams
-        data = FakeData(size=size, image_size=(3, hp.image_size, hp.image_size),
-                        num_classes=hp.num_classes, transform=transforms.ToTensor(),
-                        random_offset=offset)
-        return torch.utils.data.DataLoader(data, batch_size=hp.batch_size, shuffle=shuffle,
-                                           num_workers=hp.num_workers, drop_last=True)
+        data = FakeData(
+            size=size,
+            image_size=(3, hp.image_size, hp.image_size),
+            num_classes=hp.num_classes,
+            transform=transforms.ToTensor(),
+            random_offset=offset,
+        )
+        return torch.utils.data.DataLoader(
+            data,
+            batch_size=hp.batch_size,
+            shuffle=shuffle,
+            num_workers=hp.num_workers,
+            drop_last=True,
+        )
 
     def train_dataloader(self):
         return self._loader(self.hparams.train_size, 0, shuffle=True)
@@ -89,8 +117,9 @@ def trainer_defaults() -> dict:
     return {
         "accelerator": "gpu" if gpus else "cpu",
         "devices": devices,
-        "strategy": lazy_instance(ModelParallelStrategy, data_parallel_size=devices,
-                                  tensor_parallel_size=1),
+        "strategy": lazy_instance(
+            ModelParallelStrategy, data_parallel_size=devices, tensor_parallel_size=1
+        ),
         "max_steps": 50,
         "log_every_n_steps": 5,
     }
@@ -109,9 +138,14 @@ class CLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> LightningCLI:
-    return CLI(ViTClassifier, FakeImages, trainer_defaults=trainer_defaults(),
-                         save_config_kwargs={"overwrite": True}, seed_everything_default=0,
-                         args=args)
+    return CLI(
+        ViTClassifier,
+        FakeImages,
+        trainer_defaults=trainer_defaults(),
+        save_config_kwargs={"overwrite": True},
+        seed_everything_default=0,
+        args=args,
+    )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,13 @@ def _build(dim: int, depth: int, device: torch.device):
 
     torch.manual_seed(0)
     small = dim <= 64
-    return TinyGPT(vocab=64 if small else 4096, dim=dim, depth=depth, heads=2 if small else 8,
-                   seq_len=16 if small else 256).to(device)
+    return TinyGPT(
+        vocab=64 if small else 4096,
+        dim=dim,
+        depth=depth,
+        heads=2 if small else 8,
+        seq_len=16 if small else 256,
+    ).to(device)
 
 
 def _apply(name: str, model, mode: str):
@@ -78,13 +83,29 @@ def _step_fn(run, model, x, y, *, cuda_graphs: bool, sync):
     return step
 
 
-def probe(dim: int, depth: int, mode: str, *, strategies, device: torch.device, batch: int,
-          rounds: int, steps: int) -> dict:
+def probe(
+    dim: int,
+    depth: int,
+    mode: str,
+    *,
+    strategies,
+    device: torch.device,
+    batch: int,
+    rounds: int,
+    steps: int,
+) -> dict:
     """One config in one mode: cold step, first loss and per-round median step times of
     every strategy, and aotdist's ratios to each peer."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    entry = {"dim": dim, "depth": depth, "mode": mode, "cold_s": {}, "first_loss": {},
-             "rounds_s": {}, "errors": {}}
+    entry = {
+        "dim": dim,
+        "depth": depth,
+        "mode": mode,
+        "cold_s": {},
+        "first_loss": {},
+        "rounds_s": {},
+        "errors": {},
+    }
     g = torch.Generator().manual_seed(1)
     shape = _build(dim, 1, torch.device("cpu"))
     vocab, seq = shape.vocab, shape.seq_len
@@ -96,8 +117,9 @@ def probe(dim: int, depth: int, mode: str, *, strategies, device: torch.device, 
             continue
         try:
             model = _build(dim, depth, device)
-            step = _step_fn(_apply(name, model, mode), model, x, y,
-                            cuda_graphs=mode != "default", sync=sync)
+            step = _step_fn(
+                _apply(name, model, mode), model, x, y, cuda_graphs=mode != "default", sync=sync
+            )
             start = time.perf_counter()
             _, loss = step()
             entry["cold_s"][name] = time.perf_counter() - start
@@ -105,8 +127,11 @@ def probe(dim: int, depth: int, mode: str, *, strategies, device: torch.device, 
             for _ in range(3):
                 step()
             steps_of[name] = step
-            print(f"gpt:{dim}:{depth} {mode} {name}: cold {entry['cold_s'][name]:.1f}s "
-                  f"loss {loss:.4f}", flush=True)
+            print(
+                f"gpt:{dim}:{depth} {mode} {name}: cold {entry['cold_s'][name]:.1f}s "
+                f"loss {loss:.4f}",
+                flush=True,
+            )
         except Exception as exc:  # recorded; the other strategies go on
             entry["errors"][name] = traceback.format_exc()[-2000:]
             print(f"gpt:{dim}:{depth} {mode} {name}: FAILED {exc!r}"[:400], flush=True)
@@ -120,22 +145,28 @@ def probe(dim: int, depth: int, mode: str, *, strategies, device: torch.device, 
     for ours in COMPARED:
         for peer in ("full", "accelerate", "eager", "aotdist"):
             if ours != peer and ours in entry["rounds_s"] and peer in entry["rounds_s"]:
-                ratios = [a / b for a, b in zip(entry["rounds_s"][ours],
-                                                entry["rounds_s"][peer], strict=True)]
-                entry[f"{ours}_over_{peer}"] = [statistics.median(ratios), min(ratios),
-                                                max(ratios)]
+                ratios = [
+                    a / b
+                    for a, b in zip(entry["rounds_s"][ours], entry["rounds_s"][peer], strict=True)
+                ]
+                entry[f"{ours}_over_{peer}"] = [statistics.median(ratios), min(ratios), max(ratios)]
     return entry
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--configs", default="gpt:32:8,gpt:512:8",
-                   help="comma-separated gpt:DIM:DEPTH")
-    p.add_argument("--modes", default="default,reduce-overhead",
-                   help="default and/or reduce-overhead (CUDA graphs; CUDA only)")
-    p.add_argument("--strategies", default="eager,full,accelerate,aotdist",
-                   help=f"comma-separated, from {', '.join(STRATEGIES)}")
+    p.add_argument("--configs", default="gpt:32:8,gpt:512:8", help="comma-separated gpt:DIM:DEPTH")
+    p.add_argument(
+        "--modes",
+        default="default,reduce-overhead",
+        help="default and/or reduce-overhead (CUDA graphs; CUDA only)",
+    )
+    p.add_argument(
+        "--strategies",
+        default="eager,full,accelerate,aotdist",
+        help=f"comma-separated, from {', '.join(STRATEGIES)}",
+    )
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8)
@@ -150,19 +181,36 @@ def main(argv=None) -> int:
             if mode != "default" and device.type != "cuda":
                 print(f"{cfg} {mode}: skipped (CUDA graphs need a CUDA device)")
                 continue
-            entry = probe(int(dim), int(depth), mode, strategies=a.strategies.split(","),
-                          device=device, batch=a.batch, rounds=a.rounds, steps=a.steps)
-            print(json.dumps({k: v for k, v in entry.items() if k not in ("errors", "rounds_s")}),
-                  flush=True)
+            entry = probe(
+                int(dim),
+                int(depth),
+                mode,
+                strategies=a.strategies.split(","),
+                device=device,
+                batch=a.batch,
+                rounds=a.rounds,
+                steps=a.steps,
+            )
+            print(
+                json.dumps({k: v for k, v in entry.items() if k not in ("errors", "rounds_s")}),
+                flush=True,
+            )
             results.append(entry)
             torch._dynamo.reset()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             with open(a.out, "w") as f:  # after every config: a timeout keeps the rest
-                json.dump({"torch": torch.__version__,
-                           "device": (torch.cuda.get_device_name(device)
-                                      if device.type == "cuda" else "cpu"),
-                           "results": results}, f, indent=1)
+                json.dump(
+                    {
+                        "torch": torch.__version__,
+                        "device": (
+                            torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+                        ),
+                        "results": results,
+                    },
+                    f,
+                    indent=1,
+                )
     return 1 if any(e["errors"] for e in results) else 0
 
 

@@ -44,8 +44,12 @@ def _untracked() -> set[str] | None:
     """Untracked, non-ignored files of the repository; ``None`` outside a git checkout."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         return None
-    proc = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         return None
     return {line[3:] for line in proc.stdout.splitlines() if line.startswith("??")}
@@ -60,8 +64,10 @@ def _repository_stays_clean():
         return
     created = sorted(_untracked() - before)
     if created:
-        pytest.fail(f"the tests created files in the repository (write into tmp_path): "
-                    f"{created[:20]}", pytrace=False)
+        pytest.fail(
+            f"the tests created files in the repository (write into tmp_path): {created[:20]}",
+            pytrace=False,
+        )
 
 
 def pytest_collection_modifyitems(config, items):

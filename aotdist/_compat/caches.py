@@ -68,9 +68,15 @@ def fsdp_params_of(module: nn.Module) -> list[dict] | None:
         info = getattr(fp, "_module_info", None)
         if unsharded is None or info is None:
             continue
-        out.append({"unsharded": unsharded, "module": info.module, "param_name": info.param_name,
-                    "sharded_shape": list(getattr(fp, "sharded_size", ())),
-                    "unsharded_shape": list(getattr(fp, "_orig_size", ()))})
+        out.append(
+            {
+                "unsharded": unsharded,
+                "module": info.module,
+                "param_name": info.param_name,
+                "sharded_shape": list(getattr(fp, "sharded_size", ())),
+                "unsharded_shape": list(getattr(fp, "_orig_size", ())),
+            }
+        )
     return out
 
 
@@ -85,7 +91,6 @@ def default_store() -> Any:
     if fn is None:
         raise unavailable("torch.distributed.distributed_c10d._get_default_store")
     return fn()
-
 
 
 # --------------------------------------------------------------------- compile caches
@@ -137,7 +142,7 @@ def isa_probe_keys(root: str) -> set[str]:
             continue
         for name in os.listdir(folder):
             if name.endswith(PROBE_LOAD_MARKER):
-                keys.add(name[:-len(PROBE_LOAD_MARKER)])
+                keys.add(name[: -len(PROBE_LOAD_MARKER)])
             elif name.endswith(".cpp") and os.path.getsize(os.path.join(folder, name)) < 8192:
                 with open(os.path.join(folder, name), "rb") as fh:
                     if _PROBE_SYMBOL in fh.read():
@@ -162,8 +167,9 @@ def _probe_library(isa: Any, code: str) -> str | None:
         flags = getattr(isa, "_arch_flags", None)
         flags = isa.build_arch_flags() if flags is None else flags
         key, source = write(code, "cpp", extra=_get_isa_dry_compile_fingerprint(flags))
-        builder = CppBuilder(key, [source], CppTorchOptions(vec_isa=isa, warning_all=False),
-                             os.path.dirname(source))
+        builder = CppBuilder(
+            key, [source], CppTorchOptions(vec_isa=isa, warning_all=False), os.path.dirname(source)
+        )
         return normalize_path_separator(builder.get_target_file_path())
     except Exception:  # noqa: BLE001 - another torch: its own check runs unchanged
         return None
@@ -281,7 +287,8 @@ def merge_mega_cache(saved: bytes) -> bytes:
     CacheArtifactManager._ensure_cache_artifacts_registered()
     merged: dict[str, list] = {}
     for kind, artifacts in AppendingByteSerializer.to_list(
-            saved, deserialize_fn=_deserialize_single_cache):
+        saved, deserialize_fn=_deserialize_single_cache
+    ):
         seen = merged.setdefault(kind, [])
         seen.extend(a for a in artifacts if a not in seen)
     out = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
@@ -289,9 +296,10 @@ def merge_mega_cache(saved: bytes) -> bytes:
     return out.to_bytes()
 
 
-def wrap_fx_graph_cache(wrap_lookup: Callable[[Callable], Callable],
-                        wrap_save: Callable[[Callable], Callable] | None = None
-                        ) -> Callable[[], None]:
+def wrap_fx_graph_cache(
+    wrap_lookup: Callable[[Callable], Callable],
+    wrap_save: Callable[[Callable], Callable] | None = None,
+) -> Callable[[], None]:
     """Wraps Inductor's FX graph cache lookup (``FxGraphCache.load_with_key``) and, if
     given, its save (``FxGraphCache._save_graph``), process-wide until the returned
     function puts the originals back (torch 2.11, 2.15).

@@ -18,8 +18,14 @@ from torch import nn
 
 from aotdist._compat._base import unavailable
 
-__all__ = ["CallWrapper", "call_impl", "compiled_call", "set_compiled_call",
-           "unwrap_compiled_call", "wrap_compiled_call"]
+__all__ = [
+    "CallWrapper",
+    "call_impl",
+    "compiled_call",
+    "set_compiled_call",
+    "unwrap_compiled_call",
+    "wrap_compiled_call",
+]
 
 
 def call_impl(model: nn.Module) -> Callable:

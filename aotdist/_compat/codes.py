@@ -15,8 +15,14 @@ import torch
 
 from aotdist._compat._base import attr, unavailable
 
-__all__ = ["dynamo_error_types", "is_region_code", "maybe_mark_dynamic", "region_options",
-           "reuse_refusals", "unique_code_function"]
+__all__ = [
+    "dynamo_error_types",
+    "is_region_code",
+    "maybe_mark_dynamic",
+    "region_options",
+    "reuse_refusals",
+    "unique_code_function",
+]
 
 _CODE_SERIAL = itertools.count()
 
@@ -37,8 +43,9 @@ def unique_code_function(fn: Callable, label: str) -> Callable:
     changes = {"co_name": name}
     if sys.version_info >= (3, 11):
         changes["co_qualname"] = name
-    new = types.FunctionType(fn.__code__.replace(**changes), fn.__globals__, name,
-                             fn.__defaults__, fn.__closure__)
+    new = types.FunctionType(
+        fn.__code__.replace(**changes), fn.__globals__, name, fn.__defaults__, fn.__closure__
+    )
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__dict__.update(fn.__dict__)
     new.__qualname__ = fn.__qualname__
@@ -100,8 +107,11 @@ def _metadata_difference(frame) -> str:
     if frame is None:
         return ""
     old, new = (_fields(frame.f_locals[k]) for k in ("cached_val", "cur_meta"))
-    diffs = [f"{name} {_shown(old.get(name))} vs {_shown(new.get(name))}"
-             for name in _FIELDS if old.get(name) != new.get(name)]
+    diffs = [
+        f"{name} {_shown(old.get(name))} vs {_shown(new.get(name))}"
+        for name in _FIELDS
+        if old.get(name) != new.get(name)
+    ]
     return "; ".join(diffs[:2])
 
 
@@ -152,6 +162,7 @@ def reuse_refusals(sink: dict[str, str]) -> Iterator[None]:
     such log); not run on 2.15 (not installable here)."""
     try:
         import torch._dynamo.variables.invoke_subgraph  # noqa: F401
+
         logs = True
     except ImportError:
         logs = False

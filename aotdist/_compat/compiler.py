@@ -87,8 +87,9 @@ def functional_collectives():
     ``reduce_scatter_tensor`` only: callers probe for either. Imported with this module,
     not here: Dynamo cannot trace ``importlib`` inside the graph that calls this."""
     if _funcol is None:
-        raise unavailable("torch.distributed._functional_collectives (a torch built with "
-                     "distributed support)")
+        raise unavailable(
+            "torch.distributed._functional_collectives (a torch built with distributed support)"
+        )
     return _funcol
 
 
@@ -102,7 +103,6 @@ def param_slots(module: nn.Module) -> dict:
     (graph-mode FSDP swaps DTensor parameters and their local shards there). A plain
     function, so Dynamo traces through it (torch 2.11, 2.15)."""
     return module._parameters
-
 
 
 # --------------------------------------------------------------------- Dynamo
@@ -138,8 +138,9 @@ def inductor_wrapper(mode: str | None, options: dict | None, dynamic: bool | Non
     return cls(mode, options, dynamic)
 
 
-def named_backend_wrapper(backend: str, mode: str | None, options: dict | None,
-                          dynamic: bool | None) -> Callable:
+def named_backend_wrapper(
+    backend: str, mode: str | None, options: dict | None, dynamic: bool | None
+) -> Callable:
     """``torch._TorchCompileWrapper`` for a registered backend name (torch 2.11, 2.15).
 
     Raises:
@@ -266,8 +267,11 @@ def compilation_time_metrics() -> dict | None:
 def import_compiler_stack() -> None:
     """Imports Dynamo, AOTAutograd and Inductor's compile path (torch 2.11, 2.15), so
     that a measurement after it does not count their import time."""
-    for name in ("torch._dynamo.utils", "torch._functorch.aot_autograd",
-                 "torch._inductor.compile_fx"):
+    for name in (
+        "torch._dynamo.utils",
+        "torch._functorch.aot_autograd",
+        "torch._inductor.compile_fx",
+    ):
         importlib.import_module(name)
 
 
@@ -304,8 +308,10 @@ def functorch_joint_pass(fn: Callable) -> contextlib.AbstractContextManager:
 
     user = functorch_config.joint_custom_pass
     if callable(user):
+
         def chained(joint, inputs):
             return fn(user(joint, inputs), inputs)
+
         return functorch_config.patch(joint_custom_pass=chained)
     return functorch_config.patch(joint_custom_pass=fn)
 
@@ -369,7 +375,6 @@ def tree_leaves(tree: Any) -> list:
     import torch.utils._pytree as pytree
 
     return pytree.tree_leaves(tree)
-
 
 
 # --------------------------------------------------------------------- AOTAutograd / Inductor
@@ -470,8 +475,14 @@ def fx_bucketing() -> Any:
         mod = importlib.import_module("torch._inductor.fx_passes.bucketing")
     except ImportError:
         mod = None
-    names = ("bucket_all_gather_by_mb", "merge_all_gather", "bucket_reduce_scatter_by_mb",
-             "merge_reduce_scatter", "bucket_all_reduce_by_mb", "merge_all_reduce_bucket")
+    names = (
+        "bucket_all_gather_by_mb",
+        "merge_all_gather",
+        "bucket_reduce_scatter_by_mb",
+        "merge_reduce_scatter",
+        "bucket_all_reduce_by_mb",
+        "merge_all_reduce_bucket",
+    )
     if mod is None or not all(hasattr(mod, n) for n in names):
         raise unavailable("torch._inductor.fx_passes.bucketing." + " / ".join(names))
     return mod

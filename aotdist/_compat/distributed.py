@@ -55,4 +55,3 @@ def storage_id(storage: Any) -> int:
     """An identity of ``storage`` (its ``StorageImpl``: ``UntypedStorage._cdata``; torch
     2.11, 2.15) that also tells fake tensors' storages apart, whose ``data_ptr()`` is 0."""
     return storage._cdata
-

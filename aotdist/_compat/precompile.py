@@ -28,8 +28,14 @@ from torch import nn
 
 from aotdist._compat._base import attr
 
-__all__ = ["PrecompiledFunction", "aot_compile", "precompile_unavailable",
-           "stand_in_parameters", "unsaved_in_guards", "unserializable_guard_types"]
+__all__ = [
+    "PrecompiledFunction",
+    "aot_compile",
+    "precompile_unavailable",
+    "stand_in_parameters",
+    "unsaved_in_guards",
+    "unserializable_guard_types",
+]
 
 _saving = False  # inside aot_compile: see unsaved_in_guards
 
@@ -46,8 +52,10 @@ def precompile_unavailable() -> str | None:
     except (OSError, TypeError):
         return f"torch {torch.__version__}'s aot_compile source cannot be read"
     if "compiled_fn.serialize" not in source:  # 2.11: only Inductor's own wrapper is saved
-        return (f"torch {torch.__version__}'s aot_compile saves only Inductor's own backend, "
-                "not one that wraps it (torch 2.14 and later do)")
+        return (
+            f"torch {torch.__version__}'s aot_compile saves only Inductor's own backend, "
+            "not one that wraps it (torch 2.14 and later do)"
+        )
     return None
 
 
@@ -160,32 +168,57 @@ def _run_state_unsaved() -> Iterator[None]:
 _MODULE_REF = re.compile(r"^___module_\w+?_(\d+)_c\d+$")
 
 
-def aot_compile(fn: Callable, args: tuple, kwargs: dict, *, model: nn.Module, backend: Any,
-                dynamic: bool | None, guard_filter: Callable) -> tuple[bytes, dict[str, str]]:
+def aot_compile(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    *,
+    model: nn.Module,
+    backend: Any,
+    dynamic: bool | None,
+    guard_filter: Callable,
+) -> tuple[bytes, dict[str, str]]:
     """Traces ``fn(*args, **kwargs)`` as one graph with ``backend``; returns the serialized
     precompiled function and the modules its code reaches through globals Dynamo made up
     (``___module_<name>_<id>_c<n>``: name -> module name; the loader must pass them).
     torch 2.14, 2.15; not 2.11. Raises what torch raises (a graph break, a guard that
     cannot be saved, an output it cannot serialize), and ``RuntimeError`` for code that
     reaches another made-up global."""
-    compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=dynamic,
-                             options={"guard_filter_fn": guard_filter})
-    patch = ({"enable_aot_compile": True}
-             if hasattr(torch._dynamo.config, "enable_aot_compile") else {})
-    with torch._dynamo.config.patch(**patch), _grads_detached(model), \
-            _closures_saved_by_code(fn), _run_state_unsaved(), warnings.catch_warnings():
+    compiled = torch.compile(
+        fn,
+        fullgraph=True,
+        backend=backend,
+        dynamic=dynamic,
+        options={"guard_filter_fn": guard_filter},
+    )
+    patch = (
+        {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
+    )
+    with (
+        torch._dynamo.config.patch(**patch),
+        _grads_detached(model),
+        _closures_saved_by_code(fn),
+        _run_state_unsaved(),
+        warnings.catch_warnings(),
+    ):
         # the guard pickler reads .grad of every tensor, graph-mode FSDP's local shards too
         warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf")
         result = compiled.aot_compile((args, kwargs))
     env = result._artifacts.runtime_env
-    missing = (set(getattr(env, "external_refs", ())) - set(env.import_sources)
-               - set(env.used_globals) - {result._artifacts.backend_id})
+    missing = (
+        set(getattr(env, "external_refs", ()))
+        - set(env.import_sources)
+        - set(env.used_globals)
+        - {result._artifacts.backend_id}
+    )
     by_id = {id(m): m.__name__ for m in list(sys.modules.values()) if m is not None}
     modules = {}
     for ref in sorted(missing):
         match = _MODULE_REF.match(ref)
         if match is None or int(match.group(1)) not in by_id:
-            raise RuntimeError(f"its code reads a global Dynamo made up, {ref}, that cannot be saved")
+            raise RuntimeError(
+                f"its code reads a global Dynamo made up, {ref}, that cannot be saved"
+            )
         modules[ref] = by_id[int(match.group(1))]
     with _closures_saved_by_code(fn), _run_state_unsaved():
         return type(result).serialize(result).serialized_data, modules
@@ -222,7 +255,7 @@ class PrecompiledFunction:
         for src in self._fn.source_info().inlined_sources:
             try:
                 module = importlib.import_module(src.module)
-                lines = inspect.getsourcelines(module)[0][src.firstlineno - 1:src.lastlineno - 1]
+                lines = inspect.getsourcelines(module)[0][src.firstlineno - 1 : src.lastlineno - 1]
             except (ImportError, OSError, TypeError):
                 return f"{src.module} (cannot be read)"
             if _hash("".join(lines)) != src.checksum:

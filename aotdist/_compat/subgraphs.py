@@ -21,9 +21,15 @@ import contextlib
 import importlib
 from collections.abc import Callable, Iterator
 
-__all__ = ["cached_subgraph_schemas", "flat_nested_subgraph_refs", "inline_single_use_regions",
-           "recomputable_reductions", "single_use_inlining_deferred",
-           "subclass_intermediates_inside", "tolerant_subgraph_dedup"]
+__all__ = [
+    "cached_subgraph_schemas",
+    "flat_nested_subgraph_refs",
+    "inline_single_use_regions",
+    "recomputable_reductions",
+    "single_use_inlining_deferred",
+    "subclass_intermediates_inside",
+    "tolerant_subgraph_dedup",
+]
 
 _MODULE = "torch._dynamo.variables.higher_order_ops"
 _NAME = "are_same_graph_modules"
@@ -48,9 +54,12 @@ def _same_trampolines(a_mod, b_mod) -> Iterator[None]:
     ``a_mod``'s at the same position are ``a_mod``'s objects; restored on exit."""
     swapped = []
     for a, b in zip(a_mod.graph.nodes, b_mod.graph.nodes, strict=False):  # lengths may differ
-        if (a.op == b.op == "call_function" and a.target is not b.target
-                and (cls := _trampoline_class(a.target)) is not None
-                and _trampoline_class(b.target) is cls):
+        if (
+            a.op == b.op == "call_function"
+            and a.target is not b.target
+            and (cls := _trampoline_class(a.target)) is not None
+            and _trampoline_class(b.target) is cls
+        ):
             swapped.append((b, b.target))
             b.target = a.target
     try:
@@ -124,8 +133,17 @@ def _operand_key(operands: tuple) -> tuple | None:
             if op.layout != torch.strided:
                 return None
             alias = seen.setdefault(id(op), i)  # the same tensor passed twice
-            key.append((type(op), tuple(op.shape), tuple(op.stride()), op.dtype,
-                        op.device, op.requires_grad, alias))
+            key.append(
+                (
+                    type(op),
+                    tuple(op.shape),
+                    tuple(op.stride()),
+                    op.dtype,
+                    op.device,
+                    op.requires_grad,
+                    alias,
+                )
+            )
         elif type(op) in _SCALARS:
             key.append((type(op), op))
         else:  # symbolic sizes, script objects...: let torch build the schema

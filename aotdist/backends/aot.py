@@ -24,8 +24,14 @@ from aotdist.backends.named import add_joint_pass, inductor_options
 from aotdist.backends.recompute import boundaries_saved
 from aotdist.backends.regional import regional_inner_compile
 
-__all__ = ["REBUILT", "aot_backend", "backend_name", "fix_storage_resizes",
-           "resolve_conjugate_inputs", "storage_resized_inputs"]
+__all__ = [
+    "REBUILT",
+    "aot_backend",
+    "backend_name",
+    "fix_storage_resizes",
+    "resolve_conjugate_inputs",
+    "storage_resized_inputs",
+]
 
 # on_graph(gm, kind) with kind "forward", "backward" or "inference"
 GraphHook = Callable[[torch.fx.GraphModule, str], None]
@@ -50,13 +56,15 @@ def storage_resized_inputs(gm: torch.fx.GraphModule) -> list[str]:
             inner = storage_resized_inputs(_body(gm, node.args[0]))
             names = [n.name for n in _body(gm, node.args[0]).graph.find_nodes(op="placeholder")]
             operands = node.args[1:]
-            targets = [operands[names.index(n)] for n in inner
-                       if names.index(n) < len(operands)]
+            targets = [operands[names.index(n)] for n in inner if names.index(n) < len(operands)]
         else:
             continue
         for target in targets:
-            if (isinstance(target, torch.fx.Node) and target.op == "placeholder"
-                    and target.name not in found):
+            if (
+                isinstance(target, torch.fx.Node)
+                and target.op == "placeholder"
+                and target.name not in found
+            ):
                 found.append(target.name)
     return found
 
@@ -96,10 +104,16 @@ def fix_storage_resizes(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[str]:
         if not isinstance(value, torch.fx.Node) or value.op == "placeholder":
             continue
         copy_back = next(
-            (u for u in value.users if u.op == "call_function"
-             and u.target is torch.ops.aten.copy_.default and u.args[1] is value
-             and isinstance(u.args[0], torch.fx.Node) and u.args[0].op == "placeholder"
-             and not u.users),
+            (
+                u
+                for u in value.users
+                if u.op == "call_function"
+                and u.target is torch.ops.aten.copy_.default
+                and u.args[1] is value
+                and isinstance(u.args[0], torch.fx.Node)
+                and u.args[0].op == "placeholder"
+                and not u.users
+            ),
             None,
         )
         if copy_back is None:
@@ -117,8 +131,10 @@ def fix_storage_resizes(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[str]:
     return fixed
 
 
-_RESOLVE = (("is_conj", torch.ops.aten.resolve_conj.default),
-            ("is_neg", torch.ops.aten.resolve_neg.default))
+_RESOLVE = (
+    ("is_conj", torch.ops.aten.resolve_conj.default),
+    ("is_neg", torch.ops.aten.resolve_neg.default),
+)
 
 
 def resolve_conjugate_inputs(gm: torch.fx.GraphModule) -> list[str]:
@@ -162,6 +178,7 @@ def resolve_conjugate_inputs(gm: torch.fx.GraphModule) -> list[str]:
 def _joint_pass():
     """:func:`fix_storage_resizes` as an Inductor joint-graph pass (before its no-op
     removal, which would otherwise turn the functional copy into the source tensor)."""
+
     class FixStorageResizes(_compat.custom_graph_pass_base()):
         def __call__(self, graph: torch.fx.Graph) -> None:
             fix_storage_resizes(graph)
@@ -182,8 +199,13 @@ def _hooked(compiler: Callable, kind: str | None, on_graph: GraphHook | None) ->
         if on_graph is not None:
             which = kind
             if which is None:  # inductor's inner compile says which graph it is
-                which = ("backward" if kwargs.get("is_backward")
-                         else "inference" if kwargs.get("is_inference") else "forward")
+                which = (
+                    "backward"
+                    if kwargs.get("is_backward")
+                    else "inference"
+                    if kwargs.get("is_inference")
+                    else "forward"
+                )
             on_graph(gm, which)
         return compiler(gm, example_inputs, *args, **kwargs)
 
@@ -200,8 +222,9 @@ def backend_name(backend: str | Callable) -> str | None:
     return getattr(backend, "compiler_name", None)
 
 
-def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None,
-                outer: str = "inductor") -> Callable | None:
+def aot_backend(
+    backend: str | Callable, *, on_graph: GraphHook | None = None, outer: str = "inductor"
+) -> Callable | None:
     """``backend`` rebuilt on AOTAutograd with aotdist's passes and ``on_graph`` hook.
 
     Args:
@@ -221,28 +244,34 @@ def aot_backend(backend: str | Callable, *, on_graph: GraphHook | None = None,
         aot_eager, boxed_nop = _compat.aot_eager_parts()
         # the graph compiler of aotdist's own aot_eager (fsdp.bucket_mb's bucketing) stays
         inner = getattr(backend, "aotdist_graph_compiler", boxed_nop)
-        return boundaries_saved(functools.partial(
-            aot_eager, fw_compiler=_hooked(inner, "forward", on_graph),
-            bw_compiler=_hooked(inner, "backward", on_graph),
-        ))
+        return boundaries_saved(
+            functools.partial(
+                aot_eager,
+                fw_compiler=_hooked(inner, "forward", on_graph),
+                bw_compiler=_hooked(inner, "backward", on_graph),
+            )
+        )
     if name == "inductor":
         compile_fx, compile_fx_inner = _compat.inductor_compile_fx()
         # Options of a wrapper built by aotdist or by torch.compile, completed with
         # aotdist's defaults: the same decision as compile_regions (a bare name: defaults).
         patches = inductor_options(getattr(backend, "config", None), warn=False)
         add_joint_pass(patches, _joint_pass())
-        inner = compile_fx_inner if outer == "inductor" else regional_inner_compile(
-            compile_fx_inner)
+        inner = (
+            compile_fx_inner if outer == "inductor" else regional_inner_compile(compile_fx_inner)
+        )
         inner = _hooked(inner, None, on_graph)
 
         def inductor(gm, example_inputs):
             # A hit in AOTAutograd's cache skips inner_compile: the hook would see no graph
             # (an empty capture, a region call left in a graph meant to be inlined); an FX
             # outer graph is not a cache entry AOTAutograd can save.
-            with (_compat.autograd_cache_off() if on_graph is not None or outer != "inductor"
-                  else contextlib.nullcontext()):
-                return compile_fx(gm, example_inputs, inner_compile=inner,
-                                  config_patches=patches)
+            with (
+                _compat.autograd_cache_off()
+                if on_graph is not None or outer != "inductor"
+                else contextlib.nullcontext()
+            ):
+                return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
         return inductor
     return None

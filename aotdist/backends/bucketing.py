@@ -24,8 +24,14 @@ import torch
 
 from aotdist import _compat
 
-__all__ = ["bucket_collectives", "bucketing_aot_eager", "bucketing_pass", "count_collectives",
-           "graphs_observed", "is_bucketing_pass"]
+__all__ = [
+    "bucket_collectives",
+    "bucketing_aot_eager",
+    "bucketing_pass",
+    "count_collectives",
+    "graphs_observed",
+    "is_bucketing_pass",
+]
 
 _DONE = "aotdist_bucketed"
 
@@ -67,8 +73,9 @@ def _subgraphs(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
     return list(found.values())
 
 
-def bucket_collectives(gm: torch.fx.GraphModule | torch.fx.Graph, bucket_mb: float, *,
-                       recurse: bool = True) -> dict[str, int]:
+def bucket_collectives(
+    gm: torch.fx.GraphModule | torch.fx.Graph, bucket_mb: float, *, recurse: bool = True
+) -> dict[str, int]:
     """Merges ``gm``'s independent all-gathers, reduce-scatters and all-reduces (HSDP's
     replicas) into buckets.
 
@@ -117,8 +124,9 @@ _OBSERVERS: list[tuple[list[torch.fx.GraphModule], Callable | None]] = []
 
 
 @contextlib.contextmanager
-def graphs_observed(each: Callable[[torch.fx.GraphModule], None] | None = None,
-                    ) -> Iterator[list[torch.fx.GraphModule]]:
+def graphs_observed(
+    each: Callable[[torch.fx.GraphModule], None] | None = None,
+) -> Iterator[list[torch.fx.GraphModule]]:
     """Within, every graph :func:`bucketing_aot_eager` compiles is appended, bucketed, to
     the list it yields (``aotdist plan`` reads the collectives the job issues), and
     handed to ``each`` first, which may still change it (the tests count what runs)."""
@@ -133,8 +141,13 @@ def graphs_observed(each: Callable[[torch.fx.GraphModule], None] | None = None,
 
 def _gather_dtypes(gm: torch.fx.GraphModule) -> set[torch.dtype]:
     """The dtypes of ``gm``'s own (unbucketed) all-gathers."""
-    return {n.meta["val"].dtype for n in gm.graph.nodes if n.op == "call_function"
-            and str(n.target).endswith("all_gather_into_tensor.default") and "val" in n.meta}
+    return {
+        n.meta["val"].dtype
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and str(n.target).endswith("all_gather_into_tensor.default")
+        and "val" in n.meta
+    }
 
 
 def _sole_wait(wait: torch.fx.Node) -> bool:

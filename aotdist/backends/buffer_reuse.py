@@ -53,28 +53,40 @@ def _view_chain(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     """``[placeholder, view_1, ..., node]`` where ``node`` is a chain of view ops of a
     placeholder, else ``None``."""
     chain = []
-    while (node.op == "call_function" and getattr(node.target, "is_view", False)
-           and node.args and isinstance(node.args[0], torch.fx.Node)):
+    while (
+        node.op == "call_function"
+        and getattr(node.target, "is_view", False)
+        and node.args
+        and isinstance(node.args[0], torch.fx.Node)
+    ):
         chain.append(node)
         node = node.args[0]
     return [node, *reversed(chain)] if node.op == "placeholder" and chain else None
 
 
 def _same_layout(a, b) -> bool:
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-            and a.storage_offset() == b.storage_offset())
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.storage_offset() == b.storage_offset()
+    )
 
 
-def _replay_view(graph: torch.fx.Graph, base: torch.fx.Node, views: list[torch.fx.Node],
-                 getitem: torch.fx.Node) -> torch.fx.Node | None:
+def _replay_view(
+    graph: torch.fx.Graph, base: torch.fx.Node, views: list[torch.fx.Node], getitem: torch.fx.Node
+) -> torch.fx.Node | None:
     """``views`` (view ops of a region placeholder) applied to the outer argument
     ``base`` before ``getitem``; ``None`` (nothing inserted) unless every view takes
     constant arguments only and the result has the getitem's size, stride and offset."""
     vals = [base.meta.get("val")]
     if not isinstance(vals[0], torch.Tensor) or any(
-            isinstance(leaf, torch.fx.Node)
-            for v in views for leaf in _compat.tree_leaves((v.args[1:], v.kwargs))):
+        isinstance(leaf, torch.fx.Node)
+        for v in views
+        for leaf in _compat.tree_leaves((v.args[1:], v.kwargs))
+    ):
         return None
     try:
         for v in views:
@@ -113,8 +125,11 @@ def forward_aliased_outputs(graph: torch.fx.Graph | torch.fx.GraphModule) -> Ali
         if node.op != "call_function" or node.target is not invoke:
             continue
         target = node.args[0]
-        sub = (_submodule(gm, target.target) if gm is not None and isinstance(
-            target, torch.fx.Node) and target.op == "get_attr" else None)
+        sub = (
+            _submodule(gm, target.target)
+            if gm is not None and isinstance(target, torch.fx.Node) and target.op == "get_attr"
+            else None
+        )
         if not isinstance(sub, torch.fx.GraphModule):
             continue
         placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
@@ -135,8 +150,11 @@ def forward_aliased_outputs(graph: torch.fx.Graph | torch.fx.GraphModule) -> Ali
                     report.forwarded.append(user.name)
             elif user.users and (chain := _view_chain(out)) is not None:
                 arg = operands[placeholders.index(chain[0])]
-                view = (_replay_view(graph, arg, chain[1:], user)
-                        if isinstance(arg, torch.fx.Node) else None)
+                view = (
+                    _replay_view(graph, arg, chain[1:], user)
+                    if isinstance(arg, torch.fx.Node)
+                    else None
+                )
                 if view is None:
                     report.views.append(user.name)
                 else:
@@ -190,6 +208,7 @@ def comparable_options(options: dict) -> dict:
     """``options`` with graph-pass instances (aotdist's buffer-reuse and bucketing passes,
     their chain: anything with a ``uuid()``) replaced by that uuid, so two completions of
     the same options compare equal (each completion makes new pass instances)."""
+
     def name(v):
         if isinstance(v, (list, tuple)):
             return [name(x) for x in v]

@@ -28,11 +28,23 @@ from aotdist.log import get_logger
 __all__ = ["hoist_buffer_updates"]
 
 _log = get_logger(__name__)
-_IN_PLACE_OPERATORS = {operator.iadd: "add_", operator.isub: "sub_", operator.imul: "mul_",
-                       operator.itruediv: "div_"}
+_IN_PLACE_OPERATORS = {
+    operator.iadd: "add_",
+    operator.isub: "sub_",
+    operator.imul: "mul_",
+    operator.itruediv: "div_",
+}
 # in-place draws: moved after the call, they would take other numbers from the RNG stream
-_RANDOM = {"bernoulli_", "cauchy_", "exponential_", "geometric_", "log_normal_", "normal_",
-           "random_", "uniform_"}
+_RANDOM = {
+    "bernoulli_",
+    "cauchy_",
+    "exponential_",
+    "geometric_",
+    "log_normal_",
+    "normal_",
+    "random_",
+    "uniform_",
+}
 
 
 @dataclass(frozen=True)
@@ -69,7 +81,8 @@ def hoist_buffer_updates(gm: fx.GraphModule) -> list[str]:
     for key in order:  # innermost first: an inner body's writes become its caller's
         body, name, calls = bodies[key]
         resizes = _take_edge_resizes(
-            body, name, recomputed=any(id(c.graph) in recomputed for c in calls))
+            body, name, recomputed=any(id(c.graph) in recomputed for c in calls)
+        )
         if resizes is None:  # not safe to rewrite: torch decides, as without this pass
             continue
         updates = _take_updates(body)
@@ -118,8 +131,9 @@ def _graphs_calling_regions(gm: fx.GraphModule) -> list[fx.GraphModule]:
     ``tag_activation_checkpoint``), not the region bodies themselves."""
     found = [gm]
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and any(u.op == "call_function" and not _is_invoke(u)
-                                         for u in node.users):
+        if node.op == "get_attr" and any(
+            u.op == "call_function" and not _is_invoke(u) for u in node.users
+        ):
             sub = gm.get_submodule(str(node.target))
             if isinstance(sub, fx.GraphModule):
                 found += _graphs_calling_regions(sub)
@@ -127,14 +141,19 @@ def _graphs_calling_regions(gm: fx.GraphModule) -> list[fx.GraphModule]:
 
 
 def _is_invoke(node: fx.Node) -> bool:
-    return (node.op == "call_function"
-            and getattr(node.target, "__name__", None) == "invoke_subgraph")
+    return (
+        node.op == "call_function" and getattr(node.target, "__name__", None) == "invoke_subgraph"
+    )
 
 
 def _in_place(node: fx.Node) -> str | None:
     """The in-place method ``node`` calls, if any."""
-    if (node.op == "call_method" and node.target.endswith("_")
-            and not node.target.startswith("_") and node.target not in _RANDOM):
+    if (
+        node.op == "call_method"
+        and node.target.endswith("_")
+        and not node.target.startswith("_")
+        and node.target not in _RANDOM
+    ):
         return node.target
     if node.op == "call_function":
         return _IN_PLACE_OPERATORS.get(node.target)
@@ -149,8 +168,9 @@ def _needs_grad(value: object) -> bool:
 
 
 def _is_resize(node: fx.Node) -> bool:
-    return (node.op == "call_function"
-            and getattr(node.target, "__name__", "").startswith("resize_storage_bytes_"))
+    return node.op == "call_function" and getattr(node.target, "__name__", "").startswith(
+        "resize_storage_bytes_"
+    )
 
 
 def _storage_bytes(value: object) -> int | None:
@@ -160,8 +180,7 @@ def _storage_bytes(value: object) -> int | None:
         return None
 
 
-def _take_edge_resizes(body: fx.GraphModule, name: str, *,
-                       recomputed: bool) -> _Resizes | None:
+def _take_edge_resizes(body: fx.GraphModule, name: str, *, recomputed: bool) -> _Resizes | None:
     """Removes the storage resizes of inputs that come before every other use of the input
     or after every one, and returns them; ``None`` (``body`` unchanged) when rewriting
     the subgraph's buffer writes is not safe: an input resized between its uses, by a
@@ -178,8 +197,13 @@ def _take_edge_resizes(body: fx.GraphModule, name: str, *,
         if not _is_resize(node):
             continue
         target, nbytes = node.args[0], node.args[1] if len(node.args) > 1 else None
-        if (recomputed or not isinstance(target, fx.Node) or target.op != "placeholder"
-                or _needs_grad(target) or not isinstance(nbytes, int)):
+        if (
+            recomputed
+            or not isinstance(target, fx.Node)
+            or target.op != "placeholder"
+            or _needs_grad(target)
+            or not isinstance(nbytes, int)
+        ):
             _log.debug("subgraph %s resizes a storage it cannot move: left alone", name)
             return None
         uses = [u for u in target.users if not _is_resize(u)]
@@ -194,8 +218,11 @@ def _take_edge_resizes(body: fx.GraphModule, name: str, *,
         edge.append(node)
     grown = {i for i, _, nbytes in before if nbytes > 0}
     for i, node in enumerate(inputs):  # a write needs the storage there at the call
-        if i not in grown and _storage_bytes(node.meta.get("example_value")) == 0 and any(
-                _in_place(u) or _is_resize(u) for u in node.users):
+        if (
+            i not in grown
+            and _storage_bytes(node.meta.get("example_value")) == 0
+            and any(_in_place(u) or _is_resize(u) for u in node.users)
+        ):
             _log.debug("subgraph %s writes input %d, empty at the call: left alone", name, i)
             return None
     for node in edge:
@@ -231,12 +258,20 @@ def _take_updates(body: fx.GraphModule) -> list[_Update]:
         if method is None or not node.args or node.users:
             continue
         target = node.args[0]
-        if (not isinstance(target, fx.Node) or target.op != "placeholder" or _needs_grad(target)
-                or any(order[u] > order[node] for u in target.users if u is not node)
-                or any(_needs_grad(a) for a in (*node.args[1:], *node.kwargs.values())
-                       if isinstance(a, fx.Node))
-                or any(isinstance(a, (list, tuple, dict)) for a in
-                       (*node.args[1:], *node.kwargs.values()))):
+        if (
+            not isinstance(target, fx.Node)
+            or target.op != "placeholder"
+            or _needs_grad(target)
+            or any(order[u] > order[node] for u in target.users if u is not node)
+            or any(
+                _needs_grad(a)
+                for a in (*node.args[1:], *node.kwargs.values())
+                if isinstance(a, fx.Node)
+            )
+            or any(
+                isinstance(a, (list, tuple, dict)) for a in (*node.args[1:], *node.kwargs.values())
+            )
+        ):
             continue
 
         def operand(a, _node=node):
@@ -266,8 +301,11 @@ def _written_inputs(body: fx.GraphModule) -> list[int]:
     running statistics included; empty when it cannot run so)."""
     inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
     examples = [n.meta.get("example_value") for n in inputs]
-    candidates = [i for i, e in enumerate(examples) if isinstance(e, torch.Tensor)
-                  and not e.requires_grad and inputs[i].users]
+    candidates = [
+        i
+        for i, e in enumerate(examples)
+        if isinstance(e, torch.Tensor) and not e.requires_grad and inputs[i].users
+    ]
     mode = _compat.fake_mode_of(examples) if candidates else None
     if mode is None:
         return []
@@ -307,8 +345,9 @@ def _copy_written_inputs(body: fx.GraphModule) -> dict[int, int]:
     return copied
 
 
-def _apply_after(graph: fx.Graph, call: fx.Node, updates: list[_Update],
-                 copied: dict[int, int], resizes: list) -> None:
+def _apply_after(
+    graph: fx.Graph, call: fx.Node, updates: list[_Update], copied: dict[int, int], resizes: list
+) -> None:
     """After ``call`` and its results, each update applied to the call site's own input,
     its operands detached (torch 2.11 marks every subgraph output as needing grad), each
     copied input's final value written back into the call site's own input, then the
@@ -340,18 +379,28 @@ def _apply_after(graph: fx.Graph, call: fx.Node, updates: list[_Update],
         args = tuple(value(a) for a in update.args)
         kwargs = {k: value(v) for k, v in update.kwargs.items()}
         target = operands[update.index]
-        insert("call_method", update.method, (target, *args), kwargs,
-               example=target.meta.get("example_value"))
+        insert(
+            "call_method",
+            update.method,
+            (target, *args),
+            kwargs,
+            example=target.meta.get("example_value"),
+        )
     for index, out in copied.items():
         target = operands[index]
-        insert("call_method", "copy_", (target, value(("out", out))),
-               example=target.meta.get("example_value"))
+        insert(
+            "call_method",
+            "copy_",
+            (target, value(("out", out))),
+            example=target.meta.get("example_value"),
+        )
     for index, target, nbytes in resizes:
         insert("call_function", target, (operands[index], nbytes))
 
 
-def _pass_updated_inputs(graph: fx.Graph, call: fx.Node, updated: set[int],
-                         unused: set[int]) -> None:
+def _pass_updated_inputs(
+    graph: fx.Graph, call: fx.Node, updated: set[int], unused: set[int]
+) -> None:
     """The call no longer passes an updated input the subgraph stopped reading, and passes
     a copy of one it still reads (the subgraph saves its inputs for backward, and the
     update after the call would change what it saved)."""
@@ -371,5 +420,4 @@ def _example_outputs(call: fx.Node) -> list:
     """The example values of the subgraph's outputs (its output node's), for new nodes."""
     body = call.graph.owning_module.get_submodule(call.args[0].target)
     output = next(n for n in body.graph.nodes if n.op == "output")
-    return [a.meta.get("example_value") if isinstance(a, fx.Node) else None
-            for a in output.args[0]]
+    return [a.meta.get("example_value") if isinstance(a, fx.Node) else None for a in output.args[0]]

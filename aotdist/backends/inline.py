@@ -19,8 +19,11 @@ __all__ = ["inline_backend", "inline_regions"]
 
 
 def _calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function"
-            and n.target is torch.ops.higher_order.invoke_subgraph]
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph
+    ]
 
 
 def inline_regions(gm: torch.fx.GraphModule) -> int:

@@ -50,16 +50,23 @@ def merge_layout_variants(gm: fx.GraphModule) -> list[str]:
         if len(group) < 2:
             continue
         # the most called, of those with the fewest inputs in no standard layout
-        target = min(group, key=lambda n: (-len(calls[n]), sum(
-            _layout(p) is None for p in _placeholders(gm.get_submodule(n)))))
+        target = min(
+            group,
+            key=lambda n: (
+                -len(calls[n]),
+                sum(_layout(p) is None for p in _placeholders(gm.get_submodule(n))),
+            ),
+        )
         inputs = _placeholders(gm.get_submodule(target))
         outputs = _value(calls[target][0])
         for name in group:
             if name == target:
                 continue
-            rewritten = [c for c in calls[name]
-                         if _same_outputs(_value(c), outputs)
-                         and _redirect(c, calls[target][0], inputs)]
+            rewritten = [
+                c
+                for c in calls[name]
+                if _same_outputs(_value(c), outputs) and _redirect(c, calls[target][0], inputs)
+            ]
             if rewritten:
                 merged.append(name)
     if merged:
@@ -72,8 +79,9 @@ def merge_layout_variants(gm: fx.GraphModule) -> list[str]:
 
 
 def _is_invoke(node: fx.Node) -> bool:
-    return (node.op == "call_function"
-            and getattr(node.target, "__name__", None) == "invoke_subgraph")
+    return (
+        node.op == "call_function" and getattr(node.target, "__name__", None) == "invoke_subgraph"
+    )
 
 
 def _placeholders(body: fx.GraphModule) -> list[fx.Node]:
@@ -100,14 +108,17 @@ def _same_ops(a: fx.GraphModule, b: fx.GraphModule) -> bool:
         if isinstance(x, fx.Node):
             return isinstance(y, fx.Node) and mapping.get(x) is y
         if isinstance(x, (list, tuple)):
-            return (type(x) is type(y) and len(x) == len(y)
-                    and all(same(i, j) for i, j in zip(x, y, strict=True)))
+            return (
+                type(x) is type(y)
+                and len(x) == len(y)
+                and all(same(i, j) for i, j in zip(x, y, strict=True))
+            )
         if isinstance(x, dict):
-            return (isinstance(y, dict) and x.keys() == y.keys()
-                    and all(same(x[k], y[k]) for k in x))
+            return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
         if isinstance(x, slice):
-            return isinstance(y, slice) and same((x.start, x.stop, x.step),
-                                                 (y.start, y.stop, y.step))
+            return isinstance(y, slice) and same(
+                (x.start, x.stop, x.step), (y.start, y.stop, y.step)
+            )
         if isinstance(x, torch.Tensor):  # a constant tensor: the same object only
             return x is y
         if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -140,8 +151,9 @@ def _same_ops(a: fx.GraphModule, b: fx.GraphModule) -> bool:
 
 def _same_layout(a: object, b: object) -> bool:
     va, vb = (_value(n) if isinstance(n, fx.Node) else None for n in (a, b))
-    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
-            and va.stride() == vb.stride())
+    return (
+        isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.stride() == vb.stride()
+    )
 
 
 def _layout(node: fx.Node) -> torch.memory_format | None:
@@ -163,7 +175,8 @@ def _same_outputs(a, b) -> bool:
         (_tensor_kind(x), x.stride()) == (_tensor_kind(y), y.stride())
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
         else not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor)
-        for x, y in zip(a, b, strict=True))
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def _redirect(call: fx.Node, model: fx.Node, inputs: list[fx.Node]) -> bool:
@@ -196,8 +209,13 @@ def _redirect(call: fx.Node, model: fx.Node, inputs: list[fx.Node]) -> bool:
             source = args[2 + i]
             kwargs = {} if layout is torch.contiguous_format else {"memory_format": layout}
             copy = graph.call_method("contiguous", (source,), kwargs)
-            copy.meta.update({k: v for k, v in call.meta.items()
-                              if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+            copy.meta.update(
+                {
+                    k: v
+                    for k, v in call.meta.items()
+                    if k in ("nn_module_stack", "stack_trace", "source_fn_stack")
+                }
+            )
             with fake_mode:
                 copy.meta["example_value"] = _value(source).contiguous(memory_format=layout)
             args[2 + i] = copy

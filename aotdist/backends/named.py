@@ -20,8 +20,13 @@ from aotdist.errors import ConfigError, ConfigWarning, RegionCompileWarning
 from aotdist.log import rank_zero_warn
 from aotdist.version import __version__
 
-__all__ = ["add_joint_pass", "make_backend", "graph_fsdp_backend", "inductor_options",
-           "overlap_options"]
+__all__ = [
+    "add_joint_pass",
+    "make_backend",
+    "graph_fsdp_backend",
+    "inductor_options",
+    "overlap_options",
+]
 
 
 _REUSE_PASS_ON = [True]
@@ -60,9 +65,13 @@ def overlap_options() -> dict:
     if _SCHEDULER in keys:
         return {_SCHEDULER: True, **{k: False for k in (_PRE_BUCKETING,) if k in keys}}
     if "reorder_for_compute_comm_overlap" in keys:
-        return {"reorder_for_compute_comm_overlap": True,
-                "reorder_for_compute_comm_overlap_passes": [
-                    "sink_waits_iterative", "reorder_communication_preserving_peak_memory"]}
+        return {
+            "reorder_for_compute_comm_overlap": True,
+            "reorder_for_compute_comm_overlap_passes": [
+                "sink_waits_iterative",
+                "reorder_communication_preserving_peak_memory",
+            ],
+        }
     raise ConfigError(
         f"fsdp.overlap: torch {torch.__version__}'s Inductor has no compute/communication "
         "overlap keys (aten_distributed_optimizations.enable_overlap_scheduling, "
@@ -94,7 +103,8 @@ def _add_collective_options(options: dict, bucket_mb: float | None, overlap: boo
                 "gathers and reduce-scatters each parameter on its own, unbucketed. Fix: "
                 "set fsdp.bucket_mb: null to keep overlap and silence this, or "
                 "fsdp.overlap: false to keep the buckets.",
-                ConfigWarning, stacklevel=5,
+                ConfigWarning,
+                stacklevel=5,
             )
             return []
     if not bucket_mb or _installed(options, is_bucketing_pass):
@@ -171,8 +181,11 @@ def add_joint_pass(options: dict, new, slot: str = "joint_custom_pre_pass") -> N
     that is not a ``CustomGraphPass`` cannot be chained (no uuid for the compile cache): it
     keeps the slot and ``new`` is left out, with a warning.
     """
-    current = (_compat.inductor_joint_pre_pass() if slot == "joint_custom_pre_pass"
-               else _compat.inductor_joint_post_pass())
+    current = (
+        _compat.inductor_joint_pre_pass()
+        if slot == "joint_custom_pre_pass"
+        else _compat.inductor_joint_post_pass()
+    )
     user = options.get(slot, current)
     users = _passes(user)
     flat = [p for u in users for p in (u.passes if _is_chain(u) else [u])]
@@ -187,15 +200,21 @@ def add_joint_pass(options: dict, new, slot: str = "joint_custom_pre_pass") -> N
             f"{torch.__version__}'s Inductor takes one joint pass: aotdist's pass "
             f"{new.uuid()!r} is left out. Fix: make your pass a "
             "torch._inductor.custom_graph_pass.CustomGraphPass (with a uuid).",
-            ConfigWarning, stacklevel=4,
+            ConfigWarning,
+            stacklevel=4,
         )
     else:
         passes = [*flat, new]
         options[slot] = passes[0] if len(passes) == 1 else _chain_class()(passes)
 
 
-def inductor_options(options: dict | None = None, *, warn: bool = True,
-                     bucket_mb: float | None = None, overlap: bool = False) -> dict:
+def inductor_options(
+    options: dict | None = None,
+    *,
+    warn: bool = True,
+    bucket_mb: float | None = None,
+    overlap: bool = False,
+) -> dict:
     """The Inductor options (config patches) of every aotdist compile: ``options`` plus
     aotdist's post-grad pass (:mod:`aotdist.backends.buffer_reuse`), which makes buffer reuse
     safe, so reuse stays on unless ``options`` turns it off; Inductor's layout optimization
@@ -238,8 +257,9 @@ def inductor_options(options: dict | None = None, *, warn: bool = True,
     # would remove the copies it adds)
     add_joint_pass(options, boundaries_pass(), slot="joint_custom_post_pass")
     bucketing = _add_collective_options(options, bucket_mb, overlap)
-    _install(options, bucketing, "its bucketing pass. Fix: set fsdp.bucket_mb: null to keep "
-             "your pass")
+    _install(
+        options, bucketing, "its bucketing pass. Fix: set fsdp.bucket_mb: null to keep your pass"
+    )
     reuse = options.setdefault("allow_buffer_reuse", _compat.inductor_buffer_reuse_default())
     if not reuse:
         return options
@@ -250,18 +270,28 @@ def inductor_options(options: dict | None = None, *, warn: bool = True,
                 f"{torch.__version__}, Inductor's buffer reuse can overwrite an activation a "
                 "reused region saved for backward (wrong gradients, see "
                 "docs/guide/limits.md).",
-                RegionCompileWarning, stacklevel=4,
+                RegionCompileWarning,
+                stacklevel=4,
             )
         return options
     if not _installed(options, is_reuse_pass):  # else: completed here already
-        _install(options, [reuse_pass()], "its buffer-reuse pass. Fix: pass "
-                 "options={'allow_buffer_reuse': False} to keep your pass")
+        _install(
+            options,
+            [reuse_pass()],
+            "its buffer-reuse pass. Fix: pass "
+            "options={'allow_buffer_reuse': False} to keep your pass",
+        )
     return options
 
 
-def graph_fsdp_backend(backend: str | Callable, options: dict | None, *,
-                       bucket_mb: float | None, overlap: bool, device_type: str
-                       ) -> tuple[str | Callable, dict | None]:
+def graph_fsdp_backend(
+    backend: str | Callable,
+    options: dict | None,
+    *,
+    bucket_mb: float | None,
+    overlap: bool,
+    device_type: str,
+) -> tuple[str | Callable, dict | None]:
     """The ``(backend, options)`` graph-mode FSDP compiles with (``fsdp.bucket_mb``,
     ``fsdp.overlap``).
 
@@ -281,14 +311,17 @@ def graph_fsdp_backend(backend: str | Callable, options: dict | None, *,
             f"backend on CUDA; this run compiles with {backend!r} on {device_type!r}, so it "
             "has no effect (left off). Fix: drop fsdp.overlap, or use compile.backend: "
             "inductor on CUDA devices.",
-            ConfigWarning, stacklevel=4,
+            ConfigWarning,
+            stacklevel=4,
         )
         overlap = False
     if backend == "inductor":
         # the gathers are autograd.Functions, which AOTAutograd would not cache: every warm
         # start and every rank sharing rank 0's compiles would trace and partition again
-        return backend, {**_compat.cacheable_autograd_functions(f"aotdist {__version__}"),
-                         **inductor_options(options, bucket_mb=bucket_mb, overlap=overlap)}
+        return backend, {
+            **_compat.cacheable_autograd_functions(f"aotdist {__version__}"),
+            **inductor_options(options, bucket_mb=bucket_mb, overlap=overlap),
+        }
     if backend == "aot_eager" and bucket_mb and not options:
         from aotdist.backends.bucketing import bucketing_aot_eager
 
@@ -296,8 +329,9 @@ def graph_fsdp_backend(backend: str | Callable, options: dict | None, *,
     return backend, options
 
 
-def make_backend(backend: str | Callable, mode: str | None, options: dict | None,
-                  dynamic: bool | None) -> Callable:
+def make_backend(
+    backend: str | Callable, mode: str | None, options: dict | None, dynamic: bool | None
+) -> Callable:
     if backend == "inductor":
         # Scoped to this model's compiles: the wrapper applies options as config patches.
         return _compat.inductor_wrapper(mode, inductor_options(options), dynamic)

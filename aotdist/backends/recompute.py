@@ -25,13 +25,26 @@ import torch
 
 from aotdist import _compat
 
-__all__ = ["boundaries_pass", "boundaries_saved", "is_recompute_pass", "recompute_pass", "save_checkpoint_boundaries",
-           "saving_checkpoint_boundaries", "tag_index_derived"]
+__all__ = [
+    "boundaries_pass",
+    "boundaries_saved",
+    "is_recompute_pass",
+    "recompute_pass",
+    "save_checkpoint_boundaries",
+    "saving_checkpoint_boundaries",
+    "tag_index_derived",
+]
 
 _aten = torch.ops.aten
-_CHEAP = {_aten.full.default, _aten.scalar_tensor.default, _aten._to_copy.default,
-          _aten.clone.default, _aten.expand.default, _aten.where.self,
-          _aten.masked_fill.Scalar}
+_CHEAP = {
+    _aten.full.default,
+    _aten.scalar_tensor.default,
+    _aten._to_copy.default,
+    _aten.clone.default,
+    _aten.expand.default,
+    _aten.where.self,
+    _aten.masked_fill.Scalar,
+}
 
 
 def _cheap(node: torch.fx.Node) -> bool:
@@ -46,8 +59,12 @@ def _cheap(node: torch.fx.Node) -> bool:
 def _index_input(node: torch.fx.Node) -> bool:
     """A forward input (``primals_*``) holding integers or booleans."""
     val = node.meta.get("val")
-    return (node.name.startswith("primals") and isinstance(val, torch.Tensor)
-            and not val.is_floating_point() and not val.is_complex())
+    return (
+        node.name.startswith("primals")
+        and isinstance(val, torch.Tensor)
+        and not val.is_floating_point()
+        and not val.is_complex()
+    )
 
 
 def tag_index_derived(graph: torch.fx.Graph) -> list[str]:
@@ -85,8 +102,10 @@ def tag_index_derived(graph: torch.fx.Graph) -> list[str]:
 def _recomputed(node: torch.fx.Node) -> bool:
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return node.meta.get("recompute") in (CheckpointPolicy.MUST_RECOMPUTE,
-                                          CheckpointPolicy.PREFER_RECOMPUTE)
+    return node.meta.get("recompute") in (
+        CheckpointPolicy.MUST_RECOMPUTE,
+        CheckpointPolicy.PREFER_RECOMPUTE,
+    )
 
 
 def save_checkpoint_boundaries(graph: torch.fx.Graph) -> list[str]:
@@ -104,11 +123,17 @@ def save_checkpoint_boundaries(graph: torch.fx.Graph) -> list[str]:
         if node.op != "call_function" or node.target is not operator.getitem:
             continue
         parent = node.args[0]
-        if (not isinstance(parent, torch.fx.Node) or not _recomputed(parent)
-                or "ac_graph_id" not in parent.meta):
+        if (
+            not isinstance(parent, torch.fx.Node)
+            or not _recomputed(parent)
+            or "ac_graph_id" not in parent.meta
+        ):
             continue
-        later = [u for u in node.users if _recomputed(u)
-                 and u.meta.get("ac_graph_id", -1) > parent.meta["ac_graph_id"]]
+        later = [
+            u
+            for u in node.users
+            if _recomputed(u) and u.meta.get("ac_graph_id", -1) > parent.meta["ac_graph_id"]
+        ]
         if not later:
             continue
         # a copy, not a view: the partitioner saves a view's base, the recomputed output
@@ -160,12 +185,19 @@ def boundaries_saved(backend: Callable) -> Callable:
 def _pass_class(name: str, uuid: str) -> type:
     """A ``CustomGraphPass`` class running the function ``name`` of this module on a graph
     (made once per process: Inductor's config compares passes by uuid)."""
+
     def call(self, graph: torch.fx.Graph) -> None:
         globals()[name](graph)
 
-    return type(name.title().replace("_", "") + "Pass", (_compat.custom_graph_pass_base(),),
-                {"__call__": call, "uuid": lambda self: uuid,
-                 "__doc__": f":func:`{name}` as an Inductor joint-graph pass."})
+    return type(
+        name.title().replace("_", "") + "Pass",
+        (_compat.custom_graph_pass_base(),),
+        {
+            "__call__": call,
+            "uuid": lambda self: uuid,
+            "__doc__": f":func:`{name}` as an Inductor joint-graph pass.",
+        },
+    )
 
 
 _RECOMPUTE = ("tag_index_derived", "aotdist.recompute_index_derived.v1")

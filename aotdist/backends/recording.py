@@ -37,8 +37,17 @@ from aotdist.backends.recompute import saving_checkpoint_boundaries
 from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_chain
 from aotdist.log import rank_zero_warn
 
-__all__ = ["DryRunDone", "GraphRecord", "RecordingBackend", "append_record", "graph_log_cursor",
-           "module_path_to_fqn", "records_since", "stack_regions", "submodule"]
+__all__ = [
+    "DryRunDone",
+    "GraphRecord",
+    "RecordingBackend",
+    "append_record",
+    "graph_log_cursor",
+    "module_path_to_fqn",
+    "records_since",
+    "stack_regions",
+    "submodule",
+]
 
 # Every RecordingBackend appends here, so track() can see graphs compiled in its window;
 # readers hold a cursor (graph_log_cursor) and ask for the records since (records_since).
@@ -98,7 +107,9 @@ class GraphRecord:
     operands: dict[str, list[tuple]] = field(default_factory=dict)
 
 
-_PATH_TOKEN = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]|\.(\w+)")
+_PATH_TOKEN = re.compile(
+    r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]|\.(\w+)"
+)
 
 
 _GETATTR = re.compile(r"getattr\(((?:(?!getattr\().)*?), ['\"]([^'\"]+)['\"]\)")
@@ -166,8 +177,9 @@ def _stack(node: torch.fx.Node, prefix: str) -> list[tuple[str, object]]:
     return entries
 
 
-def stack_regions(node: torch.fx.Node, fqn_to_region: dict[str, str],
-                  prefix: str = "") -> list[tuple[str, str]]:
+def stack_regions(
+    node: torch.fx.Node, fqn_to_region: dict[str, str], prefix: str = ""
+) -> list[tuple[str, str]]:
     """``(instance fqn, region)`` for each region instance on ``node``'s module stack,
     outermost first. The region is read from the class marking gave the instance (its
     ``_aotdist_region``), so it never depends on how Dynamo spells the path; the fqn is
@@ -198,9 +210,16 @@ class RecordingBackend:
 
     dry_run = False  # set per instance by aotdist.compile.isolate for its trials
 
-    def __init__(self, inner: Callable, *, model: nn.Module | None = None, plan=None,
-                 keep_graphs: bool = False, region_frame: str | None = None,
-                 outer: str | None = None):
+    def __init__(
+        self,
+        inner: Callable,
+        *,
+        model: nn.Module | None = None,
+        plan=None,
+        keep_graphs: bool = False,
+        region_frame: str | None = None,
+        outer: str | None = None,
+    ):
         self.inner = _compat.lookup_backend(inner) if isinstance(inner, str) else inner
         # "fx": Inductor compiles region bodies only (aotdist.backends.regional)
         self.outer = outer if backend_name(self.inner) == "inductor" else None
@@ -231,9 +250,11 @@ class RecordingBackend:
                 aot_eager(gm, example_inputs)
             raise DryRunDone()
         record = GraphRecord(
-            index=_appended, model_id=self._model_id,
+            index=_appended,
+            model_id=self._model_id,
             num_ops=sum(1 for n in gm.graph.nodes if n.op == "call_function"),
-            backend_seconds=0.0, gm=gm if self.keep_graphs else None,
+            backend_seconds=0.0,
+            gm=gm if self.keep_graphs else None,
         )
         node_regions = self._analyse(gm, record)
         # complex regions need the conjugate views resolved before their calls
@@ -250,9 +271,12 @@ class RecordingBackend:
             # A passed CPU vector-ISA load check is remembered across processes (torch
             # 2.11 would start a Python per ISA in every process, warm starts included);
             # Triton kernels from a cache entry find their autotuning under this cache dir.
-            with (_compat.recomputable_reductions() if regions else contextlib.nullcontext(),
-                  _compat.flat_nested_subgraph_refs() if regions else contextlib.nullcontext(),
-                  _compat.remembered_isa_loads(), _compat.rerooted_autotune_lookups()):
+            with (
+                _compat.recomputable_reductions() if regions else contextlib.nullcontext(),
+                _compat.flat_nested_subgraph_refs() if regions else contextlib.nullcontext(),
+                _compat.remembered_isa_loads(),
+                _compat.rerooted_autotune_lookups(),
+            ):
                 compiled = self._compile(gm, example_inputs, rebuild=bool(complex_regions))
         except Exception as exc:
             if inner := _nested_regions_failing(exc, self.plan):
@@ -269,8 +293,10 @@ class RecordingBackend:
     def _rebuilds(self) -> bool:
         """Whether graphs can compile through aotdist's AOTAutograd pipeline, with its
         graph repairs (a named ``aot_eager`` or ``inductor``, or one that has them)."""
-        return (getattr(self.inner, "_aotdist_fixes_resizes", False)
-                or backend_name(self.inner) in REBUILT)
+        return (
+            getattr(self.inner, "_aotdist_fixes_resizes", False)
+            or backend_name(self.inner) in REBUILT
+        )
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs, *, rebuild: bool = False):
         """The inner backend, unless ``gm`` resizes an input's storage (the FSDP pattern)
@@ -295,7 +321,8 @@ class RecordingBackend:
             f"a compiled graph resizes the storage of {resized} (the FSDP pattern); with "
             f"torch 2.15 compiling it with backend {self.inner!r} would crash the process, so "
             "it runs eagerly. Fix: use backend='aot_eager' or 'inductor', which aotdist repairs.",
-            RegionCompileWarning, stacklevel=2,
+            RegionCompileWarning,
+            stacklevel=2,
         )
         return gm.forward
 
@@ -324,7 +351,8 @@ class RecordingBackend:
                 record.call_sites.setdefault(region, []).append(fqn)
                 record.subgraphs.setdefault(region, set()).add(f"{record.index}:{ident}")
                 record.operands.setdefault(region, []).append(
-                    tuple(_operand_kind(a) for a in node.args[2:]))
+                    tuple(_operand_kind(a) for a in node.args[2:])
+                )
                 node_regions[node.name] = region
             elif region is not None:
                 record.inlined.setdefault(region, set()).add(fqn)
@@ -380,12 +408,14 @@ def _calls_regions(gm: torch.fx.GraphModule) -> bool:
     return bool(gm.graph.find_nodes(op="call_function", target=invoke))
 
 
-_COMPLEX = ("it handles complex tensors, and its backend is not one aotdist rebuilds: "
-            "invoke_subgraph's backward would fail with \"could not find kernel for "
-            "invoke_subgraph at dispatch key Conjugate\" (torch). Fix: compile with "
-            "backend='aot_eager' or 'inductor' (aotdist resolves the conjugate views before "
-            "each region call), keep the complex math outside the region (pass real views, "
-            "torch.view_as_real), or accept it compiled inline")
+_COMPLEX = (
+    "it handles complex tensors, and its backend is not one aotdist rebuilds: "
+    "invoke_subgraph's backward would fail with \"could not find kernel for "
+    'invoke_subgraph at dispatch key Conjugate" (torch). Fix: compile with '
+    "backend='aot_eager' or 'inductor' (aotdist resolves the conjugate views before "
+    "each region call), keep the complex math outside the region (pass real views, "
+    "torch.view_as_real), or accept it compiled inline"
+)
 
 
 def _complex_regions(gm: torch.fx.GraphModule, node_regions: dict[str, str]) -> list[str]:
@@ -415,8 +445,10 @@ def _has_complex(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and any(_has_complex(v) for v in value)
 
 
-_NESTED = ("torch cannot trace this region's subgraph inside another region's here (its "
-           "subgraph nested in a subgraph is looked up by a dotted name: ")
+_NESTED = (
+    "torch cannot trace this region's subgraph inside another region's here (its "
+    "subgraph nested in a subgraph is looked up by a dotted name: "
+)
 
 
 def _nested_regions_failing(exc: BaseException, plan: Any) -> list[str]:
@@ -424,12 +456,12 @@ def _nested_regions_failing(exc: BaseException, plan: Any) -> list[str]:
     failing to look up a subgraph nested in a subgraph (torch 2.14's AOT trace of nested
     ``invoke_subgraph``: ``no attribute 'repeated_subgraph7.repeated_subgraph1'``): those
     are compiled inline in the outer region, which stays reused."""
-    if plan is None or not any(re.search(r"has no attribute '\w+\.\w+'", str(e))
-                               for e in exception_chain(exc)):
+    if plan is None or not any(
+        re.search(r"has no attribute '\w+\.\w+'", str(e)) for e in exception_chain(exc)
+    ):
         return []
     outer = [f for r in plan for f in r.fqns]
-    return [r.name for r in plan
-            if any(f.startswith(o + ".") for f in r.fqns for o in outer)]
+    return [r.name for r in plan if any(f.startswith(o + ".") for f in r.fqns for o in outer)]
 
 
 def _regions_named_in(exc: BaseException, node_regions: dict[str, str]) -> list[str]:
@@ -453,8 +485,7 @@ def _first_error_line(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def _warn_autograd_function_splits(gm: torch.fx.GraphModule, node_regions: dict[str, str]
-                                   ) -> None:
+def _warn_autograd_function_splits(gm: torch.fx.GraphModule, node_regions: dict[str, str]) -> None:
     """Warns (once per graph and region) when a region's call sites got distinct subgraphs
     because its forward calls a ``torch.autograd.Function`` (traced as a fresh trampoline
     per call site on some torch releases: correct, but not reused; docs/internals.md)."""
@@ -466,10 +497,15 @@ def _warn_autograd_function_splits(gm: torch.fx.GraphModule, node_regions: dict[
     for region, names in bodies.items():
         if len(names) < 2:
             continue
-        graphs = [b.graph for name in names
-                  if isinstance(b := submodule(gm, name), torch.fx.GraphModule)]
-        if not any("trampoline_autograd_apply" in getattr(n.target, "__name__", "")
-                   for g in graphs for n in g.nodes if n.op == "call_function"):
+        graphs = [
+            b.graph for name in names if isinstance(b := submodule(gm, name), torch.fx.GraphModule)
+        ]
+        if not any(
+            "trampoline_autograd_apply" in getattr(n.target, "__name__", "")
+            for g in graphs
+            for n in g.nodes
+            if n.op == "call_function"
+        ):
             continue
         rank_zero_warn(
             f"aotdist region {region!r}: its call sites compiled as {len(names)} distinct "
@@ -477,5 +513,6 @@ def _warn_autograd_function_splits(gm: torch.fx.GraphModule, node_regions: dict[
             f"torchao Float8Linear), and torch {torch.__version__} cannot reuse a subgraph "
             "that does (each trace gets a fresh autograd-function trampoline). Results are "
             "correct; compile time grows with the call sites. torch 2.15 reuses it.",
-            RegionCompileWarning, stacklevel=3,
+            RegionCompileWarning,
+            stacklevel=3,
         )

@@ -29,16 +29,25 @@ from aotdist.config.validation import did_you_mean
 from aotdist.errors import ConfigError, ConfigWarning
 from aotdist.log import rank_zero_warn
 
-__all__ = ["OUTER_MODES", "RegionBody", "compile_region_bodies", "configured_outer",
-           "regional_inner_compile", "resolve_outer"]
+__all__ = [
+    "OUTER_MODES",
+    "RegionBody",
+    "compile_region_bodies",
+    "configured_outer",
+    "regional_inner_compile",
+    "resolve_outer",
+]
 
 _GRAPHED_MODES = ("reduce-overhead", "max-autotune")  # CUDA graphs: one graph, lowered
-_OVERLAP_KEYS = ("aten_distributed_optimizations.enable_overlap_scheduling",
-                 "reorder_for_compute_comm_overlap")  # see backends.named.overlap_options
+_OVERLAP_KEYS = (
+    "aten_distributed_optimizations.enable_overlap_scheduling",
+    "reorder_for_compute_comm_overlap",
+)  # see backends.named.overlap_options
 
 
-def resolve_outer(outer: str, backend: str | Callable, mode: str | None,
-                  options: dict | None = None) -> str | None:
+def resolve_outer(
+    outer: str, backend: str | Callable, mode: str | None, options: dict | None = None
+) -> str | None:
     """``"inductor"`` or ``"fx"``: how Inductor compiles the graph around the regions;
     ``None`` for a backend that is not Inductor (``outer`` does not apply).
 
@@ -50,8 +59,10 @@ def resolve_outer(outer: str, backend: str | Callable, mode: str | None,
         ConfigError: ``outer`` is not one of :data:`OUTER_MODES`.
     """
     if outer not in OUTER_MODES:
-        raise ConfigError(f"compile.outer: unknown value {outer!r}{did_you_mean(outer, OUTER_MODES)}"
-                          f". Fix: one of {', '.join(OUTER_MODES)}")
+        raise ConfigError(
+            f"compile.outer: unknown value {outer!r}{did_you_mean(outer, OUTER_MODES)}"
+            f". Fix: one of {', '.join(OUTER_MODES)}"
+        )
     name = backend if isinstance(backend, str) else getattr(backend, "compiler_name", None)
     if name != "inductor":
         return None
@@ -59,12 +70,18 @@ def resolve_outer(outer: str, backend: str | Callable, mode: str | None,
     if outer == "auto":
         return "inductor" if mode in _GRAPHED_MODES or overlap else "fx"
     if outer == "fx" and (mode in _GRAPHED_MODES or overlap):
-        what = f"compile.mode {mode!r} (CUDA graphs)" if mode in _GRAPHED_MODES else \
-            "Inductor's compute/communication overlap (fsdp.overlap)"
+        what = (
+            f"compile.mode {mode!r} (CUDA graphs)"
+            if mode in _GRAPHED_MODES
+            else "Inductor's compute/communication overlap (fsdp.overlap)"
+        )
         rank_zero_warn(
             f"compile.outer: fx leaves the graph around the regions unlowered, so {what} "
             "applies to the region bodies only, not to the whole step. Fix: compile.outer: "
-            "auto (or inductor) lowers the whole graph for it.", ConfigWarning, stacklevel=4)
+            "auto (or inductor) lowers the whole graph for it.",
+            ConfigWarning,
+            stacklevel=4,
+        )
     return outer
 
 
@@ -102,13 +119,19 @@ def _signature(value: Any) -> Any:
     """What a call site's operand must share with another's for one compiled body to
     serve both (sizes and strides as text: under dynamic shapes they are symbols)."""
     if isinstance(value, torch.Tensor):
-        return (tuple(map(str, value.shape)), tuple(map(str, value.stride())), value.dtype,
-                str(value.device), value.requires_grad)
+        return (
+            tuple(map(str, value.shape)),
+            tuple(map(str, value.stride())),
+            value.dtype,
+            str(value.device),
+            value.requires_grad,
+        )
     return type(value).__name__, str(value)
 
 
-def compile_region_bodies(gm: torch.fx.GraphModule, inner_compile: Callable, *,
-                          is_backward: bool) -> int:
+def compile_region_bodies(
+    gm: torch.fx.GraphModule, inner_compile: Callable, *, is_backward: bool
+) -> int:
     """Compiles each distinct ``invoke_subgraph`` body of ``gm`` with ``inner_compile``
     (Inductor's ``compile_fx_inner``) and calls it at every call site, in place.
 
@@ -122,19 +145,20 @@ def compile_region_bodies(gm: torch.fx.GraphModule, inner_compile: Callable, *,
         key = (str(node.args[0].target), tuple(_signature(v) for v in vals))
         groups.setdefault(key, []).append(node)
     for (name, _), nodes in groups.items():
-        inputs = [a.meta["val"] if isinstance(a, torch.fx.Node) else a
-                  for a in nodes[0].args[2:]]
+        inputs = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in nodes[0].args[2:]]
         body = copy.deepcopy(getattr(gm, name))  # Inductor's passes change what they get
         # A tracing context of its own: AOTAutograd restrides the backward's inputs by the
         # output strides the forward's compile reports, and a body's are not the graph's.
         with _compat.own_tracing_context():
-            compiled = inner_compile(body, inputs, static_input_idxs=[],
-                                     is_backward=is_backward, is_inference=False)
+            compiled = inner_compile(
+                body, inputs, static_input_idxs=[], is_backward=is_backward, is_inference=False
+            )
         call = RegionBody(compiled, name)
         for node in nodes:
             with gm.graph.inserting_after(node):
-                new = gm.graph.call_function(call, args=tuple(node.args[2:]),
-                                             kwargs=dict(node.kwargs))
+                new = gm.graph.call_function(
+                    call, args=tuple(node.args[2:]), kwargs=dict(node.kwargs)
+                )
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
@@ -165,8 +189,9 @@ def regional_inner_compile(compile_inner: Callable) -> Callable:
     graph without region calls goes to ``compile_inner`` whole."""
 
     def inner(gm: torch.fx.GraphModule, example_inputs, **kwargs):
-        if not compile_region_bodies(gm, compile_inner,
-                                     is_backward=bool(kwargs.get("is_backward"))):
+        if not compile_region_bodies(
+            gm, compile_inner, is_backward=bool(kwargs.get("is_backward"))
+        ):
             return compile_inner(gm, example_inputs, **kwargs)
         for graph_pass in _outer_passes():
             graph_pass(gm.graph)

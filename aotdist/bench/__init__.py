@@ -46,8 +46,19 @@ from aotdist.bench.runner import PHASE_PREFIX, RESULT_PREFIX
 from aotdist.bench.stats import PEERS, fresh_start_s, restart_s
 from aotdist.errors import BenchError, ConfigError, MissingDependencyError
 
-__all__ = ["ALL_STRATEGIES", "FULL_JOB", "MAIN_JOB", "MAIN_SETTINGS", "QUICK_JOB", "QUICK_SETTINGS",
-           "Case", "SubBench", "interleave", "plan_cases", "run_bench"]
+__all__ = [
+    "ALL_STRATEGIES",
+    "FULL_JOB",
+    "MAIN_JOB",
+    "MAIN_SETTINGS",
+    "QUICK_JOB",
+    "QUICK_SETTINGS",
+    "Case",
+    "SubBench",
+    "interleave",
+    "plan_cases",
+    "run_bench",
+]
 
 
 def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
@@ -69,10 +80,14 @@ def _measure_in_fresh_process(case: Case, **kwargs) -> dict:
         if kwargs.get("profile_dir"):  # the warm run's profiles beside the cold run's
             kwargs["profile_dir"] = os.path.join(kwargs["profile_dir"], "warm")
         warm = _measure_once(case, env={ARTIFACTS_ENV: artifacts}, **kwargs)
-    return {**cold, "warm_first_step_s": fresh_start_s(warm),
-            "warm_compile_s": warm["compile_s"], "warm_cache_load": warm["cache_load"],
-            "warm_precompiled": warm.get("precompiled"),
-            "warm_precompile_reason": warm.get("precompile_reason")}
+    return {
+        **cold,
+        "warm_first_step_s": fresh_start_s(warm),
+        "warm_compile_s": warm["compile_s"],
+        "warm_cache_load": warm["cache_load"],
+        "warm_precompiled": warm.get("precompiled"),
+        "warm_precompile_reason": warm.get("precompile_reason"),
+    }
 
 
 def _restart(case: Case, measure: Callable[..., dict], **kwargs) -> dict:
@@ -90,34 +105,75 @@ def _restart(case: Case, measure: Callable[..., dict], **kwargs) -> dict:
         kwargs["progress"]("        warm restart on the kept compiler caches (fresh process)")
         kwargs.update(steps=2, warmup=0, profile_dir=None)  # its first step is the figure
         warm = measure(case, cache_dir=kept, **kwargs)
-    return {**cold, "warm_restart_s": restart_s(warm), "warm_restart_apply_s": warm["apply_s"],
-            "warm_restart_first_step_s": warm["first_step_s"],
-            "warm_restart_cache_load": warm.get("cache_load")}
+    return {
+        **cold,
+        "warm_restart_s": restart_s(warm),
+        "warm_restart_apply_s": warm["apply_s"],
+        "warm_restart_first_step_s": warm["first_step_s"],
+        "warm_restart_cache_load": warm.get("cache_load"),
+    }
 
 
-def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
-                  device: str, float8: bool, timeout: float, replicate: int = 1,
-                  mode: str | None = None,
-                  profile_dir: str | None, progress: Callable[[str], None],
-                  env: dict | None = None, seed: str | None = None,
-                  keep_cache: str | None = None, paired_rounds: int = 0,
-                  cache_dir: str | None = None) -> dict:
+def _measure_once(
+    case: Case,
+    *,
+    backend: str,
+    steps: int,
+    warmup: int,
+    device: str,
+    float8: bool,
+    timeout: float,
+    replicate: int = 1,
+    mode: str | None = None,
+    profile_dir: str | None,
+    progress: Callable[[str], None],
+    env: dict | None = None,
+    seed: str | None = None,
+    keep_cache: str | None = None,
+    paired_rounds: int = 0,
+    cache_dir: str | None = None,
+) -> dict:
     """One run in a fresh process whose Inductor cache dir starts as a copy of ``seed``
     (empty without one), or is ``cache_dir`` itself, kept as the run leaves it;
     ``keep_cache``: merge that dir into this folder after a run that succeeded
     (compiled artifacts are content-addressed, so runs can share one)."""
-    with tempfile.TemporaryDirectory(prefix="aotdist-bench-cache-") as temp, \
-            tempfile.TemporaryFile(mode="w+") as stderr:
+    with (
+        tempfile.TemporaryDirectory(prefix="aotdist-bench-cache-") as temp,
+        tempfile.TemporaryFile(mode="w+") as stderr,
+    ):
         cache = cache_dir or temp
         if seed:
             shutil.copytree(seed, cache, dirs_exist_ok=True)
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache,
-                   TRITON_CACHE_DIR=os.path.join(cache, "triton"), PYTHONWARNINGS="ignore",
-                   **(env or {}))
-        cmd = [sys.executable, "-m", "aotdist.bench.runner", "--strategy", case.strategy,
-               "--model", case.model, "--depth", str(case.depth), "--backend", backend,
-               "--steps", str(steps), "--warmup", str(warmup), "--device", device,
-               "--nproc", str(case.nproc), "--timeout", str(timeout)]
+        env = dict(
+            os.environ,
+            TORCHINDUCTOR_CACHE_DIR=cache,
+            TRITON_CACHE_DIR=os.path.join(cache, "triton"),
+            PYTHONWARNINGS="ignore",
+            **(env or {}),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "aotdist.bench.runner",
+            "--strategy",
+            case.strategy,
+            "--model",
+            case.model,
+            "--depth",
+            str(case.depth),
+            "--backend",
+            backend,
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--device",
+            device,
+            "--nproc",
+            str(case.nproc),
+            "--timeout",
+            str(timeout),
+        ]
         cmd += ["--float8"] if float8 else []
         cmd += ["--mode", mode] if mode else []
         cmd += ["--replicate", str(replicate)] if replicate > 1 and case.nproc > 1 else []
@@ -132,9 +188,9 @@ def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
         try:
             for line in proc.stdout:
                 if line.startswith(RESULT_PREFIX):
-                    result = json.loads(line[len(RESULT_PREFIX):])
+                    result = json.loads(line[len(RESULT_PREFIX) :])
                 elif line.startswith(PHASE_PREFIX):
-                    progress(f"        {line[len(PHASE_PREFIX):].rstrip()}")
+                    progress(f"        {line[len(PHASE_PREFIX) :].rstrip()}")
                 else:
                     lines.append(line)
             proc.wait()
@@ -148,15 +204,18 @@ def _measure_once(case: Case, *, backend: str, steps: int, warmup: int,
         tail = "\n".join((stderr.read() + "".join(lines)).splitlines()[-25:])
     why = "timed out and was killed" if proc.returncode == -9 else f"exit {proc.returncode}"
     again = f" --paired {paired_rounds}" if paired_rounds else ""
-    raise BenchError(f"measurement {_label(case)} failed ({why}); its last output:\n{tail}\n"
-                     "Fix: run it alone with `python -m aotdist.bench.runner --strategy "
-                     f"{case.strategy} --model {case.model} --depth {case.depth} --nproc "
-                     f"{case.nproc} --backend {backend}{again}"
-                     f"{f' --mode {mode}' if mode else ''}` to see the whole error.")
+    raise BenchError(
+        f"measurement {_label(case)} failed ({why}); its last output:\n{tail}\n"
+        "Fix: run it alone with `python -m aotdist.bench.runner --strategy "
+        f"{case.strategy} --model {case.model} --depth {case.depth} --nproc "
+        f"{case.nproc} --backend {backend}{again}"
+        f"{f' --mode {mode}' if mode else ''}` to see the whole error."
+    )
 
 
-def _seed_isa_probes(where: str, *, backend: str, device: str,
-                     progress: Callable[[str], None]) -> str | None:
+def _seed_isa_probes(
+    where: str, *, backend: str, device: str, progress: Callable[[str], None]
+) -> str | None:
     """Inductor's CPU vector-ISA probes, built once into ``where`` (a fresh process), or
     ``None`` where they do not apply or fail.
 
@@ -169,8 +228,13 @@ def _seed_isa_probes(where: str, *, backend: str, device: str,
         return None
     progress("building Inductor's CPU ISA probes once, for every run's cache dir")
     code = "from aotdist import _compat; _compat.probe_cpu_isa()"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=where), timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=where),
+        timeout=600,
+    )
     if proc.returncode != 0:
         progress(f"        ISA probes failed (each run builds its own): {proc.stderr[-300:]}")
         return None
@@ -189,16 +253,22 @@ def _paired_cells(cases: Sequence[Case]) -> list[Case]:
         if c.nproc == 1 and c.strategy in PAIRED:
             names = found.setdefault((c.model, c.depth), [])
             names += [] if c.strategy in names else [c.strategy]
-    return [Case(model, depth, ",".join(names)) for (model, depth), names in found.items()
-            if "aotdist" in names and (set(PEERS) & set(names))]
+    return [
+        Case(model, depth, ",".join(names))
+        for (model, depth), names in found.items()
+        if "aotdist" in names and (set(PEERS) & set(names))
+    ]
 
 
 def _skip_unavailable(cases: list[Case], progress: Callable[[str], None]) -> tuple[list, list]:
     """The cells this build can run, and a note per strategy whose cells were left out."""
     from aotdist.bench.strategies import get_strategy
 
-    why = {s: get_strategy(s).unavailable() for s in dict.fromkeys(c.strategy for c in cases)
-           if get_strategy(s).unavailable}
+    why = {
+        s: get_strategy(s).unavailable()
+        for s in dict.fromkeys(c.strategy for c in cases)
+        if get_strategy(s).unavailable
+    }
     why = {s: text for s, text in why.items() if text}
     for text in why.values():
         progress(f"skipped: {text}")
@@ -208,7 +278,12 @@ def _skip_unavailable(cases: list[Case], progress: Callable[[str], None]) -> tup
 def _warm_dir(root: str, case: Case, rep: int, pairs: set[tuple[str, int]]) -> str | None:
     """Where the first repeat of a cell that a paired run times keeps its compiled
     artifacts (one folder per model and depth), else ``None``."""
-    if rep or case.nproc != 1 or case.strategy not in PAIRED or (case.model, case.depth) not in pairs:
+    if (
+        rep
+        or case.nproc != 1
+        or case.strategy not in PAIRED
+        or (case.model, case.depth) not in pairs
+    ):
         return None
     return os.path.join(root, f"{case.model}-{case.depth}")
 
@@ -223,7 +298,9 @@ def _check_model_dependencies(cases: Sequence[Case]) -> None:
         raise MissingDependencyError(
             "the bench model 'llama' (in the main job) needs transformers, which is not "
             "installed. Fix: pip install 'aotdist[bench]' (or pip install transformers), or "
-            "leave the model out: aotdist bench --model gpt,dictgpt.", extra="bench")
+            "leave the model out: aotdist bench --model gpt,dictgpt.",
+            extra="bench",
+        )
 
 
 def _check_mode(mode: str | None, *, backend: str, device: str) -> None:
@@ -238,15 +315,20 @@ def _check_mode(mode: str | None, *, backend: str, device: str) -> None:
     if mode is None:
         return
     if mode not in COMPILE_MODES:
-        raise ConfigError(f"--mode {mode!r}: unknown torch.compile mode; use one of "
-                          f"{', '.join(COMPILE_MODES)}")
+        raise ConfigError(
+            f"--mode {mode!r}: unknown torch.compile mode; use one of {', '.join(COMPILE_MODES)}"
+        )
     if backend != "inductor":
-        raise ConfigError(f"--mode {mode} applies to the inductor backend; got --backend "
-                          f"{backend}. Fix: drop --mode or use --backend inductor.")
+        raise ConfigError(
+            f"--mode {mode} applies to the inductor backend; got --backend "
+            f"{backend}. Fix: drop --mode or use --backend inductor."
+        )
     if mode in CUDA_GRAPH_MODES and not device.startswith("cuda"):
-        raise ConfigError(f"--mode {mode} records CUDA graphs, which need --device cuda; got "
-                          f"--device {device}. Fix: use --device cuda, or on CPU "
-                          "--mode max-autotune-no-cudagraphs or no --mode.")
+        raise ConfigError(
+            f"--mode {mode} records CUDA graphs, which need --device cuda; got "
+            f"--device {device}. Fix: use --device cuda, or on CPU "
+            "--mode max-autotune-no-cudagraphs or no --mode."
+        )
 
 
 def _check_mesh(mesh: tuple[int, int] | None, cases: Sequence[Case]) -> int:
@@ -260,8 +342,10 @@ def _check_mesh(mesh: tuple[int, int] | None, cases: Sequence[Case]) -> int:
     size = mesh[0] * mesh[1]
     wrong = sorted({c.nproc for c in cases if c.nproc > 1 and c.nproc != size})
     if wrong or not any(c.nproc > 1 for c in cases):
-        raise ConfigError(f"--mesh {mesh[0]}x{mesh[1]} needs --nproc {size}; got "
-                          f"{sorted({c.nproc for c in cases})}. Fix: --nproc {size}.")
+        raise ConfigError(
+            f"--mesh {mesh[0]}x{mesh[1]} needs --nproc {size}; got "
+            f"{sorted({c.nproc for c in cases})}. Fix: --nproc {size}."
+        )
     return mesh[0]
 
 
@@ -271,12 +355,22 @@ def _label(case: Case) -> str:
     return f"{case.strategy} {case.model} depth={case.depth}{ranks}{warm}"
 
 
-def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
-              steps: int = MAIN_SETTINGS.steps, warmup: int = MAIN_SETTINGS.warmup,
-              device: str = "cpu", float8: bool = False, repeats: int = MAIN_SETTINGS.repeats,
-              out: str | Path = "bench-out", timeout: float = 1200.0, profile: bool = False,
-              mesh: tuple[int, int] | None = None, mode: str | None = None,
-              progress: Callable[[str], None] = print) -> dict:
+def run_bench(
+    cases: Sequence[Case] | None = None,
+    *,
+    backend: str = "inductor",
+    steps: int = MAIN_SETTINGS.steps,
+    warmup: int = MAIN_SETTINGS.warmup,
+    device: str = "cpu",
+    float8: bool = False,
+    repeats: int = MAIN_SETTINGS.repeats,
+    out: str | Path = "bench-out",
+    timeout: float = 1200.0,
+    profile: bool = False,
+    mesh: tuple[int, int] | None = None,
+    mode: str | None = None,
+    progress: Callable[[str], None] = print,
+) -> dict:
     """Runs every cell ``repeats`` times, round robin, and writes bench.json/.md/.png.
 
     Args:
@@ -310,8 +404,10 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
         ConfigError: Bad arguments.
     """
     if steps < 1 or warmup < 0 or repeats < 1:
-        raise ConfigError(f"need steps >= 1, warmup >= 0, repeats >= 1; got steps={steps}, "
-                          f"warmup={warmup}, repeats={repeats}")
+        raise ConfigError(
+            f"need steps >= 1, warmup >= 0, repeats >= 1; got steps={steps}, "
+            f"warmup={warmup}, repeats={repeats}"
+        )
     _check_mode(mode, backend=backend, device=device)
     cases = plan_cases() if cases is None else list(cases)
     cases, skipped = _skip_unavailable(cases, progress)
@@ -320,56 +416,98 @@ def run_bench(cases: Sequence[Case] | None = None, *, backend: str = "inductor",
     order = interleave(cases, repeats)
     out = Path(out)
     load_start, runs, started = load_snapshot(), [], time.perf_counter()
-    progress(f"aotdist bench: {len(cases)} cells x {repeats} repeat(s), round robin, "
-             f"backend={backend}, device={device}, each run a fresh process with an empty "
-             f"compiler cache; load average {load_start['loadavg']} on {load_start['cpus']} "
-             "CPUs")
+    progress(
+        f"aotdist bench: {len(cases)} cells x {repeats} repeat(s), round robin, "
+        f"backend={backend}, device={device}, each run a fresh process with an empty "
+        f"compiler cache; load average {load_start['loadavg']} on {load_start['cpus']} "
+        "CPUs"
+    )
     paired_cells = _paired_cells(cases) if not profile else []
     pairs = {(c.model, c.depth) for c in paired_cells}
-    with tempfile.TemporaryDirectory(prefix="aotdist-bench-isa-") as isa_dir, \
-            tempfile.TemporaryDirectory(prefix="aotdist-bench-warm-") as warm_root:
-        isa_seed = _seed_isa_probes(isa_dir, backend=backend, device=device,
-                                    progress=progress)
+    with (
+        tempfile.TemporaryDirectory(prefix="aotdist-bench-isa-") as isa_dir,
+        tempfile.TemporaryDirectory(prefix="aotdist-bench-warm-") as warm_root,
+    ):
+        isa_seed = _seed_isa_probes(isa_dir, backend=backend, device=device, progress=progress)
         for n, (rep, case) in enumerate(order, start=1):
-            progress(f"[{n}/{len(order)}] repeat {rep + 1}/{repeats} {_label(case)}: cold step + "
-                     f"{warmup} warm-up + {steps} timed steps "
-                     f"({time.perf_counter() - started:.0f}s elapsed)")
+            progress(
+                f"[{n}/{len(order)}] repeat {rep + 1}/{repeats} {_label(case)}: cold step + "
+                f"{warmup} warm-up + {steps} timed steps "
+                f"({time.perf_counter() - started:.0f}s elapsed)"
+            )
             profile_dir = str(out / "profile" / f"repeat{rep}") if profile else None
-            r = _measure_in_fresh_process(case, backend=backend, steps=steps, warmup=warmup,
-                                          device=device, float8=float8, timeout=timeout,
-                                          profile_dir=profile_dir, progress=progress,
-                                          seed=isa_seed, replicate=replicate, mode=mode,
-                                          keep_cache=_warm_dir(warm_root, case, rep, pairs))
-            progress(f"        compile {r['compile_s']:.2f}s  step {r['steady_step_s']*1e3:.2f}ms"
-                     f"  saved {r['saved_activation_bytes'] / 1024:.0f}KiB"
-                     f"  peak +{r['peak_mem_mib']:.0f}MiB  frames {r['frames_compiled']}"
-                     f"  graph breaks {r['graph_breaks']}")
+            r = _measure_in_fresh_process(
+                case,
+                backend=backend,
+                steps=steps,
+                warmup=warmup,
+                device=device,
+                float8=float8,
+                timeout=timeout,
+                profile_dir=profile_dir,
+                progress=progress,
+                seed=isa_seed,
+                replicate=replicate,
+                mode=mode,
+                keep_cache=_warm_dir(warm_root, case, rep, pairs),
+            )
+            progress(
+                f"        compile {r['compile_s']:.2f}s  step {r['steady_step_s'] * 1e3:.2f}ms"
+                f"  saved {r['saved_activation_bytes'] / 1024:.0f}KiB"
+                f"  peak +{r['peak_mem_mib']:.0f}MiB  frames {r['frames_compiled']}"
+                f"  graph breaks {r['graph_breaks']}"
+            )
             runs.append({**r, "repeat": rep})
         # Steady-step ratios: separate processes minutes apart disagree by tens of percent
         # on a shared machine, so each depth's strategies also run side by side in one.
         # Their compiles are not measured, so they load what the first repeat compiled.
         paired, failed, rounds = [], [], max(4, 2 * repeats)
         for case in paired_cells:
-            progress(f"[paired] {case.model} depth={case.depth}: {case.strategy.replace(',', ', ')}"
-                     f" in one process, {rounds} interleaved rounds of {steps} steps "
-                     f"({time.perf_counter() - started:.0f}s elapsed)")
+            progress(
+                f"[paired] {case.model} depth={case.depth}: {case.strategy.replace(',', ', ')}"
+                f" in one process, {rounds} interleaved rounds of {steps} steps "
+                f"({time.perf_counter() - started:.0f}s elapsed)"
+            )
             warm = os.path.join(warm_root, f"{case.model}-{case.depth}")
             try:
-                paired.append(_measure_once(case, backend=backend, steps=steps,
-                                            warmup=warmup, device=device, float8=float8,
-                                            timeout=timeout, profile_dir=None,
-                                            progress=progress, paired_rounds=rounds, mode=mode,
-                                            seed=warm if os.path.isdir(warm) else isa_seed))
+                paired.append(
+                    _measure_once(
+                        case,
+                        backend=backend,
+                        steps=steps,
+                        warmup=warmup,
+                        device=device,
+                        float8=float8,
+                        timeout=timeout,
+                        profile_dir=None,
+                        progress=progress,
+                        paired_rounds=rounds,
+                        mode=mode,
+                        seed=warm if os.path.isdir(warm) else isa_seed,
+                    )
+                )
             except BenchError as exc:  # the round robin's results stand without it
                 failed.append(f"depth {case.depth}: {str(exc).splitlines()[0]}")
-                progress(f"        paired run failed; the steady-step ratios at depth "
-                         f"{case.depth} stay across processes. {exc}")
-    settings = {"backend": backend, "compile_mode": mode, "steps": steps, "warmup": warmup,
-                "device": device, "float8": float8, "repeats": repeats, "profiled": profile,
-                "mesh": list(mesh) if mesh else None,
-                "cases": [asdict(c) for c in cases],
-                "order": [[rep, asdict(c)] for rep, c in order],
-                "duration_s": time.perf_counter() - started,
-                "load_start": load_start, "load_end": load_snapshot(),
-                "paired_failures": failed, "skipped": skipped}
+                progress(
+                    f"        paired run failed; the steady-step ratios at depth "
+                    f"{case.depth} stay across processes. {exc}"
+                )
+    settings = {
+        "backend": backend,
+        "compile_mode": mode,
+        "steps": steps,
+        "warmup": warmup,
+        "device": device,
+        "float8": float8,
+        "repeats": repeats,
+        "profiled": profile,
+        "mesh": list(mesh) if mesh else None,
+        "cases": [asdict(c) for c in cases],
+        "order": [[rep, asdict(c)] for rep, c in order],
+        "duration_s": time.perf_counter() - started,
+        "load_start": load_start,
+        "load_end": load_snapshot(),
+        "paired_failures": failed,
+        "skipped": skipped,
+    }
     return write_report(runs, out, settings=settings, paired=paired)

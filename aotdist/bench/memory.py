@@ -60,17 +60,25 @@ class MemoryProbe:
             import torch
 
             peak = torch.cuda.max_memory_allocated(self.device) / 2**20
-            return {"peak_mem_mib": peak, "peak_rss_mib": None,
-                    "memory_baseline_mib": self.baseline_kib / 1024,
-                    "memory_metric": "CUDA max allocated (model parameters included)"}
+            return {
+                "peak_mem_mib": peak,
+                "peak_rss_mib": None,
+                "memory_baseline_mib": self.baseline_kib / 1024,
+                "memory_metric": "CUDA max allocated (model parameters included)",
+            }
         hwm = _status_kib("VmHWM")
         if hwm is None:  # not Linux: ru_maxrss (KiB on Linux, bytes on macOS)
             scale = 1 if sys.platform.startswith("linux") else 1 / 1024
             hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-        label = ("RSS high-water mark growth over the baseline after model build and strategy"
-                 if self.hwm_reset else
-                 "RSS high-water mark (includes imports: the reset was not possible) "
-                 "minus the RSS after model build")
-        return {"peak_mem_mib": max(hwm - self.baseline_kib, 0) / 1024,
-                "peak_rss_mib": hwm / 1024, "memory_baseline_mib": self.baseline_kib / 1024,
-                "memory_metric": label}
+        label = (
+            "RSS high-water mark growth over the baseline after model build and strategy"
+            if self.hwm_reset
+            else "RSS high-water mark (includes imports: the reset was not possible) "
+            "minus the RSS after model build"
+        )
+        return {
+            "peak_mem_mib": max(hwm - self.baseline_kib, 0) / 1024,
+            "peak_rss_mib": hwm / 1024,
+            "memory_baseline_mib": self.baseline_kib / 1024,
+            "memory_metric": label,
+        }

@@ -20,20 +20,32 @@ __all__ = ["MODELS", "build_bench_model", "describe_model", "synthetic_batch", "
 MODELS = {
     "gpt": "TinyGPT (aotdist.testing): dim 32, 2 heads, seq 16, vocab 64; blocks in a ModuleList",
     "vit": "torchvision VisionTransformer: image 32, patch 8, hidden 32, MLP 64, 2 heads, "
-           "10 classes; encoder blocks in an nn.Sequential",
+    "10 classes; encoder blocks in an nn.Sequential",
     "resnet": "TinyResNet (aotdist.testing): 3 stages of BasicBlocks (BatchNorm)",
     "llama": "transformers LlamaForCausalLM from a config: hidden 64, MLP 128, 4 heads (2 KV), "
-             "seq 16, vocab 128, random weights; decoder layers in a ModuleList",
+    "seq 16, vocab 128, random weights; decoder layers in a ModuleList",
     "dictgpt": "TinyGPT with its blocks in an nn.ModuleDict (Accelerate's compile_regions "
-               "finds no ModuleList there and compiles the whole model)",
+    "finds no ModuleList there and compiles the whole model)",
 }
-_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64,
-          "use_cache": False}
+_LLAMA = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "use_cache": False,
+}
 _SEQ = 16
 
-_VIT = {"image_size": 32, "patch_size": 8, "num_heads": 2, "hidden_dim": 32, "mlp_dim": 64,
-        "num_classes": 10}
+_VIT = {
+    "image_size": 32,
+    "patch_size": 8,
+    "num_heads": 2,
+    "hidden_dim": 32,
+    "mlp_dim": 64,
+    "num_classes": 10,
+}
 
 
 def describe_model(name: str) -> str:
@@ -60,17 +72,19 @@ def build_bench_model(name: str, *, depth: int) -> nn.Module:
         except ImportError as exc:
             raise MissingDependencyError(
                 f"the bench model 'llama' needs transformers ({exc}). Fix: pip install "
-                "transformers (aotdist's dev extra has it).", extra="dev") from exc
+                "transformers (aotdist's dev extra has it).",
+                extra="dev",
+            ) from exc
         config = tf.AutoConfig.for_model("llama", num_hidden_layers=depth, **_LLAMA)
         return _LogitsOnly(tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
     if name == "dictgpt":
         return _DictGPT(depth=depth)
-    raise ConfigError(f"unknown bench model {name!r}; choose one of {', '.join(MODELS)} "
-                      "(--model)")
+    raise ConfigError(f"unknown bench model {name!r}; choose one of {', '.join(MODELS)} (--model)")
 
 
-def synthetic_batch(name: str, model: nn.Module, *, batch: int,
-                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    name: str, model: nn.Module, *, batch: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and integer targets for one step of model ``name`` (on the CPU)."""
     if name == "llama":
         x = torch.randint(0, _LLAMA["vocab_size"], (batch, _SEQ), generator=generator)

@@ -45,7 +45,7 @@ class PhaseTimer:
 
     def __exit__(self, *exc) -> None:
         for name, times in (_compat.compilation_time_metrics() or {}).items():
-            new = times[self._before.get(name, 0):]
+            new = times[self._before.get(name, 0) :]
             if new:
                 self.sections[name] = (float(sum(new)), len(new))
 
@@ -58,8 +58,11 @@ class PhaseTimer:
         compiler runs; ``outside_compiler``: the cold step's extra time not spent in the
         compiler (first-run allocation, lazy imports, guard setup).
         """
-        out = {"dynamo": m.dynamo_seconds, "aot_autograd": m.aot_autograd_seconds,
-               "inductor": m.backend_seconds}
+        out = {
+            "dynamo": m.dynamo_seconds,
+            "aot_autograd": m.aot_autograd_seconds,
+            "inductor": m.backend_seconds,
+        }
         for key, section in _SECTIONS.items():
             out[key] = self.sections.get(section, (0.0, 0))[0]
         out["cpp_compiles"] = self.sections.get("compile_file", (0.0, 0))[1]
@@ -97,8 +100,14 @@ def profile_first_step(step: Callable[[], float], out_dir: str, label: str) -> f
     return seconds
 
 
-def profile_steady_steps(step: Callable[[], float], out_dir: str, label: str,
-                         phases: PhaseTimer, *, steps: int = PROFILED_STEPS) -> None:
+def profile_steady_steps(
+    step: Callable[[], float],
+    out_dir: str,
+    label: str,
+    phases: PhaseTimer,
+    *,
+    steps: int = PROFILED_STEPS,
+) -> None:
     """Profiles ``steps`` steady steps with ``torch.profiler``; writes the op table, a
     Chrome trace and the compile phase table of the cold step."""
     from torch.profiler import ProfilerActivity, profile

@@ -19,8 +19,18 @@ from dataclasses import dataclass
 
 from aotdist.errors import ConfigError
 
-__all__ = ["ALL_STRATEGIES", "FULL_JOB", "MAIN_JOB", "QUICK_JOB", "WARM_SUFFIX", "Case",
-           "JobSettings", "SubBench", "interleave", "plan_cases"]
+__all__ = [
+    "ALL_STRATEGIES",
+    "FULL_JOB",
+    "MAIN_JOB",
+    "QUICK_JOB",
+    "WARM_SUFFIX",
+    "Case",
+    "JobSettings",
+    "SubBench",
+    "interleave",
+    "plan_cases",
+]
 
 ALL_STRATEGIES = ("eager", "full", "accelerate", "per_block", "aotdist")
 WARM_SUFFIX = "+warm"  # --strategies full+warm: the cell also times a warm restart
@@ -78,21 +88,25 @@ class JobSettings:
 # ViT and the FSDP2 groups (gloo step times on CPU say little about NCCL on GPUs).
 _PEERS_AND_AOTDIST = ("full", "accelerate", "per_block", "aotdist")
 _WARM = (*_PEERS_AND_AOTDIST, "aotdist+cache")
-MAIN_JOB = (SubBench("gpt", (8,), strategies=_WARM, warm=_WARM),
-            SubBench("gpt", (32,), strategies=_PEERS_AND_AOTDIST),
-            SubBench("gpt", (64,), strategies=_PEERS_AND_AOTDIST[1:]),
-            SubBench("llama", (32,), strategies=_PEERS_AND_AOTDIST[1:]),
-            SubBench("dictgpt", (8,), strategies=_PEERS_AND_AOTDIST[1:]))
+MAIN_JOB = (
+    SubBench("gpt", (8,), strategies=_WARM, warm=_WARM),
+    SubBench("gpt", (32,), strategies=_PEERS_AND_AOTDIST),
+    SubBench("gpt", (64,), strategies=_PEERS_AND_AOTDIST[1:]),
+    SubBench("llama", (32,), strategies=_PEERS_AND_AOTDIST[1:]),
+    SubBench("dictgpt", (8,), strategies=_PEERS_AND_AOTDIST[1:]),
+)
 MAIN_SETTINGS = JobSettings(steps=20, warmup=3, repeats=1)
 
 # `aotdist bench --full` (plan_cases(full=True)): the whole matrix the targets name (GPT
 # and Llama at depths 8, 32 and 64 against every peer, the ModuleDict model at 8 and 32,
 # warm restarts at depth 8 of both); with 2 repeats about an hour on a quiet 2-core CPU.
-FULL_JOB = (SubBench("gpt", (8,), strategies=("eager", *_WARM), warm=_WARM),
-            SubBench("gpt", (32, 64), strategies=ALL_STRATEGIES),
-            SubBench("llama", (8,), strategies=("eager", *_WARM), warm=_WARM),
-            SubBench("llama", (32, 64), strategies=ALL_STRATEGIES),
-            SubBench("dictgpt", (8, 32), strategies=_PEERS_AND_AOTDIST[1:]))
+FULL_JOB = (
+    SubBench("gpt", (8,), strategies=("eager", *_WARM), warm=_WARM),
+    SubBench("gpt", (32, 64), strategies=ALL_STRATEGIES),
+    SubBench("llama", (8,), strategies=("eager", *_WARM), warm=_WARM),
+    SubBench("llama", (32, 64), strategies=ALL_STRATEGIES),
+    SubBench("dictgpt", (8, 32), strategies=_PEERS_AND_AOTDIST[1:]),
+)
 
 # `aotdist bench --quick`: one depth, one run per compiling strategy, few steps (about 2
 # min with inductor on a quiet 2-core CPU). For developers; its T(N) spreads come from
@@ -101,10 +115,15 @@ QUICK_JOB = (SubBench("gpt", (2,), strategies=_PEERS_AND_AOTDIST),)
 QUICK_SETTINGS = JobSettings(steps=5, warmup=1, repeats=1)
 
 
-def plan_cases(*, models: Sequence[str] | None = None, depths: Sequence[int] | None = None,
-               nprocs: Sequence[int] | None = None,
-               strategies: Sequence[str] | None = None, quick: bool = False,
-               full: bool = False) -> list[Case]:
+def plan_cases(
+    *,
+    models: Sequence[str] | None = None,
+    depths: Sequence[int] | None = None,
+    nprocs: Sequence[int] | None = None,
+    strategies: Sequence[str] | None = None,
+    quick: bool = False,
+    full: bool = False,
+) -> list[Case]:
     """The cells to measure, in order (one repeat; :func:`interleave` repeats them).
 
     With ``models``, ``depths`` and ``nprocs`` all ``None``: the main job
@@ -125,19 +144,34 @@ def plan_cases(*, models: Sequence[str] | None = None, depths: Sequence[int] | N
     if bad:
         raise ConfigError(f"unknown bench model(s) {bad}; choose from {', '.join(MODELS)}")
     if any(d < 1 for d in depths or ()) or any(n < 1 for n in nprocs or ()):
-        raise ConfigError(f"depths and --nproc must be >= 1; got depths={depths}, "
-                          f"nproc={nprocs}")
+        raise ConfigError(f"depths and --nproc must be >= 1; got depths={depths}, nproc={nprocs}")
     if models is None and depths is None and nprocs is None:
         subs = QUICK_JOB if quick else FULL_JOB if full else MAIN_JOB
     else:
         default_depths = (2,) if quick else (2, 8, 32)
         # On several ranks, aotdist's graph-mode FSDP runs beside the FSDP2 strategies.
-        subs = tuple(SubBench(m, tuple(depths or default_depths), nproc=n,
-                              strategies=ALL_STRATEGIES + (("aotdist-graph",) if n > 1 else ()))
-                     for m in (models or ("gpt",)) for n in (nprocs or (1,)))
-    return [Case(sb.model, d, s.removesuffix(WARM_SUFFIX), sb.nproc,
-                 warm=s.endswith(WARM_SUFFIX) or s in sb.warm)
-            for sb in subs for d in sb.depths for s in (strategies or sb.strategies)]
+        subs = tuple(
+            SubBench(
+                m,
+                tuple(depths or default_depths),
+                nproc=n,
+                strategies=ALL_STRATEGIES + (("aotdist-graph",) if n > 1 else ()),
+            )
+            for m in (models or ("gpt",))
+            for n in (nprocs or (1,))
+        )
+    return [
+        Case(
+            sb.model,
+            d,
+            s.removesuffix(WARM_SUFFIX),
+            sb.nproc,
+            warm=s.endswith(WARM_SUFFIX) or s in sb.warm,
+        )
+        for sb in subs
+        for d in sb.depths
+        for s in (strategies or sb.strategies)
+    ]
 
 
 def interleave(cases: Sequence[Case], repeats: int) -> list[tuple[int, Case]]:

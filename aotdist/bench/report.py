@@ -23,8 +23,15 @@ from aotdist.bench.stats import (
 )
 from aotdist.bench.timeto import time_to_steps
 
-__all__ = ["TARGETS", "compute_ratios", "evaluate_targets", "group_of", "load_snapshot",
-           "machine_description", "write_report"]
+__all__ = [
+    "TARGETS",
+    "compute_ratios",
+    "evaluate_targets",
+    "group_of",
+    "load_snapshot",
+    "machine_description",
+    "write_report",
+]
 
 
 def load_snapshot() -> dict:
@@ -62,8 +69,13 @@ def _groups(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def _fmt_regions(r: dict) -> str:
-    return ", ".join(f"{n}: {s['subgraphs']} for {s['call_sites']} sites"
-                     for n, s in r.get("regions", {}).items()) or "-"
+    return (
+        ", ".join(
+            f"{n}: {s['subgraphs']} for {s['call_sites']} sites"
+            for n, s in r.get("regions", {}).items()
+        )
+        or "-"
+    )
 
 
 def _fig(cell: dict, key: str, scale: float = 1.0, fmt: str = ".2f") -> str:
@@ -83,12 +95,14 @@ def _isa_line(results: list[dict]) -> str:
     values = [r["isa_probe_s"] for r in results if r.get("isa_probe_s")]
     if not values:
         return ""
-    return ("Inductor's CPU ISA probes, a one-time cost of an Inductor cache dir, are built "
-            "once per bench and copied into each run's empty cache dir (the +cache cells "
-            "excepted: their runs measure a fresh start); every run runs and times them "
-            f"before the cold step ({min(values):.2f}-{max(values):.2f} s per run here), so "
-            "cold compile leaves them out, and the warm/cold first-step ratio (a fresh start) "
-            "adds them back on both sides. ")
+    return (
+        "Inductor's CPU ISA probes, a one-time cost of an Inductor cache dir, are built "
+        "once per bench and copied into each run's empty cache dir (the +cache cells "
+        "excepted: their runs measure a fresh start); every run runs and times them "
+        f"before the cold step ({min(values):.2f}-{max(values):.2f} s per run here), so "
+        "cold compile leaves them out, and the warm/cold first-step ratio (a fresh start) "
+        "adds them back on both sides. "
+    )
 
 
 def _load_line(settings: dict) -> str:
@@ -99,12 +113,13 @@ def _load_line(settings: dict) -> str:
 
     start, end = settings.get("load_start"), settings.get("load_end")
     cpus = (start or end or {}).get("cpus")
-    line = (f"Load average (1/5/15 min): {one(start)} at start, {one(end)} at end; "
-            f"{cpus} CPUs.")
+    line = f"Load average (1/5/15 min): {one(start)} at start, {one(end)} at end; {cpus} CPUs."
     # The end reading includes the bench's own last run (about one busy core), the start
     # reading does not: without that allowance a quiet machine reads as busy at the end.
-    loads = [start["loadavg"][0] if start and start.get("loadavg") else 0.0,
-             end["loadavg"][0] - 1.0 if end and end.get("loadavg") else 0.0]
+    loads = [
+        start["loadavg"][0] if start and start.get("loadavg") else 0.0,
+        end["loadavg"][0] - 1.0 if end and end.get("loadavg") else 0.0,
+    ]
     if cpus and max(loads) > 0.5 * cpus:
         line += " **The machine was busy: timings are not those of a quiet machine.**"
     return line
@@ -123,26 +138,38 @@ def _mode_text(settings: dict) -> str:
 def _markdown(report: dict) -> str:
     results, settings = report["results"], report["settings"]
     memory_metric = next((r["memory_metric"] for r in results if r.get("memory_metric")), "")
-    lines = [f"Machine: {report['machine']}", "", _load_line(settings), "",
-             f"Settings: backend {settings['backend']}{_mode_text(settings)}, "
-             f"device {settings['device']}, "
-             f"float8 {settings['float8']}{_mesh_text(settings)}, cold step + "
-             f"{settings['warmup']} warm-up + {settings['steps']} timed steps (median), {settings['repeats']} repeat(s) per "
-             f"cell, run round robin (every cell once per repeat), each run a fresh process "
-             f"with an empty compiler cache; run took {settings['duration_s'] / 60:.1f} min."
-             + (" PROFILED: timings inflated." if settings.get("profiled") else ""), "",
-             *_time_to_steps_lines(report), "### Diagnostics: compile, step, memory", "",
-             "Figures: median [min-max] over the repeats. Cold compile = first step wall time "
-             f"- median steady step. {_isa_line(results)}Peak memory: {memory_metric}. Saved for backward: bytes "
-             "of the unique storages the training step's forward saves for backward "
-             "(saved-tensor hooks), parameters and buffers excluded: the activation memory a "
-             "GPU would hold.", ""]
+    lines = [
+        f"Machine: {report['machine']}",
+        "",
+        _load_line(settings),
+        "",
+        f"Settings: backend {settings['backend']}{_mode_text(settings)}, "
+        f"device {settings['device']}, "
+        f"float8 {settings['float8']}{_mesh_text(settings)}, cold step + "
+        f"{settings['warmup']} warm-up + {settings['steps']} timed steps (median), {settings['repeats']} repeat(s) per "
+        f"cell, run round robin (every cell once per repeat), each run a fresh process "
+        f"with an empty compiler cache; run took {settings['duration_s'] / 60:.1f} min."
+        + (" PROFILED: timings inflated." if settings.get("profiled") else ""),
+        "",
+        *_time_to_steps_lines(report),
+        "### Diagnostics: compile, step, memory",
+        "",
+        "Figures: median [min-max] over the repeats. Cold compile = first step wall time "
+        f"- median steady step. {_isa_line(results)}Peak memory: {memory_metric}. Saved for backward: bytes "
+        "of the unique storages the training step's forward saves for backward "
+        "(saved-tensor hooks), parameters and buffers excluded: the activation memory a "
+        "GPU would hold.",
+        "",
+    ]
     for group, rows in _groups(results).items():
-        lines += [f"### {group}", "",
-                  "| strategy | depth | cold compile (s) | steady step (ms) | saved for "
-                  "backward (KiB) | peak mem (MiB) | frames compiled | graph breaks | "
-                  "recompiles after step 1 | subgraphs/region |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {group}",
+            "",
+            "| strategy | depth | cold compile (s) | steady step (ms) | saved for "
+            "backward (KiB) | peak mem (MiB) | frames compiled | graph breaks | "
+            "recompiles after step 1 | subgraphs/region |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in sorted(rows, key=lambda r: (r["depth"], r["strategy"])):
             lines.append(
                 f"| {r['strategy']} | {r['depth']} | {_fig(r, 'compile_s')} | "
@@ -150,13 +177,18 @@ def _markdown(report: dict) -> str:
                 f"{_fig(r, 'saved_activation_bytes', 1 / 1024, '.0f')} | "
                 f"{_fig(r, 'peak_mem_mib', 1, '.0f')} | {r['frames_compiled']} | "
                 f"{r['graph_breaks']} | {r['recompiles_after_first_step']} | "
-                f"{_fmt_regions(r)} |")
+                f"{_fmt_regions(r)} |"
+            )
         lines.append("")
     lines += _warm_lines(results)
-    lines += ["### Where cold compile time goes (s, the run with the median cold compile)", "",
-              "| group | strategy | depth | dynamo | aot_autograd | inductor | "
-              "of which codegen | of which kernel compile wait | C++ compiles | "
-              "outside compiler |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "### Where cold compile time goes (s, the run with the median cold compile)",
+        "",
+        "| group | strategy | depth | dynamo | aot_autograd | inductor | "
+        "of which codegen | of which kernel compile wait | C++ compiles | "
+        "outside compiler |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(results, key=lambda r: (group_of(r), r["depth"], r["strategy"])):
         if r["strategy"] == "eager":
             continue
@@ -165,27 +197,43 @@ def _markdown(report: dict) -> str:
             f"| {group_of(r)} | {r['strategy']} | {r['depth']} | {c['dynamo']:.2f} | "
             f"{c['aot_autograd']:.2f} | {c['inductor']:.2f} | {c['inductor_codegen']:.2f} | "
             f"{c['inductor_kernel_load_wait']:.2f} | {c['cpp_compiles']} | "
-            f"{c['outside_compiler']:.2f} |")
+            f"{c['outside_compiler']:.2f} |"
+        )
     lines += _paired_lines(report.get("paired") or [], settings.get("paired_failures") or [])
-    lines += ["", "Ratios: computed per repeat from the two runs of that repeat (they ran side "
-              "by side); value = median of the per-repeat ratios [min-max]. Ratios marked "
-              "(paired) are per round of the paired runs above instead; their repeats column "
-              "counts rounds. The T(N) ratios are in the first table (all of them in "
-              "bench.json).", "",
-              "| ratio | value [min-max] | repeats | median numerator / denominator |",
-              "|---|---|---|---|"]
-    lines += [f"| {k}{' (paired)' if v.get('source') == 'paired' else ''} | {v['value']:.2f}x "
-              f"[{v['min']:.2f}-{v['max']:.2f}] | {v['repeats']} | "
-              f"{v['numerator']:.4g} / {v['denominator']:.4g} |"
-              for k, v in report["ratios"].items() if v.get("source") != "time to steps"]
-    lines += ["", "Targets: met = every repeat meets the bound, missed = none does, "
-              "noisy = the spread straddles it (this run cannot tell).", "",
-              "| group | target | depth | value [min-max] | verdict |", "|---|---|---|---|---|"]
-    lines += [f"| {t['group']} | {t['target']} | {t['depth']} | {_value(t)} | "
-              f"{'**missed**' if t['verdict'] == 'missed' else t['verdict']} |"
-              for t in report["targets"]]
-    notes = sorted({f"{r['strategy']} on {group_of(r)}: {r['notes']}"
-                    for r in results if r.get("notes")})
+    lines += [
+        "",
+        "Ratios: computed per repeat from the two runs of that repeat (they ran side "
+        "by side); value = median of the per-repeat ratios [min-max]. Ratios marked "
+        "(paired) are per round of the paired runs above instead; their repeats column "
+        "counts rounds. The T(N) ratios are in the first table (all of them in "
+        "bench.json).",
+        "",
+        "| ratio | value [min-max] | repeats | median numerator / denominator |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {k}{' (paired)' if v.get('source') == 'paired' else ''} | {v['value']:.2f}x "
+        f"[{v['min']:.2f}-{v['max']:.2f}] | {v['repeats']} | "
+        f"{v['numerator']:.4g} / {v['denominator']:.4g} |"
+        for k, v in report["ratios"].items()
+        if v.get("source") != "time to steps"
+    ]
+    lines += [
+        "",
+        "Targets: met = every repeat meets the bound, missed = none does, "
+        "noisy = the spread straddles it (this run cannot tell).",
+        "",
+        "| group | target | depth | value [min-max] | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {t['group']} | {t['target']} | {t['depth']} | {_value(t)} | "
+        f"{'**missed**' if t['verdict'] == 'missed' else t['verdict']} |"
+        for t in report["targets"]
+    ]
+    notes = sorted(
+        {f"{r['strategy']} on {group_of(r)}: {r['notes']}" for r in results if r.get("notes")}
+    )
     notes += [f"skipped: {s}" for s in settings.get("skipped") or []]
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
@@ -217,39 +265,64 @@ def _time_to_steps_lines(report: dict) -> list[str]:
         return []
     ns, w = [str(n) for n in tts["horizons"]], str(tts["warm_horizon"])
     ratios, crossings = report["ratios"], tts["crossovers"]
-    lines = ["### Time to the first N steps", "",
-             "T(N) = cold compile + N x steady step (paired where a paired run timed the "
-             "strategy), in seconds, median [min-max] over the repeats; each ratio is "
-             "computed within a repeat against the best peer of that repeat (full, "
-             "accelerate, per_block: whichever measured). Warm T(N) = a restart's set-up "
-             "and first step on the compiler caches the cold run left (the strategy's "
-             "apply included) + N x the same step. Crossover: the step count from which "
-             "aotdist stays ahead of the peer (never: its step is slower).", ""]
+    lines = [
+        "### Time to the first N steps",
+        "",
+        "T(N) = cold compile + N x steady step (paired where a paired run timed the "
+        "strategy), in seconds, median [min-max] over the repeats; each ratio is "
+        "computed within a repeat against the best peer of that repeat (full, "
+        "accelerate, per_block: whichever measured). Warm T(N) = a restart's set-up "
+        "and first step on the compiler caches the cold run left (the strategy's "
+        "apply included) + N x the same step. Crossover: the step count from which "
+        "aotdist stays ahead of the peer (never: its step is slower).",
+        "",
+    ]
     for group in dict.fromkeys(c["group"] for c in tts["cells"]):
         cells = [c for c in tts["cells"] if c["group"] == group]
         warm = any(c.get("warm_T") for c in cells)
-        lines += [f"#### {group}", "", "| depth | strategy | " + " | ".join(
-            f"T({int(n):,})" for n in ns) + (f" | warm T({w})" if warm else "") + " |",
-            "|---|---|" + "---|" * (len(ns) + warm)]
+        lines += [
+            f"#### {group}",
+            "",
+            "| depth | strategy | "
+            + " | ".join(f"T({int(n):,})" for n in ns)
+            + (f" | warm T({w})" if warm else "")
+            + " |",
+            "|---|---|" + "---|" * (len(ns) + warm),
+        ]
         for c in sorted(cells, key=lambda c: (c["depth"], c["strategy"])):
-            lines.append(f"| {c['depth']} | {c['strategy']} | " + " | ".join(
-                _seconds(c["T"].get(n)) for n in ns)
-                + (f" | {_seconds((c.get('warm_T') or {}).get(w))}" if warm else "") + " |")
+            lines.append(
+                f"| {c['depth']} | {c['strategy']} | "
+                + " | ".join(_seconds(c["T"].get(n)) for n in ns)
+                + (f" | {_seconds((c.get('warm_T') or {}).get(w))}" if warm else "")
+                + " |"
+            )
             key = f"{group}: T({{}}) {c['strategy']}/best peer @depth{c['depth']}"
-            if key.format(ns[0]) in ratios or ratios.get(f"{group}: warm T({w}) {c['strategy']}"
-                                                         f"/best peer @depth{c['depth']}"):
+            if key.format(ns[0]) in ratios or ratios.get(
+                f"{group}: warm T({w}) {c['strategy']}/best peer @depth{c['depth']}"
+            ):
                 cols = [_best(ratios.get(key.format(n))) for n in ns]
                 if warm:
-                    cols.append(_best(ratios.get(f"{group}: warm T({w}) {c['strategy']}/best "
-                                                 f"peer @depth{c['depth']}")))
-                lines.append(f"| {c['depth']} | **{c['strategy']} / best peer** | "
-                             + " | ".join(cols) + " |")
-        rows = sorted((k.split(" @depth")[1], k.split(": crossover ")[1].split(" @")[0], v)
-                      for k, v in crossings.items() if k.startswith(f"{group}: crossover "))
+                    cols.append(
+                        _best(
+                            ratios.get(
+                                f"{group}: warm T({w}) {c['strategy']}/best peer @depth{c['depth']}"
+                            )
+                        )
+                    )
+                lines.append(
+                    f"| {c['depth']} | **{c['strategy']} / best peer** | " + " | ".join(cols) + " |"
+                )
+        rows = sorted(
+            (k.split(" @depth")[1], k.split(": crossover ")[1].split(" @")[0], v)
+            for k, v in crossings.items()
+            if k.startswith(f"{group}: crossover ")
+        )
         if rows:
             lines += ["", "| depth | stays ahead of the peer from step |", "|---|---|"]
-            lines += [f"| {d} | {pair}: {_value(v)} |" for d, pair, v in
-                      sorted(rows, key=lambda r: (int(r[0]), r[1]))]
+            lines += [
+                f"| {d} | {pair}: {_value(v)} |"
+                for d, pair, v in sorted(rows, key=lambda r: (int(r[0]), r[1]))
+            ]
         lines.append("")
     return lines
 
@@ -266,40 +339,62 @@ def _warm_lines(results: list[dict]) -> list[str]:
     for r in sorted(results, key=lambda r: (group_of(r), r["depth"])):
         if r.get("warm_first_step_s") is None:
             continue
-        saved = ("the saved graphs of its region frames (FSDP2 hooks mode)"
-                 if r.get("mode") == "frames" else "the saved whole-model graph")
+        saved = (
+            "the saved graphs of its region frames (FSDP2 hooks mode)"
+            if r.get("mode") == "frames"
+            else "the saved whole-model graph"
+        )
         if r["strategy"] != "aotdist+cache":
             saved += f" ({r['strategy']})"
-        path = (f"{saved}, untraced" if r.get("warm_precompiled") else
-                f"traced again ({r.get('warm_precompile_reason') or 'no saved graph'})")
-        out.append(f"- {group_of(r)}, depth {r['depth']}: warm start (bundle load and first "
-                   f"step) {_fig(r, 'warm_first_step_s')} s via {path}; the cold run's save "
-                   f"took {r.get('cache_save_s') or 0.0:.2f} s")
+        path = (
+            f"{saved}, untraced"
+            if r.get("warm_precompiled")
+            else f"traced again ({r.get('warm_precompile_reason') or 'no saved graph'})"
+        )
+        out.append(
+            f"- {group_of(r)}, depth {r['depth']}: warm start (bundle load and first "
+            f"step) {_fig(r, 'warm_first_step_s')} s via {path}; the cold run's save "
+            f"took {r.get('cache_save_s') or 0.0:.2f} s"
+        )
     return ["Warm starts (+cache cells):", "", *out, ""] if out else []
 
 
 def _paired_lines(paired: list[dict], failures: list[str]) -> list[str]:
     if failures:
-        return ["", "Paired runs that failed (the steady-step ratios at their depths are "
-                "across processes): " + "; ".join(failures)] + _paired_lines(paired, [])
+        return [
+            "",
+            "Paired runs that failed (the steady-step ratios at their depths are "
+            "across processes): " + "; ".join(failures),
+        ] + _paired_lines(paired, [])
     if not paired:
         return []
-    lines = ["", "### Steady step side by side (paired runs)", "",
-             "One process per depth builds every strategy (same weights and batch), loading "
-             "the artifacts the first repeat compiled where it can (its compiles are not "
-             "measured), then times them in interleaved rounds (each round: the timed steps "
-             "of every strategy, the order rotating). The steady-step targets use the "
-             "per-round ratios of these runs; the cells' own steady steps above come from "
-             "processes minutes apart.", "",
-             "| group | depth | rounds x steps | steady step (ms), median [min-max] of round "
-             "medians | cache hits: FX graph / AOTAutograd |", "|---|---|---|---|---|"]
+    lines = [
+        "",
+        "### Steady step side by side (paired runs)",
+        "",
+        "One process per depth builds every strategy (same weights and batch), loading "
+        "the artifacts the first repeat compiled where it can (its compiles are not "
+        "measured), then times them in interleaved rounds (each round: the timed steps "
+        "of every strategy, the order rotating). The steady-step targets use the "
+        "per-round ratios of these runs; the cells' own steady steps above come from "
+        "processes minutes apart.",
+        "",
+        "| group | depth | rounds x steps | steady step (ms), median [min-max] of round "
+        "medians | cache hits: FX graph / AOTAutograd |",
+        "|---|---|---|---|---|",
+    ]
     for p in paired:
-        figs = ", ".join(f"{name} {statistics.median(v) * 1e3:.2f} [{min(v) * 1e3:.2f}-"
-                         f"{max(v) * 1e3:.2f}]" for name, v in p["slice_step_s"].items() if v)
+        figs = ", ".join(
+            f"{name} {statistics.median(v) * 1e3:.2f} [{min(v) * 1e3:.2f}-{max(v) * 1e3:.2f}]"
+            for name, v in p["slice_step_s"].items()
+            if v
+        )
         hits = p.get("cache_hits") or {}
-        lines.append(f"| {group_of(p)} | {p['depth']} | {p['slices']} x "
-                     f"{p['steps_per_slice']} | {figs} | {hits.get('fx_graph', '-')} / "
-                     f"{hits.get('aot_autograd', '-')} |")
+        lines.append(
+            f"| {group_of(p)} | {p['depth']} | {p['slices']} x "
+            f"{p['steps_per_slice']} | {figs} | {hits.get('fx_graph', '-')} / "
+            f"{hits.get('aot_autograd', '-')} |"
+        )
     return lines
 
 
@@ -318,9 +413,14 @@ def _plot(results: list[dict], path: Path) -> bool:
         for s in strategies:
             pts = sorted((r for r in rows if r["strategy"] == s), key=lambda r: r["depth"])
             if s != "eager" and len(pts) >= 2:
-                ax1.plot([r["depth"] for r in pts], [r["compile_s"] for r in pts], marker="o",
-                         color=colors[s], linestyle=("-", "--", ":")[gi % 3],
-                         label=f"{s} ({group})")
+                ax1.plot(
+                    [r["depth"] for r in pts],
+                    [r["compile_s"] for r in pts],
+                    marker="o",
+                    color=colors[s],
+                    linestyle=("-", "--", ":")[gi % 3],
+                    label=f"{s} ({group})",
+                )
     ax1.set(xlabel="depth (blocks)", ylabel="cold compile (s)", title="Cold compile vs depth")
     ax1.set_xscale("log", base=2)
     cells = sorted({(group_of(r), r["depth"]) for r in results})
@@ -330,8 +430,11 @@ def _plot(results: list[dict], path: Path) -> bool:
         xs = [i + j * width for i, c in enumerate(cells) if (*c, s) in idx]
         ys = [idx[(*c, s)]["steady_step_s"] * 1e3 for c in cells if (*c, s) in idx]
         ax2.bar(xs, ys, width=width, color=colors[s], label=s)
-    ax2.set_xticks([i + width * (len(strategies) - 1) / 2 for i in range(len(cells))],
-                   [f"{g}\ndepth {d}" for g, d in cells], fontsize=8)
+    ax2.set_xticks(
+        [i + width * (len(strategies) - 1) / 2 for i in range(len(cells))],
+        [f"{g}\ndepth {d}" for g, d in cells],
+        fontsize=8,
+    )
     ax2.set(ylabel="steady step (ms, median)", title="Step time per strategy")
     ax2.set_yscale("log")
     for ax in (ax1, ax2):
@@ -344,8 +447,9 @@ def _plot(results: list[dict], path: Path) -> bool:
     return True
 
 
-def write_report(runs: list[dict], out: Path, *, settings: dict | None = None,
-                 paired: list[dict] | None = None) -> dict:
+def write_report(
+    runs: list[dict], out: Path, *, settings: dict | None = None, paired: list[dict] | None = None
+) -> dict:
     """Writes ``bench.json``, ``bench.md`` and ``bench.png`` under ``out``; prints the md.
 
     Args:
@@ -364,13 +468,25 @@ def write_report(runs: list[dict], out: Path, *, settings: dict | None = None,
     results = summarize_cells(runs)
     tts = time_to_steps(runs, paired)
     ratios = {**tts["ratios"], **compute_ratios(runs, paired)}
-    report = {"machine": machine_description(), "settings": dict(settings or {}),
-              "results": results, "runs": runs, "paired": list(paired or []), "ratios": ratios,
-              "time_to_steps": tts,
-              "targets": evaluate_targets(results, {**ratios, **tts["crossovers"]})}
+    report = {
+        "machine": machine_description(),
+        "settings": dict(settings or {}),
+        "results": results,
+        "runs": runs,
+        "paired": list(paired or []),
+        "ratios": ratios,
+        "time_to_steps": tts,
+        "targets": evaluate_targets(results, {**ratios, **tts["crossovers"]}),
+    }
     report["settings"].setdefault("duration_s", 0.0)
-    for key, default in (("backend", "?"), ("device", "?"), ("float8", False), ("warmup", 0),
-                         ("steps", 0), ("repeats", 1)):
+    for key, default in (
+        ("backend", "?"),
+        ("device", "?"),
+        ("float8", False),
+        ("warmup", 0),
+        ("steps", 0),
+        ("repeats", 1),
+    ):
         report["settings"].setdefault(key, default)
     report["plot"] = _plot(results, out / "bench.png")
     (out / "bench.json").write_text(json.dumps(report, indent=2))

@@ -81,8 +81,11 @@ def _saved_for_backward(model, run_model, opt, x, y, *, cuda_graphs: bool = Fals
         loss = training_loss(run_model(x), y)
     loss.backward()
     opt.zero_grad(set_to_none=True)
-    return {"saved_activation_bytes": saved.activation_bytes,
-            "saved_bytes_total": saved.total_bytes, "saved_tensors": saved.saved_tensors}
+    return {
+        "saved_activation_bytes": saved.activation_bytes,
+        "saved_bytes_total": saved.total_bytes,
+        "saved_tensors": saved.saved_tensors,
+    }
 
 
 def _build(spec: dict, name: str, *, fsdp: bool = False) -> tuple:
@@ -98,8 +101,13 @@ def _build(spec: dict, name: str, *, fsdp: bool = False) -> tuple:
     torch.manual_seed(0)
     model = build_bench_model(spec["model"], depth=spec["depth"]).to(spec["device"])
     notes = strategy.notes(model) if strategy.notes else ""
-    setup = Setup(backend=spec["backend"], fsdp=fsdp, float8=spec["float8"],
-                  replicate=spec.get("replicate", 1) if fsdp else 1, mode=spec.get("mode"))
+    setup = Setup(
+        backend=spec["backend"],
+        fsdp=fsdp,
+        float8=spec["float8"],
+        replicate=spec.get("replicate", 1) if fsdp else 1,
+        mode=spec.get("mode"),
+    )
     start = time.perf_counter()  # a warm restart counts this: loading artifacts is in it
     run_model = strategy.apply(model, setup)
     return strategy, model, run_model, notes, time.perf_counter() - start
@@ -122,8 +130,7 @@ def _training(spec: dict, model, run_model, rank: int = 0) -> tuple:
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     x, y = synthetic_batch(spec["model"], model, batch=spec["batch"], generator=g)
     x, y = x.to(spec["device"]), y.to(spec["device"])
-    return opt, x, y, _step_fn(run_model, opt, x, y, spec["device"],
-                               cuda_graphs=_cuda_graphs(spec))
+    return opt, x, y, _step_fn(run_model, opt, x, y, spec["device"], cuda_graphs=_cuda_graphs(spec))
 
 
 def _cuda_graphs(spec: dict) -> bool:
@@ -156,8 +163,7 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
     # compiler too, the cold step does not count these imports, and the memory baseline
     # holds the compiler's code
     _compat.import_compiler_stack()
-    strategy, model, run_model, notes, apply_s = _build(spec, spec["strategy"],
-                                                         fsdp=world_size > 1)
+    strategy, model, run_model, notes, apply_s = _build(spec, spec["strategy"], fsdp=world_size > 1)
     isa_probe_s = _probe_cpu_isa(spec, strategy)
     memory = MemoryProbe(device)  # baseline: after imports, model build and strategy
     opt, x, y, step = _training(spec, model, run_model, rank)
@@ -184,8 +190,7 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
                 step()
             barrier()
             times = [step() for _ in range(spec["steps"])]
-            saved = _saved_for_backward(model, run_model, opt, x, y,
-                                        cuda_graphs=_cuda_graphs(spec))
+            saved = _saved_for_backward(model, run_model, opt, x, y, cuda_graphs=_cuda_graphs(spec))
         if profile_dir:
             profile_steady_steps(step, profile_dir, label, phases)
         elif spec.get("profile_dir"):  # other ranks: the same steps, for their collectives
@@ -195,27 +200,44 @@ def measure(spec: dict, *, rank: int = 0, world_size: int = 1) -> dict:
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [steady] * 3
     compile_s = max(first - steady, 0.0) if strategy.compiles else 0.0
     return {
-        "strategy": spec["strategy"], "model": spec["model"], "depth": spec["depth"],
-        "nproc": world_size, "backend": spec["backend"], "compile_mode": spec.get("mode"),
+        "strategy": spec["strategy"],
+        "model": spec["model"],
+        "depth": spec["depth"],
+        "nproc": world_size,
+        "backend": spec["backend"],
+        "compile_mode": spec.get("mode"),
         "device": device,
-        "float8": spec["float8"], "batch": spec["batch"], "rank": rank,
+        "float8": spec["float8"],
+        "batch": spec["batch"],
+        "rank": rank,
         "fsdp_mesh": _fsdp_mesh_shape(model),
-        "first_step_s": first, "isa_probe_s": isa_probe_s, "apply_s": apply_s,
-        "steady_step_s": steady, "step_times_s": times,
-        "steady_step_iqr_s": [q[0], q[2]], "compile_s": compile_s,
+        "first_step_s": first,
+        "isa_probe_s": isa_probe_s,
+        "apply_s": apply_s,
+        "steady_step_s": steady,
+        "step_times_s": times,
+        "steady_step_iqr_s": [q[0], q[2]],
+        "compile_s": compile_s,
         "compile_split_s": phases.split(m, compile_s=compile_s),
-        **memory.report(), **saved,
-        "frames_compiled": m.frames_compiled, "graphs": m.graphs,
+        **memory.report(),
+        **saved,
+        "frames_compiled": m.frames_compiled,
+        "graphs": m.graphs,
         "graph_breaks": m.num_graph_breaks,
         "frames_skipped": sum(m.unsupported.values()),  # Dynamo gave up: ran eager
         "graph_break_reasons": {k.splitlines()[0][:200]: v for k, v in m.graph_breaks.items()},
         "recompiles": len(m.recompiles),
         "recompiles_after_first_step": len(later.recompiles),
         "frames_compiled_after_first_step": later.frames_compiled,
-        "regions": {n: vars(s) for n, s in m.regions.items()}, "mode": m.mode,
-        "notes": notes, "profiled": bool(profile_dir), "threads": torch.get_num_threads(),
+        "regions": {n: vars(s) for n, s in m.regions.items()},
+        "mode": m.mode,
+        "notes": notes,
+        "profiled": bool(profile_dir),
+        "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        **_cache_fields(model), "cache_save_s": save_s, "precompiled": m.precompiled,
+        **_cache_fields(model),
+        "cache_save_s": save_s,
+        "precompiled": m.precompiled,
     }
 
 
@@ -252,14 +274,22 @@ def measure_paired(spec: dict, strategies: list[str], slices: int) -> dict:
         for k in range(slices):
             shift = k % len(strategies)
             for name in strategies[shift:] + strategies[:shift]:
-                medians[name].append(statistics.median(steps[name]()
-                                                       for _ in range(spec["steps"])))
-    return {"model": spec["model"], "depth": spec["depth"], "nproc": 1,
-            "backend": spec["backend"], "compile_mode": spec.get("mode"), "device": device,
-            "strategies": list(strategies),
-            "slices": slices, "steps_per_slice": spec["steps"], "slice_step_s": medians,
-            "first_step_s": first, "cache_hits": {k: v - hits[k] for k, v in _cache_hits().items()},
-            "torch": torch.__version__}
+                medians[name].append(statistics.median(steps[name]() for _ in range(spec["steps"])))
+    return {
+        "model": spec["model"],
+        "depth": spec["depth"],
+        "nproc": 1,
+        "backend": spec["backend"],
+        "compile_mode": spec.get("mode"),
+        "device": device,
+        "strategies": list(strategies),
+        "slices": slices,
+        "steps_per_slice": spec["steps"],
+        "slice_step_s": medians,
+        "first_step_s": first,
+        "cache_hits": {k: v - hits[k] for k, v in _cache_hits().items()},
+        "torch": torch.__version__,
+    }
 
 
 def _cache_hits() -> dict[str, int]:
@@ -267,8 +297,10 @@ def _cache_hits() -> dict[str, int]:
     that starts from compiled artifacts shows hits)."""
     from aotdist import _compat
 
-    return {"fx_graph": _compat.dynamo_counters("inductor").get("fxgraph_cache_hit", 0),
-            "aot_autograd": _compat.dynamo_counters("aot_autograd").get("autograd_cache_hit", 0)}
+    return {
+        "fx_graph": _compat.dynamo_counters("inductor").get("fxgraph_cache_hit", 0),
+        "aot_autograd": _compat.dynamo_counters("aot_autograd").get("autograd_cache_hit", 0),
+    }
 
 
 def _probe_cpu_isa(spec: dict, strategy) -> float:
@@ -297,8 +329,11 @@ def _cache_fields(model) -> dict:
     if state is None:
         return {"cache_load": "off", "cache_load_s": 0.0, "precompile_reason": ""}
     load = state["load"]
-    return {"cache_load": str(load.status), "cache_load_s": state["load_s"],
-            "precompile_reason": load.precompile_reason}
+    return {
+        "cache_load": str(load.status),
+        "cache_load_s": state["load_s"],
+        "precompile_reason": load.precompile_reason,
+    }
 
 
 def _barrier(world_size: int):
@@ -327,16 +362,34 @@ def merge_ranks(results: list[dict]) -> dict:
     is what a training job waits for. Every rank's own result is kept under ``ranks``.
     """
     merged = dict(results[0])
-    for key in ("first_step_s", "isa_probe_s", "steady_step_s", "compile_s", "peak_mem_mib",
-                "peak_rss_mib",
-                "saved_activation_bytes", "saved_bytes_total"):
+    for key in (
+        "first_step_s",
+        "isa_probe_s",
+        "steady_step_s",
+        "compile_s",
+        "peak_mem_mib",
+        "peak_rss_mib",
+        "saved_activation_bytes",
+        "saved_bytes_total",
+    ):
         values = [r[key] for r in results if r.get(key) is not None]
         if values:
             merged[key] = max(values)
     merged["compile_split_s"] = max(results, key=lambda r: r["compile_s"])["compile_split_s"]
-    merged["ranks"] = [{k: r.get(k) for k in ("rank", "first_step_s", "steady_step_s",
-                                              "compile_s", "peak_mem_mib", "fsdp_mesh")}
-                       for r in results]
+    merged["ranks"] = [
+        {
+            k: r.get(k)
+            for k in (
+                "rank",
+                "first_step_s",
+                "steady_step_s",
+                "compile_s",
+                "peak_mem_mib",
+                "fsdp_mesh",
+            )
+        }
+        for r in results
+    ]
     merged.pop("rank", None)
     return merged
 
@@ -350,8 +403,9 @@ def run(spec: dict, *, nproc: int, timeout: float) -> dict:
     pg_backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
     # skip_teardown: with torch 2.15, C++ teardown after Inductor compiled in a rank can
     # abort (SIGABRT) after the measurement was reported; a measurement is not a test of it.
-    results = run_distributed(_rank_measure, nproc, spec, backend=pg_backend, timeout=timeout,
-                              skip_teardown=True)
+    results = run_distributed(
+        _rank_measure, nproc, spec, backend=pg_backend, timeout=timeout, skip_teardown=True
+    )
     return merge_ranks(results)
 
 
@@ -371,14 +425,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree (--nproc > 1)")
     p.add_argument("--profile-dir", default=None)
     p.add_argument("--timeout", type=float, default=1200.0)
-    p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
-                   help="steady steps only: --strategy a,b,... side by side in one process, "
-                        "ROUNDS interleaved rounds of --steps steps each")
+    p.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="steady steps only: --strategy a,b,... side by side in one process, "
+        "ROUNDS interleaved rounds of --steps steps each",
+    )
     a = p.parse_args(argv)
-    spec = {"strategy": a.strategy, "model": a.model, "depth": a.depth, "backend": a.backend,
-            "steps": a.steps, "warmup": a.warmup, "batch": a.batch, "device": a.device,
-            "float8": a.float8, "replicate": a.replicate, "profile_dir": a.profile_dir,
-            "mode": a.mode}
+    spec = {
+        "strategy": a.strategy,
+        "model": a.model,
+        "depth": a.depth,
+        "backend": a.backend,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "batch": a.batch,
+        "device": a.device,
+        "float8": a.float8,
+        "replicate": a.replicate,
+        "profile_dir": a.profile_dir,
+        "mode": a.mode,
+    }
     if a.paired:
         result = measure_paired(spec, a.strategy.split(","), a.paired)
     else:

@@ -79,9 +79,9 @@ class SavedBytes:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
-        self.activation_bytes = sum(s.nbytes() for k, s in self._seen.items()
-                                    if k not in self._exclude)
-        self.excluded_bytes = sum(s.nbytes() for k, s in self._seen.items()
-                                  if k in self._exclude)
+        self.activation_bytes = sum(
+            s.nbytes() for k, s in self._seen.items() if k not in self._exclude
+        )
+        self.excluded_bytes = sum(s.nbytes() for k, s in self._seen.items() if k in self._exclude)
         self.total_bytes = self.activation_bytes + self.excluded_bytes
         self._seen = {}  # drop the references: the saved tensors own their storages

@@ -15,8 +15,18 @@ import math
 import operator
 import statistics
 
-__all__ = ["FIGURES", "PEERS", "TARGETS", "compute_ratios", "evaluate_targets", "fresh_start_s",
-           "group_of", "restart_s", "summarize_cells", "verdict"]
+__all__ = [
+    "FIGURES",
+    "PEERS",
+    "TARGETS",
+    "compute_ratios",
+    "evaluate_targets",
+    "fresh_start_s",
+    "group_of",
+    "restart_s",
+    "summarize_cells",
+    "verdict",
+]
 
 # The peers aotdist is measured against: every compiling strategy that is not aotdist's.
 PEERS = ("full", "accelerate", "per_block")
@@ -25,55 +35,133 @@ PEERS = ("full", "accelerate", "per_block")
 def fresh_start_s(result: dict) -> float:
     """A fresh start's first step: the cold step plus the ISA probes run before it and
     the cache bundle's load in ``parallelize`` (a warm start's saved graph loads there)."""
-    return (result["first_step_s"] + (result.get("isa_probe_s") or 0.0)
-            + (result.get("cache_load_s") or 0.0))
+    return (
+        result["first_step_s"]
+        + (result.get("isa_probe_s") or 0.0)
+        + (result.get("cache_load_s") or 0.0)
+    )
 
 
 def restart_s(result: dict) -> float:
     """A run's set-up and first step, as a restart waits for them: the strategy's apply
     (where ``parallelize`` loads saved artifacts), the ISA probes and the first step."""
-    return (result["first_step_s"] + (result.get("isa_probe_s") or 0.0)
-            + (result.get("apply_s") or 0.0))
+    return (
+        result["first_step_s"] + (result.get("isa_probe_s") or 0.0) + (result.get("apply_s") or 0.0)
+    )
 
 
 # Per-run figures a cell reports as median and spread.
-FIGURES = ("compile_s", "first_step_s", "isa_probe_s", "steady_step_s", "peak_mem_mib",
-           "saved_activation_bytes", "saved_bytes_total", "warm_first_step_s", "warm_restart_s")
+FIGURES = (
+    "compile_s",
+    "first_step_s",
+    "isa_probe_s",
+    "steady_step_s",
+    "peak_mem_mib",
+    "saved_activation_bytes",
+    "saved_bytes_total",
+    "warm_first_step_s",
+    "warm_restart_s",
+)
 
 # (what the target asks, ratio name with {d} for a depth and {lo} for the group's smallest,
 # comparison, bound, which depths: "every" depth of the group, "8+" (every depth >= 8),
 # "largest" (the largest depth where both sides were measured: the main job's depth-64 cell
 # has no whole-model compile), or "largest 32+" (that, if it is 32 or more)
 TARGETS = (
-    ("cold T(100): aotdist <= 1.0x the best peer", "T(100) aotdist/best peer @depth{d}", "<=",
-     1.0, "every"),
-    ("cold T(1000): aotdist <= 0.85x the best peer", "T(1000) aotdist/best peer @depth{d}", "<=",
-     0.85, "every"),
-    ("aotdist overtakes accelerate within 300 steps", "crossover aotdist/accelerate @depth{d}",
-     "<=", 300, "every"),
+    (
+        "cold T(100): aotdist <= 1.0x the best peer",
+        "T(100) aotdist/best peer @depth{d}",
+        "<=",
+        1.0,
+        "every",
+    ),
+    (
+        "cold T(1000): aotdist <= 0.85x the best peer",
+        "T(1000) aotdist/best peer @depth{d}",
+        "<=",
+        0.85,
+        "every",
+    ),
+    (
+        "aotdist overtakes accelerate within 300 steps",
+        "crossover aotdist/accelerate @depth{d}",
+        "<=",
+        300,
+        "every",
+    ),
     ("T(10000): aotdist <= 1.0x full", "T(10000) aotdist/full @depth{d}", "<=", 1.0, "every"),
-    ("warm restart T(100): aotdist (artifact cache) <= 0.5x the best peer's",
-     "warm T(100) aotdist+cache/best peer @depth{d}", "<=", 0.5, "every"),
+    (
+        "warm restart T(100): aotdist (artifact cache) <= 0.5x the best peer's",
+        "warm T(100) aotdist+cache/best peer @depth{d}",
+        "<=",
+        0.5,
+        "every",
+    ),
     ("steady step: aotdist <= 1.0x full", "step aotdist/full @depth{d}", "<=", 1.0, "every"),
-    ("steady step: aotdist <= 0.8x accelerate", "step aotdist/accelerate @depth{d}", "<=", 0.8,
-     "every"),
-    ("cold compile: aotdist <= 1.0x accelerate", "compile aotdist/accelerate @depth{d}", "<=",
-     1.0, "every"),
-    ("compile growth from the smallest depth: aotdist <= 1.1x",
-     "compile growth aotdist depth{d}/depth{lo}", "<=", 1.1, "every"),
+    (
+        "steady step: aotdist <= 0.8x accelerate",
+        "step aotdist/accelerate @depth{d}",
+        "<=",
+        0.8,
+        "every",
+    ),
+    (
+        "cold compile: aotdist <= 1.0x accelerate",
+        "compile aotdist/accelerate @depth{d}",
+        "<=",
+        1.0,
+        "every",
+    ),
+    (
+        "compile growth from the smallest depth: aotdist <= 1.1x",
+        "compile growth aotdist depth{d}/depth{lo}",
+        "<=",
+        1.1,
+        "every",
+    ),
     ("saved for backward: aotdist <= full", "saved aotdist/full @depth{d}", "<=", 1.0, "every"),
-    ("peak memory: aotdist <= accelerate", "memory aotdist/accelerate @depth{d}", "<=", 1.0,
-     "every"),
-    ("graph-mode FSDP cold compile <= 1.2x hooks mode", "compile aotdist-graph/aotdist @depth{d}",
-     "<=", 1.2, "every"),
-    ("graph-mode FSDP steady step <= hooks mode", "step aotdist-graph/aotdist @depth{d}", "<=",
-     1.0, "8+"),
-    ("warm start (cached artifacts) <= 0.05x cold",
-     "first step warm/cold aotdist+cache @depth{d}", "<=", 0.05, "largest"),
-    ("graph-mode FSDP warm start <= 0.05x cold",
-     "first step warm/cold aotdist-graph+cache @depth{d}", "<=", 0.05, "largest"),
-    ("2-rank cold start, rank 0 shares its compiles <= 0.7x independent compiles",
-     "first step aotdist+cache/aotdist @depth{d}", "<=", 0.7, "largest"),
+    (
+        "peak memory: aotdist <= accelerate",
+        "memory aotdist/accelerate @depth{d}",
+        "<=",
+        1.0,
+        "every",
+    ),
+    (
+        "graph-mode FSDP cold compile <= 1.2x hooks mode",
+        "compile aotdist-graph/aotdist @depth{d}",
+        "<=",
+        1.2,
+        "every",
+    ),
+    (
+        "graph-mode FSDP steady step <= hooks mode",
+        "step aotdist-graph/aotdist @depth{d}",
+        "<=",
+        1.0,
+        "8+",
+    ),
+    (
+        "warm start (cached artifacts) <= 0.05x cold",
+        "first step warm/cold aotdist+cache @depth{d}",
+        "<=",
+        0.05,
+        "largest",
+    ),
+    (
+        "graph-mode FSDP warm start <= 0.05x cold",
+        "first step warm/cold aotdist-graph+cache @depth{d}",
+        "<=",
+        0.05,
+        "largest",
+    ),
+    (
+        "2-rank cold start, rank 0 shares its compiles <= 0.7x independent compiles",
+        "first step aotdist+cache/aotdist @depth{d}",
+        "<=",
+        0.7,
+        "largest",
+    ),
 )
 # What the accelerate strategy's notes say where it found no blocks (strategies.py writes
 # it, evaluate_targets reads it): its cell is then a whole-model compile.
@@ -96,8 +184,12 @@ def _groups(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 def summarize_cells(runs: list[dict]) -> list[dict]:
@@ -122,8 +214,10 @@ def summarize_cells(runs: list[dict]) -> list[dict]:
                 cell["spread"][key] = _spread(values)
                 cell[key] = cell["spread"][key]["median"]
         cell["repeats"] = len(rows)
-        cell["runs"] = [{"repeat": r.get("repeat", 0),
-                         **{k: r[k] for k in FIGURES if r.get(k) is not None}} for r in rows]
+        cell["runs"] = [
+            {"repeat": r.get("repeat", 0), **{k: r[k] for k in FIGURES if r.get(k) is not None}}
+            for r in rows
+        ]
         out.append(cell)
     return out
 
@@ -147,31 +241,45 @@ def _ratios_one_repeat(rows: list[dict]) -> dict[str, tuple[float, float]]:
                 if a and p:
                     put(f"compile aotdist/{peer} @depth{d}", a["compile_s"], p["compile_s"])
                     put(f"step aotdist/{peer} @depth{d}", a["steady_step_s"], p["steady_step_s"])
-                    put(f"saved aotdist/{peer} @depth{d}", a.get("saved_activation_bytes"),
-                        p.get("saved_activation_bytes"))
-                    put(f"memory aotdist/{peer} @depth{d}", a.get("peak_mem_mib"),
-                        p.get("peak_mem_mib"))
+                    put(
+                        f"saved aotdist/{peer} @depth{d}",
+                        a.get("saved_activation_bytes"),
+                        p.get("saved_activation_bytes"),
+                    )
+                    put(
+                        f"memory aotdist/{peer} @depth{d}",
+                        a.get("peak_mem_mib"),
+                        p.get("peak_mem_mib"),
+                    )
             g = idx.get(("aotdist-graph", d))
             if a and g:  # graph-mode FSDP against hooks mode (several ranks)
                 put(f"compile aotdist-graph/aotdist @depth{d}", g["compile_s"], a["compile_s"])
-                put(f"step aotdist-graph/aotdist @depth{d}", g["steady_step_s"],
-                    a["steady_step_s"])
+                put(f"step aotdist-graph/aotdist @depth{d}", g["steady_step_s"], a["steady_step_s"])
             for mode in ("aotdist", "aotdist-graph"):  # region bodies only vs lowered whole
                 fx, low = idx.get((mode, d)), idx.get((f"{mode}+lowered", d))
                 if fx and low:
-                    for what, key in (("compile", "compile_s"), ("step", "steady_step_s"),
-                                      ("memory", "peak_mem_mib")):
+                    for what, key in (
+                        ("compile", "compile_s"),
+                        ("step", "steady_step_s"),
+                        ("memory", "peak_mem_mib"),
+                    ):
                         put(f"{what} {mode}/{mode}+lowered @depth{d}", fx.get(key), low.get(key))
             for name in ("aotdist+cache", "aotdist-graph+cache"):
                 w = idx.get((name, d))
                 if w and w.get("warm_first_step_s") is not None:
-                    put(f"first step warm/cold {name} @depth{d}", w["warm_first_step_s"],
-                        fresh_start_s(w))
+                    put(
+                        f"first step warm/cold {name} @depth{d}",
+                        w["warm_first_step_s"],
+                        fresh_start_s(w),
+                    )
             c = idx.get(("aotdist+cache", d))
             if c and a and c["nproc"] > 1:  # sharing between ranks: cold vs independent
                 # (compiles only: each rank runs its own ISA probes in both)
-                put(f"first step aotdist+cache/aotdist @depth{d}", c["first_step_s"],
-                    a["first_step_s"])
+                put(
+                    f"first step aotdist+cache/aotdist @depth{d}",
+                    c["first_step_s"],
+                    a["first_step_s"],
+                )
             e = idx.get(("eager", d))
             for s in strategies:
                 r = idx.get((s, d))
@@ -181,8 +289,11 @@ def _ratios_one_repeat(rows: list[dict]) -> dict[str, tuple[float, float]]:
             mine = [d for d in depths if (s, d) in idx]
             for hi in mine[1:]:
                 if s != "eager":
-                    put(f"compile growth {s} depth{hi}/depth{mine[0]}", idx[(s, hi)]["compile_s"],
-                        idx[(s, mine[0])]["compile_s"])
+                    put(
+                        f"compile growth {s} depth{hi}/depth{mine[0]}",
+                        idx[(s, hi)]["compile_s"],
+                        idx[(s, mine[0])]["compile_s"],
+                    )
     return found
 
 
@@ -195,9 +306,11 @@ def _paired_step_ratios(paired: list[dict]) -> dict:
         for peer in PEERS:
             if not medians.get("aotdist") or not medians.get(peer):
                 continue
-            rows = [{"round": k, "numerator": a, "denominator": b, "value": a / b}
-                    for k, (a, b) in enumerate(zip(medians["aotdist"], medians[peer], strict=True))
-                    if b > 0]
+            rows = [
+                {"round": k, "numerator": a, "denominator": b, "value": a / b}
+                for k, (a, b) in enumerate(zip(medians["aotdist"], medians[peer], strict=True))
+                if b > 0
+            ]
             if rows:
                 name = f"{group_of(p)}: step aotdist/{peer} @depth{p['depth']}"
                 ratios[name] = {**_summary(rows), "per_round": rows, "source": "paired"}
@@ -208,10 +321,14 @@ def _summary(rows: list[dict]) -> dict:
     """Median and spread of per-repeat (or per-round) ratios, and the medians of their
     numerators and denominators."""
     values = [r["value"] for r in rows]
-    return {"value": statistics.median(values), "min": min(values), "max": max(values),
-            "repeats": len(rows),
-            "numerator": statistics.median(r["numerator"] for r in rows),
-            "denominator": statistics.median(r["denominator"] for r in rows)}
+    return {
+        "value": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "repeats": len(rows),
+        "numerator": statistics.median(r["numerator"] for r in rows),
+        "denominator": statistics.median(r["denominator"] for r in rows),
+    }
 
 
 def compute_ratios(runs: list[dict], paired: list[dict] | None = None) -> dict:
@@ -235,7 +352,8 @@ def compute_ratios(runs: list[dict], paired: list[dict] | None = None) -> dict:
     for rep in sorted(by_repeat):
         for name, (num, den) in _ratios_one_repeat(by_repeat[rep]).items():
             per_name.setdefault(name, []).append(
-                {"repeat": rep, "numerator": num, "denominator": den, "value": num / den})
+                {"repeat": rep, "numerator": num, "denominator": den, "value": num / den}
+            )
     ratios = {name: {**_summary(rows), "per_repeat": rows} for name, rows in per_name.items()}
     ratios.update(_paired_step_ratios(paired or []))
     return ratios
@@ -262,22 +380,37 @@ def evaluate_targets(results: list[dict], ratios: dict) -> list[dict]:
     for group, members in _groups(results).items():
         depths = sorted({r["depth"] for r in members})
         # Where Accelerate found no blocks it compiled the whole model: its step is full's.
-        whole = any(r["strategy"] == "accelerate" and WHOLE_MODEL_NOTE in (r.get("notes") or "")
-                    for r in members)
+        whole = any(
+            r["strategy"] == "accelerate" and WHOLE_MODEL_NOTE in (r.get("notes") or "")
+            for r in members
+        )
         lo = min((r["depth"] for r in members if r["strategy"] == "aotdist"), default=depths[0])
         for text, pattern, op, bound, where in TARGETS:
             if whole and pattern.startswith("step aotdist/accelerate"):
-                text, bound = ("steady step: aotdist <= 1.0x accelerate (a whole-model "
-                               "compile here)"), 1.0
+                text, bound = (
+                    ("steady step: aotdist <= 1.0x accelerate (a whole-model compile here)"),
+                    1.0,
+                )
             least = int(where.split()[-1][:-1]) if where.endswith("+") else 0
             keys = [(d, f"{group}: {pattern.format(d=d, lo=lo)}") for d in depths if d >= least]
             keys = [(d, k) for d, k in keys if k in ratios]
-            for d, key in (keys[-1:] if where.startswith("largest") else keys):
+            for d, key in keys[-1:] if where.startswith("largest") else keys:
                 r = ratios[key]
                 v = verdict(r, op, bound)
-                rows.append({"group": group, "depth": d, "target": text, "ratio": key,
-                             "value": r["value"], "min": r["min"], "max": r["max"],
-                             "unit": r.get("unit", "x"),
-                             "bound": bound, "op": op, "verdict": v,
-                             "met": {"met": True, "missed": False}.get(v)})
+                rows.append(
+                    {
+                        "group": group,
+                        "depth": d,
+                        "target": text,
+                        "ratio": key,
+                        "value": r["value"],
+                        "min": r["min"],
+                        "max": r["max"],
+                        "unit": r.get("unit", "x"),
+                        "bound": bound,
+                        "op": op,
+                        "verdict": v,
+                        "met": {"met": True, "missed": False}.get(v),
+                    }
+                )
     return rows

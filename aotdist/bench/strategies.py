@@ -23,8 +23,14 @@ from aotdist._compat.extras import require
 from aotdist.bench.stats import WHOLE_MODEL_NOTE
 from aotdist.errors import ConfigError
 
-__all__ = ["CUDA_GRAPH_MODES", "STRATEGIES", "Setup", "Strategy",
-           "get_strategy", "register_strategy"]
+__all__ = [
+    "CUDA_GRAPH_MODES",
+    "STRATEGIES",
+    "Setup",
+    "Strategy",
+    "get_strategy",
+    "register_strategy",
+]
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # Inductor's modes with CUDA graphs
 
@@ -80,9 +86,14 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {}
 
 
-def register_strategy(name: str, *, description: str, compiles: bool = True,
-                      notes: Callable[[nn.Module], str] | None = None,
-                      unavailable: Callable[[], str] | None = None):
+def register_strategy(
+    name: str,
+    *,
+    description: str,
+    compiles: bool = True,
+    notes: Callable[[nn.Module], str] | None = None,
+    unavailable: Callable[[], str] | None = None,
+):
     """Decorator registering ``apply(model, setup)`` as strategy ``name``.
 
     Raises:
@@ -92,8 +103,14 @@ def register_strategy(name: str, *, description: str, compiles: bool = True,
     def decorator(fn: Callable[[nn.Module, Setup], nn.Module]):
         if name in STRATEGIES:
             raise ConfigError(f"bench strategy {name!r} is registered twice; pick another name")
-        STRATEGIES[name] = Strategy(name=name, apply=fn, description=description,
-                                    compiles=compiles, notes=notes, unavailable=unavailable)
+        STRATEGIES[name] = Strategy(
+            name=name,
+            apply=fn,
+            description=description,
+            compiles=compiles,
+            notes=notes,
+            unavailable=unavailable,
+        )
         return fn
 
     return decorator
@@ -108,8 +125,10 @@ def get_strategy(name: str) -> Strategy:
     try:
         return STRATEGIES[name]
     except KeyError:
-        raise ConfigError(f"unknown bench strategy {name!r}; choose from "
-                          f"{', '.join(STRATEGIES)} (--strategies a,b,...)") from None
+        raise ConfigError(
+            f"unknown bench strategy {name!r}; choose from "
+            f"{', '.join(STRATEGIES)} (--strategies a,b,...)"
+        ) from None
 
 
 def _float8(model: nn.Module, setup: Setup) -> None:
@@ -126,12 +145,17 @@ def _shard(model: nn.Module, setup: Setup) -> None:
     from aotdist.config import FSDPConfig
     from aotdist.fsdp import default_mesh, shard
 
-    shard(model, aotdist.find_regions(model), FSDPConfig(enabled=True),
-          default_mesh(model, replicate_degree=setup.replicate))
+    shard(
+        model,
+        aotdist.find_regions(model),
+        FSDPConfig(enabled=True),
+        default_mesh(model, replicate_degree=setup.replicate),
+    )
 
 
-@register_strategy("eager", description="no compile (FSDP2 units per block under --nproc)",
-                   compiles=False)
+@register_strategy(
+    "eager", description="no compile (FSDP2 units per block under --nproc)", compiles=False
+)
 def _eager(model: nn.Module, setup: Setup) -> nn.Module:
     _float8(model, setup)
     if setup.fsdp:
@@ -139,8 +163,11 @@ def _eager(model: nn.Module, setup: Setup) -> nn.Module:
     return model
 
 
-@register_strategy("full", description="torch.compile of the whole model (model.compile(), "
-                   "in place; under FSDP2 after fully_shard, as users do)")
+@register_strategy(
+    "full",
+    description="torch.compile of the whole model (model.compile(), "
+    "in place; under FSDP2 after fully_shard, as users do)",
+)
 def _full(model: nn.Module, setup: Setup) -> nn.Module:
     _float8(model, setup)
     if setup.fsdp:
@@ -153,13 +180,19 @@ def _accelerate_notes(model: nn.Module) -> str:
     other = require("accelerate.utils.other", feature="the bench strategy 'accelerate'")
     if other.has_repeated_blocks(model):
         return ""
-    return (f"no nn.ModuleList of repeated blocks: Accelerate's compile_regions "
-            f"{WHOLE_MODEL_NOTE} (same as full)")
+    return (
+        f"no nn.ModuleList of repeated blocks: Accelerate's compile_regions "
+        f"{WHOLE_MODEL_NOTE} (same as full)"
+    )
 
 
-@register_strategy("accelerate", description="accelerate.utils.compile_regions (per-block "
-                   "torch.compile of nn.ModuleList blocks); under FSDP2 Accelerate's own order: "
-                   "compile_regions_fsdp2, then fully_shard", notes=_accelerate_notes)
+@register_strategy(
+    "accelerate",
+    description="accelerate.utils.compile_regions (per-block "
+    "torch.compile of nn.ModuleList blocks); under FSDP2 Accelerate's own order: "
+    "compile_regions_fsdp2, then fully_shard",
+    notes=_accelerate_notes,
+)
 def _accelerate(model: nn.Module, setup: Setup) -> nn.Module:
     _float8(model, setup)
     if setup.fsdp:
@@ -173,44 +206,60 @@ def _accelerate(model: nn.Module, setup: Setup) -> nn.Module:
     return utils.compile_regions(model, **setup.compile_kwargs())
 
 
-@register_strategy("aotdist", description="aotdist.parallelize: regions compiled once through "
-                   "invoke_subgraph (frames mode under FSDP2)")
+@register_strategy(
+    "aotdist",
+    description="aotdist.parallelize: regions compiled once through "
+    "invoke_subgraph (frames mode under FSDP2)",
+)
 def _aotdist(model: nn.Module, setup: Setup) -> nn.Module:
     return _parallelize(model, setup)
 
 
-def _parallelize(model: nn.Module, setup: Setup, *, graph: bool = False,
-                 outer: str | None = None) -> nn.Module:
+def _parallelize(
+    model: nn.Module, setup: Setup, *, graph: bool = False, outer: str | None = None
+) -> nn.Module:
     """``aotdist.parallelize`` with the bench's settings; ``graph``: graph-mode FSDP under
     --nproc; ``outer``: ``compile.outer`` (default: aotdist's)."""
     import aotdist
 
     compile_ = {**setup.compile_kwargs(), **({"outer": outer} if outer else {})}
-    return aotdist.parallelize(model, config={
-        "compile": compile_,
-        "fsdp": {"enabled": setup.fsdp, "mode": "graph" if graph and setup.fsdp else "hooks",
-                 "replicate_degree": setup.replicate},
-        "float8": {"enabled": setup.float8},
-    })
+    return aotdist.parallelize(
+        model,
+        config={
+            "compile": compile_,
+            "fsdp": {
+                "enabled": setup.fsdp,
+                "mode": "graph" if graph and setup.fsdp else "hooks",
+                "replicate_degree": setup.replicate,
+            },
+            "float8": {"enabled": setup.float8},
+        },
+    )
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks: every instance of the regions aotdist's plan finds."""
     import aotdist
 
-    return [model.get_submodule(fqn) for region in aotdist.find_regions(model)
-            for fqn in region.fqns]
+    return [
+        model.get_submodule(fqn) for region in aotdist.find_regions(model) for fqn in region.fqns
+    ]
 
 
-@register_strategy("per_block", description="block.compile(fullgraph=True) on each repeated "
-                   "block (those aotdist's plan finds, wherever they live), in place, as "
-                   "torchtitan applies it; under FSDP2 before fully_shard, torchtitan's order")
+@register_strategy(
+    "per_block",
+    description="block.compile(fullgraph=True) on each repeated "
+    "block (those aotdist's plan finds, wherever they live), in place, as "
+    "torchtitan applies it; under FSDP2 before fully_shard, torchtitan's order",
+)
 def _per_block(model: nn.Module, setup: Setup) -> nn.Module:
     _float8(model, setup)
     blocks = _blocks(model)
     if not blocks:
-        raise ConfigError("bench strategy per_block found no repeated blocks in the model. "
-                          "Fix: use a model with repeated blocks, or strategy full.")
+        raise ConfigError(
+            "bench strategy per_block found no repeated blocks in the model. "
+            "Fix: use a model with repeated blocks, or strategy full."
+        )
     for block in blocks:  # nn.Module.compile: the module stays, its call is compiled
         block.compile(fullgraph=True, **setup.compile_kwargs())
     if setup.fsdp:
@@ -218,27 +267,38 @@ def _per_block(model: nn.Module, setup: Setup) -> nn.Module:
     return model
 
 
-@register_strategy("aotdist-graph", description="aotdist.parallelize with fsdp.mode: graph "
-                   "under --nproc: DTensor shards, all-gather / reduce-scatter inside the one "
-                   "whole-model graph, regions invoke_subgraph (as aotdist in one process)",
-                   notes=lambda model: "" if _graph_sharded(model) else
-                   "one process: no sharding, same as aotdist")
+@register_strategy(
+    "aotdist-graph",
+    description="aotdist.parallelize with fsdp.mode: graph "
+    "under --nproc: DTensor shards, all-gather / reduce-scatter inside the one "
+    "whole-model graph, regions invoke_subgraph (as aotdist in one process)",
+    notes=lambda model: (
+        "" if _graph_sharded(model) else "one process: no sharding, same as aotdist"
+    ),
+)
 def _aotdist_graph(model: nn.Module, setup: Setup) -> nn.Module:
     return _parallelize(model, setup, graph=True)
 
 
-@register_strategy("aotdist+lowered", description="aotdist.parallelize with compile.outer: "
-                   "inductor (the whole graph lowered by Inductor, region bodies inside it; "
-                   "aotdist's default compiles the bodies only)")
+@register_strategy(
+    "aotdist+lowered",
+    description="aotdist.parallelize with compile.outer: "
+    "inductor (the whole graph lowered by Inductor, region bodies inside it; "
+    "aotdist's default compiles the bodies only)",
+)
 def _aotdist_lowered(model: nn.Module, setup: Setup) -> nn.Module:
     return _parallelize(model, setup, outer="inductor")
 
 
-@register_strategy("aotdist-graph+lowered", description="aotdist-graph with compile.outer: "
-                   "inductor (the whole sharded step lowered by Inductor, bucket copies and "
-                   "root work included; the default compiles the region bodies only)",
-                   notes=lambda model: "" if _graph_sharded(model) else
-                   "one process: no sharding, same as aotdist+lowered")
+@register_strategy(
+    "aotdist-graph+lowered",
+    description="aotdist-graph with compile.outer: "
+    "inductor (the whole sharded step lowered by Inductor, bucket copies and "
+    "root work included; the default compiles the region bodies only)",
+    notes=lambda model: (
+        "" if _graph_sharded(model) else "one process: no sharding, same as aotdist+lowered"
+    ),
+)
 def _aotdist_graph_lowered(model: nn.Module, setup: Setup) -> nn.Module:
     return _parallelize(model, setup, graph=True, outer="inductor")
 
@@ -252,9 +312,12 @@ def _graph_sharded(model: nn.Module) -> bool:
 ARTIFACTS_ENV = "AOTDIST_BENCH_ARTIFACTS"
 
 
-@register_strategy("aotdist+cache", description="aotdist with cache.mode shared: rank 0 "
-                   "compiles and shares its artifacts, and a second fresh run starts from "
-                   f"the saved bundle (directory from ${ARTIFACTS_ENV})")
+@register_strategy(
+    "aotdist+cache",
+    description="aotdist with cache.mode shared: rank 0 "
+    "compiles and shares its artifacts, and a second fresh run starts from "
+    f"the saved bundle (directory from ${ARTIFACTS_ENV})",
+)
 def _aotdist_cache(model: nn.Module, setup: Setup, *, graph: bool = False) -> nn.Module:
     import os
 
@@ -262,21 +325,34 @@ def _aotdist_cache(model: nn.Module, setup: Setup, *, graph: bool = False) -> nn
 
     where = os.environ.get(ARTIFACTS_ENV)
     if not where:
-        raise ConfigError(f"bench strategy aotdist+cache needs ${ARTIFACTS_ENV} (the bundle "
-                          "directory); `aotdist bench` sets it. Fix: set it to a directory.")
+        raise ConfigError(
+            f"bench strategy aotdist+cache needs ${ARTIFACTS_ENV} (the bundle "
+            "directory); `aotdist bench` sets it. Fix: set it to a directory."
+        )
     graph = graph and setup.fsdp
-    return aotdist.parallelize(model, config={
-        "compile": setup.compile_kwargs(),
-        "fsdp": {"enabled": setup.fsdp, "replicate_degree": setup.replicate,
-                 "mode": "graph" if graph else "hooks"},
-        "float8": {"enabled": setup.float8},
-        "cache": {"mode": "local" if graph else "shared", "dir": where},
-    })
+    return aotdist.parallelize(
+        model,
+        config={
+            "compile": setup.compile_kwargs(),
+            "fsdp": {
+                "enabled": setup.fsdp,
+                "replicate_degree": setup.replicate,
+                "mode": "graph" if graph else "hooks",
+            },
+            "float8": {"enabled": setup.float8},
+            "cache": {"mode": "local" if graph else "shared", "dir": where},
+        },
+    )
 
 
-@register_strategy("aotdist-graph+cache", description="aotdist-graph with cache.mode local: "
-                   "each rank saves its bundle (with the whole sharded step's saved graph), "
-                   "and a second fresh run starts from it", notes=lambda model: "" if
-                   _graph_sharded(model) else "one process: no sharding, same as aotdist+cache")
+@register_strategy(
+    "aotdist-graph+cache",
+    description="aotdist-graph with cache.mode local: "
+    "each rank saves its bundle (with the whole sharded step's saved graph), "
+    "and a second fresh run starts from it",
+    notes=lambda model: (
+        "" if _graph_sharded(model) else "one process: no sharding, same as aotdist+cache"
+    ),
+)
 def _aotdist_graph_cache(model: nn.Module, setup: Setup) -> nn.Module:
     return _aotdist_cache(model, setup, graph=True)

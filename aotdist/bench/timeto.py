@@ -17,8 +17,14 @@ import statistics
 
 from aotdist.bench.stats import PEERS, group_of
 
-__all__ = ["HORIZONS", "SUBJECTS", "WARM_HORIZON", "WARM_SUBJECTS", "crossover_steps",
-           "time_to_steps"]
+__all__ = [
+    "HORIZONS",
+    "SUBJECTS",
+    "WARM_HORIZON",
+    "WARM_SUBJECTS",
+    "crossover_steps",
+    "time_to_steps",
+]
 
 HORIZONS = (100, 1_000, 10_000)  # the N of T(N)
 WARM_HORIZON = 100
@@ -50,33 +56,47 @@ def _slots(runs: list[dict], paired: list[dict]) -> dict:
     """``(group, depth) -> [(repeat, round)]``: the repeats of the cells there, each with
     the paired rounds it is given (round ``k`` to the ``k``-th repeat modulo the repeats),
     or ``(repeat, None)`` where no paired run timed that depth."""
-    rounds = {(group_of(p), p["depth"]): max((len(v) for v in p["slice_step_s"].values()),
-                                             default=0) for p in paired}
+    rounds = {
+        (group_of(p), p["depth"]): max((len(v) for v in p["slice_step_s"].values()), default=0)
+        for p in paired
+    }
     repeats: dict[tuple, set[int]] = {}
     for r in runs:
         repeats.setdefault((group_of(r), r["depth"]), set()).add(r.get("repeat", 0))
     out = {}
     for key, reps in repeats.items():
         reps_sorted = sorted(reps)
-        out[key] = [(rep, k) for i, rep in enumerate(reps_sorted)
-                    for k in (range(i, rounds.get(key, 0), len(reps_sorted)) or [None])]
+        out[key] = [
+            (rep, k)
+            for i, rep in enumerate(reps_sorted)
+            for k in (range(i, rounds.get(key, 0), len(reps_sorted)) or [None])
+        ]
     return out
 
 
 def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 def _ratio(rows: list[dict]) -> dict:
     values = [r["value"] for r in rows]
     best = [r["peer"] for r in rows if r.get("peer")]
-    return {"value": statistics.median(values), "min": min(values), "max": max(values),
-            "repeats": len(rows),
-            "numerator": statistics.median(r["numerator"] for r in rows),
-            "denominator": statistics.median(r["denominator"] for r in rows),
-            "per_repeat": rows, "source": "time to steps",
-            **({"best_peer": max(sorted(set(best)), key=best.count)} if best else {})}
+    return {
+        "value": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "repeats": len(rows),
+        "numerator": statistics.median(r["numerator"] for r in rows),
+        "denominator": statistics.median(r["denominator"] for r in rows),
+        "per_repeat": rows,
+        "source": "time to steps",
+        **({"best_peer": max(sorted(set(best)), key=best.count)} if best else {}),
+    }
 
 
 def _finite(x: float) -> float | None:
@@ -102,8 +122,9 @@ def time_to_steps(runs: list[dict], paired: list[dict] | None = None) -> dict:
         (``None``: never) and ``per_repeat``.
     """
     paired = list(paired or [])
-    rounds = {(group_of(p), p["depth"], s): v for p in paired
-              for s, v in p["slice_step_s"].items() if v}
+    rounds = {
+        (group_of(p), p["depth"], s): v for p in paired for s, v in p["slice_step_s"].items() if v
+    }
     slots = _slots(runs, paired)
     per: dict[tuple, dict[tuple, dict]] = {}  # (group, depth, strategy) -> slot -> figures
     for r in runs:
@@ -115,18 +136,24 @@ def time_to_steps(runs: list[dict], paired: list[dict] | None = None) -> dict:
             if slot[0] != rep:
                 continue
             paired_step = key in rounds and slot[1] is not None and slot[1] < len(rounds[key])
-            fig = {"cold": r["compile_s"], "source": "paired" if paired_step else "cell",
-                   "step": rounds[key][slot[1]] if paired_step else r["steady_step_s"]}
+            fig = {
+                "cold": r["compile_s"],
+                "source": "paired" if paired_step else "cell",
+                "step": rounds[key][slot[1]] if paired_step else r["steady_step_s"],
+            }
             if r.get("warm_restart_s") is not None:
                 fig["warm"] = r["warm_restart_s"]
             per.setdefault(key, {})[slot] = fig
     cells = []
     for (group, depth, strategy), by_slot in per.items():
         figs = list(by_slot.values())
-        cell = {"group": group, "depth": depth, "strategy": strategy,
-                "step_source": figs[0]["source"],
-                "T": {str(n): _spread([f["cold"] + n * f["step"] for f in figs])
-                      for n in HORIZONS}}
+        cell = {
+            "group": group,
+            "depth": depth,
+            "strategy": strategy,
+            "step_source": figs[0]["source"],
+            "T": {str(n): _spread([f["cold"] + n * f["step"] for f in figs]) for n in HORIZONS},
+        }
         warm = [f["warm"] + WARM_HORIZON * f["step"] for f in figs if "warm" in f]
         if warm:
             cell["warm_T"] = {str(WARM_HORIZON): _spread(warm)}
@@ -136,16 +163,26 @@ def time_to_steps(runs: list[dict], paired: list[dict] | None = None) -> dict:
 
     def put(name: str, slot: tuple, mine: float, theirs: float, peer: str | None = None):
         ratios.setdefault(name, []).append(
-            {"repeat": slot[0], "round": slot[1], "numerator": mine, "denominator": theirs,
-             "value": mine / theirs, **({"peer": peer} if peer else {})})
+            {
+                "repeat": slot[0],
+                "round": slot[1],
+                "numerator": mine,
+                "denominator": theirs,
+                "value": mine / theirs,
+                **({"peer": peer} if peer else {}),
+            }
+        )
 
     for (group, depth, subject), by_slot in per.items():
         if subject not in SUBJECTS + WARM_SUBJECTS:
             continue
         at = f"@depth{depth}"
         for slot, a in by_slot.items():
-            peers = {p: per[(group, depth, p)][slot] for p in PEERS
-                     if slot in per.get((group, depth, p), {})}
+            peers = {
+                p: per[(group, depth, p)][slot]
+                for p in PEERS
+                if slot in per.get((group, depth, p), {})
+            }
             if subject in SUBJECTS:
                 for n in HORIZONS:
                     mine = a["cold"] + n * a["step"]
@@ -154,27 +191,51 @@ def time_to_steps(runs: list[dict], paired: list[dict] | None = None) -> dict:
                         put(f"{group}: T({n}) {subject}/{p} {at}", slot, mine, t)
                     if theirs:
                         best = min(theirs, key=theirs.get)
-                        put(f"{group}: T({n}) {subject}/best peer {at}", slot, mine,
-                            theirs[best], best)
+                        put(
+                            f"{group}: T({n}) {subject}/best peer {at}",
+                            slot,
+                            mine,
+                            theirs[best],
+                            best,
+                        )
                 for p, f in peers.items():
                     crossovers.setdefault(f"{group}: crossover {subject}/{p} {at}", []).append(
-                        {"repeat": slot[0], "round": slot[1],
-                         "steps": crossover_steps(a["cold"], a["step"], f["cold"], f["step"])})
-            warm_peers = {p: f["warm"] + WARM_HORIZON * f["step"] for p, f in peers.items()
-                          if "warm" in f}
+                        {
+                            "repeat": slot[0],
+                            "round": slot[1],
+                            "steps": crossover_steps(a["cold"], a["step"], f["cold"], f["step"]),
+                        }
+                    )
+            warm_peers = {
+                p: f["warm"] + WARM_HORIZON * f["step"] for p, f in peers.items() if "warm" in f
+            }
             if subject in WARM_SUBJECTS and "warm" in a and warm_peers:
                 best = min(warm_peers, key=warm_peers.get)
-                put(f"{group}: warm T({WARM_HORIZON}) {subject}/best peer {at}", slot,
-                    a["warm"] + WARM_HORIZON * a["step"], warm_peers[best], best)
-    return {"horizons": list(HORIZONS), "warm_horizon": WARM_HORIZON, "cells": cells,
-            "ratios": {k: _ratio(v) for k, v in ratios.items()},
-            "crossovers": {k: _crossover(v) for k, v in crossovers.items()}}
+                put(
+                    f"{group}: warm T({WARM_HORIZON}) {subject}/best peer {at}",
+                    slot,
+                    a["warm"] + WARM_HORIZON * a["step"],
+                    warm_peers[best],
+                    best,
+                )
+    return {
+        "horizons": list(HORIZONS),
+        "warm_horizon": WARM_HORIZON,
+        "cells": cells,
+        "ratios": {k: _ratio(v) for k, v in ratios.items()},
+        "crossovers": {k: _crossover(v) for k, v in crossovers.items()},
+    }
 
 
 def _crossover(rows: list[dict]) -> dict:
     """Median [min-max] of the per-repeat crossovers (``None``: never; a median with a
     never in it is never too)."""
     values = [r["steps"] for r in rows]
-    return {"value": _finite(statistics.median(values)), "min": _finite(min(values)),
-            "max": _finite(max(values)), "repeats": len(rows), "unit": "steps",
-            "per_repeat": [{**r, "steps": _finite(r["steps"])} for r in rows]}
+    return {
+        "value": _finite(statistics.median(values)),
+        "min": _finite(min(values)),
+        "max": _finite(max(values)),
+        "repeats": len(rows),
+        "unit": "steps",
+        "per_repeat": [{**r, "steps": _finite(r["steps"])} for r in rows],
+    }

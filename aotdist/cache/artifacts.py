@@ -16,8 +16,16 @@ import torch
 from aotdist import _compat
 from aotdist.cache.bundle import encode, write_atomic
 
-__all__ = ["CPU_ENTRY", "ENTRY_PREFIX", "cpu_signature", "install", "isa_probe_files", "kernel_files", "mega_bytes",
-           "pack"]
+__all__ = [
+    "CPU_ENTRY",
+    "ENTRY_PREFIX",
+    "cpu_signature",
+    "install",
+    "isa_probe_files",
+    "kernel_files",
+    "mega_bytes",
+    "pack",
+]
 
 
 def kernel_files() -> dict[str, bytes]:
@@ -51,10 +59,23 @@ def cpu_signature() -> str:
     for line in text.splitlines():
         name, _, value = line.partition(":")
         name = name.strip()
-        if name in ("vendor_id", "cpu family", "model", "model name", "flags", "Features",
-                    "CPU implementer", "CPU part") and name not in fields:
-            fields[name] = " ".join(sorted(value.split())) if name in (
-                "flags", "Features") else value.strip()
+        if (
+            name
+            in (
+                "vendor_id",
+                "cpu family",
+                "model",
+                "model name",
+                "flags",
+                "Features",
+                "CPU implementer",
+                "CPU part",
+            )
+            and name not in fields
+        ):
+            fields[name] = (
+                " ".join(sorted(value.split())) if name in ("flags", "Features") else value.strip()
+            )
     if "flags" not in fields and "Features" not in fields:
         return ""
     parts = [platform.machine(), torch.__version__, *map(str, sorted(fields.items()))]

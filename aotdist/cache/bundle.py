@@ -23,8 +23,12 @@ FORMAT = 1
 
 def encode(key: dict, mega: bytes, kernels: dict[str, bytes]) -> bytes:
     payload = mega + b"".join(kernels.values())
-    header = {"key": key, "sha256": hashlib.sha256(payload).hexdigest(), "mega_len": len(mega),
-              "kernels": [[path, len(data)] for path, data in kernels.items()]}
+    header = {
+        "key": key,
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "mega_len": len(mega),
+        "kernels": [[path, len(data)] for path, data in kernels.items()],
+    }
     head = json.dumps(header).encode()
     return MAGIC + struct.pack(">Q", len(head)) + head + payload
 
@@ -33,22 +37,23 @@ def decode(data: bytes) -> tuple[dict, bytes, dict[str, bytes]]:
     """Header, Mega-Cache bytes and kernel files of a bundle; ``ValueError`` if corrupt."""
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
         raise ValueError("not an aotdist artifact bundle (bad magic bytes)")
-    (n,) = struct.unpack(">Q", data[len(MAGIC):len(MAGIC) + 8])
+    (n,) = struct.unpack(">Q", data[len(MAGIC) : len(MAGIC) + 8])
     start = len(MAGIC) + 8
     try:
-        header = json.loads(data[start:start + n])
+        header = json.loads(data[start : start + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"unreadable header ({exc})") from None
-    payload = data[start + n:]
+    payload = data[start + n :]
     if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-        raise ValueError(f"checksum mismatch ({len(payload)} payload bytes; truncated or "
-                         "overwritten)")
-    mega, pos, kernels = payload[:header["mega_len"]], header["mega_len"], {}
+        raise ValueError(
+            f"checksum mismatch ({len(payload)} payload bytes; truncated or overwritten)"
+        )
+    mega, pos, kernels = payload[: header["mega_len"]], header["mega_len"], {}
     for path, size in header["kernels"]:
         parts = path.split("/")
         if len(parts) != 2 or any(p in ("", ".", "..") for p in parts):
             raise ValueError(f"bad kernel path {path!r}")
-        kernels[path] = payload[pos:pos + size]
+        kernels[path] = payload[pos : pos + size]
         pos += size
     return header, mega, kernels
 
@@ -84,14 +89,20 @@ def check_safe(path: str) -> str | None:
     problems = []
     for what, name, st in [("directory", folder, os.stat(folder)), ("file", path, os.lstat(path))]:
         if stat.S_ISLNK(st.st_mode):
-            problems.append(f"{name} is a symbolic link (to {os.readlink(name)!r}); fix: put "
-                            "the bundle file itself there, or set cache.dir to where it lies")
+            problems.append(
+                f"{name} is a symbolic link (to {os.readlink(name)!r}); fix: put "
+                "the bundle file itself there, or set cache.dir to where it lies"
+            )
             continue
         if st.st_uid not in (uid, 0):
-            problems.append(f"{what} {name} is owned by uid {st.st_uid}, not by this user "
-                            f"(uid {uid}); fix: chown {uid} {name}, or delete it")
+            problems.append(
+                f"{what} {name} is owned by uid {st.st_uid}, not by this user "
+                f"(uid {uid}); fix: chown {uid} {name}, or delete it"
+            )
         mode = stat.S_IMODE(st.st_mode)
         if mode & (stat.S_IWGRP | stat.S_IWOTH):
-            problems.append(f"{what} {name} is writable by group or others (mode {mode:#o}); "
-                            f"fix: chmod go-w {name}")
+            problems.append(
+                f"{what} {name} is writable by group or others (mode {mode:#o}); "
+                f"fix: chmod go-w {name}"
+            )
     return "; ".join(problems) or None

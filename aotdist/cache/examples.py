@@ -47,16 +47,24 @@ def watches_eval(state: RegionState) -> bool:
     if rec is None or not rec.keep_eval:
         return False
     evals = rec.frame_eval_examples  # frames mode: has every region's first eval call come?
-    return state.mode != CompileMode.FRAMES or len(evals) < len(state.plan) or any(
-        e.graphs for e in evals.values())
+    return (
+        state.mode != CompileMode.FRAMES
+        or len(evals) < len(state.plan)
+        or any(e.graphs for e in evals.values())
+    )
 
 
 def eval_pending(state: RegionState) -> bool:
     """Whether an eval call compiled after the cache's save: a second save adds its graph
     and kernels (``aotdist.cache.precompile.add_eval``)."""
     rec = state.cache
-    return rec is not None and rec.keep_eval and (rec.eval_example is not None or any(
-        e.graphs for e in rec.frame_eval_examples.values()))
+    return (
+        rec is not None
+        and rec.keep_eval
+        and (
+            rec.eval_example is not None or any(e.graphs for e in rec.frame_eval_examples.values())
+        )
+    )
 
 
 def release_examples(state: RegionState) -> None:
@@ -75,8 +83,7 @@ def _watch(state: RegionState, call: CompiledCall) -> Callable[[], None] | None:
         return _watch_frame(state, rec, call)
     training = is_training(call.module)
     keep = rec.keep_example and rec.example is None and training
-    keep_eval = ((rec.keep_example or rec.keep_eval) and rec.eval_example is None
-                 and not training)
+    keep_eval = (rec.keep_example or rec.keep_eval) and rec.eval_example is None and not training
     if not (keep or keep_eval):
         return None
     before = compiled_graphs(state)
@@ -85,15 +92,18 @@ def _watch(state: RegionState, call: CompiledCall) -> Callable[[], None] | None:
         if keep:  # aotdist.cache.save traces it again (precompile)
             rec.example, rec.example_from = (call.args, call.kwargs), before
         if keep_eval and (graphs := compiled_graphs(state) - before):  # 0: a hit
-            rec.eval_example = EvalExample(call.args, call.kwargs, CallModes.of(call.module),
-                                           graphs, before)
+            rec.eval_example = EvalExample(
+                call.args, call.kwargs, CallModes.of(call.module), graphs, before
+            )
         elif keep_eval and rec.keep_eval:  # after the save, it compiled nothing new
             rec.keep_eval = False
+
     return done
 
 
-def _watch_frame(state: RegionState, rec: CacheRecord,
-                 call: CompiledCall) -> Callable[[], None] | None:
+def _watch_frame(
+    state: RegionState, rec: CacheRecord, call: CompiledCall
+) -> Callable[[], None] | None:
     """Frames mode: a region frame's first training call, and its first eval call."""
     name, instance = call.frame, call.module
     if rec.frame_precompiled.get(name) is not None:  # a saved graph of it was loaded
@@ -101,13 +111,15 @@ def _watch_frame(state: RegionState, rec: CacheRecord,
     if is_training(instance):  # the first training call
         if rec.keep_example and name not in rec.frame_examples:
             rec.frame_examples[name] = frame_example(
-                instance, call.args, call.kwargs, compiled_before=compiled_graphs(state, name))
+                instance, call.args, call.kwargs, compiled_before=compiled_graphs(state, name)
+            )
         return None
     if name in rec.frame_eval_examples:
         return None
     before = compiled_graphs(state, name)  # the first eval call
-    kept = frame_example(instance, call.args, call.kwargs, compiled_before=before,
-                         modes=CallModes.of(instance))
+    kept = frame_example(
+        instance, call.args, call.kwargs, compiled_before=before, modes=CallModes.of(instance)
+    )
 
     def done() -> None:
         kept.graphs = compiled_graphs(state, name) - before
@@ -115,4 +127,5 @@ def _watch_frame(state: RegionState, rec: CacheRecord,
         # later eval calls are not watched)
         if kept.graphs or rec.keep_eval:
             rec.frame_eval_examples[name] = kept
+
     return done

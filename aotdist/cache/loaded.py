@@ -17,8 +17,15 @@ __all__ = ["Precompiled"]
 class Precompiled:
     """The loaded graphs on a model: runs a call one covers, else says why not."""
 
-    def __init__(self, model: nn.Module, fn: Any, records: list[dict], *,
-                 label: str = "the saved whole-model graph", saved: tuple | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        fn: Any,
+        records: list[dict],
+        *,
+        label: str = "the saved whole-model graph",
+        saved: tuple | None = None,
+    ):
         self.model_id, self.label = id(model), label
         self.saved = saved  # ({entry: bytes}, records entry): a forced save keeps them
         self.calls, self.misses = 0, []
@@ -48,7 +55,10 @@ class Precompiled:
                 f"(guard failed: {self.misses[0]}); it is compiled as usual (kernels the "
                 "bundle holds still load). Expected for a last, smaller batch or an eval "
                 "step; if every call misses, delete the bundle so that this run's inputs "
-                "save a new one.", CacheWarning, stacklevel=4)
+                "save a new one.",
+                CacheWarning,
+                stacklevel=4,
+            )
         return False, None
 
     def _run(self, graph: list, args: tuple, kwargs: dict, backend: RecordingBackend) -> Any:
@@ -57,11 +67,16 @@ class Precompiled:
             graph[2] = True
             for rec in records:
                 record = GraphRecord(
-                    index=0, model_id=self.model_id, num_ops=rec["num_ops"], backend_seconds=0.0,
-                    call_sites=rec["call_sites"], precompiled=True,
+                    index=0,
+                    model_id=self.model_id,
+                    num_ops=rec["num_ops"],
+                    backend_seconds=0.0,
+                    call_sites=rec["call_sites"],
+                    precompiled=True,
                     standalone=rec.get("standalone"),
                     subgraphs={k: set(v) for k, v in rec["subgraphs"].items()},
-                    inlined={k: set(v) for k, v in rec["inlined"].items()})
+                    inlined={k: set(v) for k, v in rec["inlined"].items()},
+                )
                 backend.records.append(record)
                 append_record(record)
         self.calls += 1

@@ -40,7 +40,11 @@ __all__ = ["ENTRY", "Precompiled", "attach", "build", "guard_filter", "unavailab
 
 _log = get_logger(__name__)
 
-ENTRY, RECORDS, SKIPPED = "aotdist/precompiled", "aotdist/precompiled-records", "aotdist/precompile-skipped"
+ENTRY, RECORDS, SKIPPED = (
+    "aotdist/precompiled",
+    "aotdist/precompiled-records",
+    "aotdist/precompile-skipped",
+)
 FRAME_RECORDS, EVAL_ENTRY = "aotdist/precompiled-frames", "aotdist/precompiled-eval"
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
@@ -48,8 +52,9 @@ _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 def _frame_entry(region: str, call: str = "") -> str:
     """The bundle entry of a region frame's saved graph (one path level: no "/"), of its
     training call or of its eval call (``call="eval"``)."""
-    return (f"aotdist/precompiled-{call + '-' if call else ''}frame-"
-            + region.replace("%", "%25").replace("/", "%2F"))
+    return f"aotdist/precompiled-{call + '-' if call else ''}frame-" + region.replace(
+        "%", "%25"
+    ).replace("/", "%2F")
 
 
 def guard_filter(entries) -> list[bool]:
@@ -63,9 +68,12 @@ def guard_filter(entries) -> list[bool]:
     for entry in entries:
         kinds = {entry.guard_type, *entry.derived_guard_types}
         made = entry.has_value and made_per_process(type(entry.value))
-        keep.append(not (kinds & bad) and not entry.is_global
-                    and not (made and "TYPE_MATCH" in kinds)
-                    and "['_aotdist_impl']" not in entry.name)
+        keep.append(
+            not (kinds & bad)
+            and not entry.is_global
+            and not (made and "TYPE_MATCH" in kinds)
+            and "['_aotdist_impl']" not in entry.name
+        )
     return keep
 
 
@@ -85,9 +93,11 @@ def unavailable_reason(model: nn.Module, config) -> str | None:
         if not _on_cpu(model):
             return "shared across ranks: rank 0's graph would be specialized to its own device"
         if (uneven := _uneven_shard(model)) is not None:
-            return (f"shared across ranks: graph-mode FSDP shards {uneven} unevenly, so rank "
-                    "0's graph would not fit the other ranks' shards (cache.mode: local "
-                    "saves each rank's own)")
+            return (
+                f"shared across ranks: graph-mode FSDP shards {uneven} unevenly, so rank "
+                "0's graph would not fit the other ranks' shards (cache.mode: local "
+                "saves each rank's own)"
+            )
     if getattr(state.backend, "compiler_name", None) != "inductor":
         return f"backend {config.compile.backend!r}: torch saves Inductor's output only"
     if config.compile.mode in _CUDAGRAPH_MODES:
@@ -136,8 +146,10 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
         if example is None:
             why = "the model had no training call (grad enabled, train mode) before the save"
         elif graphs != 1:
-            why = (f"its first training call compiled into {graphs} graphs (graph breaks or "
-                   "recompiles); a saved graph must be the whole model")
+            why = (
+                f"its first training call compiled into {graphs} graphs (graph breaks or "
+                "recompiles); a saved graph must be the whole model"
+            )
     if why is not None:
         _log.info("cache: no saved whole-model graph: %s", why)
         return {SKIPPED: why.encode()}
@@ -145,9 +157,12 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
         data, saved = _save_call(model, state, *example)
     except Exception as exc:  # the bundle is still saved without it
         why = f"aot_compile failed: {first_line(exc)}"
-        warnings.warn(f"aotdist cache: the whole-model graph could not be saved ({why}); the "
-                      "next run loads the compiled kernels but traces the model again.",
-                      CacheWarning, stacklevel=3)
+        warnings.warn(
+            f"aotdist cache: the whole-model graph could not be saved ({why}); the "
+            "next run loads the compiled kernels but traces the model again.",
+            CacheWarning,
+            stacklevel=3,
+        )
         return {SKIPPED: why.encode()}
     saved.update(fixes=state.fixes, demoted=state.demoted)
     entries = {ENTRY: data}
@@ -160,18 +175,24 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
 def _add_eval(model: nn.Module, state, example, entries: dict, saved: dict) -> None:
     """The first eval call's saved graph into ``entries`` (its records into ``saved``)."""
     if example.graphs != 1:
-        saved["eval"] = {"skipped": f"its first eval call compiled into {example.graphs} "
-                                    "graphs (graph breaks)"}
+        saved["eval"] = {
+            "skipped": f"its first eval call compiled into {example.graphs} graphs (graph breaks)"
+        }
         return
     try:
         with example.modes.applied(model):
-            entries[EVAL_ENTRY], saved["eval"] = _save_call(model, state, example.args,
-                                                            example.kwargs)
+            entries[EVAL_ENTRY], saved["eval"] = _save_call(
+                model, state, example.args, example.kwargs
+            )
     except Exception as exc:  # the training graph is still saved
         why = f"aot_compile failed: {first_line(exc)}"
-        warnings.warn(f"aotdist cache: the eval call's graph could not be saved ({why}); "
-                      "the next run traces its eval calls again (the compiled kernels "
-                      "still load).", CacheWarning, stacklevel=4)
+        warnings.warn(
+            f"aotdist cache: the eval call's graph could not be saved ({why}); "
+            "the next run traces its eval calls again (the compiled kernels "
+            "still load).",
+            CacheWarning,
+            stacklevel=4,
+        )
         saved["eval"] = {"skipped": why}
 
 
@@ -201,15 +222,31 @@ def _save_call(model: nn.Module, state, args: tuple, kwargs: dict) -> tuple[byte
     """One call of the whole-model function traced again and saved: (data, its records)."""
     recorder = RecordingBackend(state.backend.inner, plan=state.plan)
     start = time.perf_counter()
-    with (pickled_with_region_depth(model), _as_sharded_call_runs(model),
-          _compat.single_use_inlining_deferred(),  # the graph the live call compiles
-          _compat.subclass_intermediates_inside()):
-        data, modules = _compat.aot_compile(state.call_fn, (*state.call_bound, *args), kwargs,
-                                            model=model, backend=recorder,
-                                            dynamic=state.call_dynamic, guard_filter=guard_filter)
+    with (
+        pickled_with_region_depth(model),
+        _as_sharded_call_runs(model),
+        _compat.single_use_inlining_deferred(),  # the graph the live call compiles
+        _compat.subclass_intermediates_inside(),
+    ):
+        data, modules = _compat.aot_compile(
+            state.call_fn,
+            (*state.call_bound, *args),
+            kwargs,
+            model=model,
+            backend=recorder,
+            dynamic=state.call_dynamic,
+            guard_filter=guard_filter,
+        )
     seconds = time.perf_counter() - start
-    records = [{"num_ops": r.num_ops, "call_sites": r.call_sites, "inlined": _sorted_sets(r.inlined),
-                "subgraphs": _sorted_sets(r.subgraphs)} for r in recorder.records]
+    records = [
+        {
+            "num_ops": r.num_ops,
+            "call_sites": r.call_sites,
+            "inlined": _sorted_sets(r.inlined),
+            "subgraphs": _sorted_sets(r.subgraphs),
+        }
+        for r in recorder.records
+    ]
     _log.info("cache: whole-model graph saved (%d bytes, %.2f s)", len(data), seconds)
     return data, {"records": records, "seconds": seconds, "modules": modules}
 
@@ -225,14 +262,23 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
     for region in state.plan:
         name, example = region.name, examples.get(region.name)
         frames = compiled_graphs(state, name) - (example.compiled_before if example else 0)
-        if example is not None and (ev := evals.get(name)) is not None \
-                and ev.compiled_before >= example.compiled_before:  # an eval call after it
+        if (
+            example is not None
+            and (ev := evals.get(name)) is not None
+            and ev.compiled_before >= example.compiled_before
+        ):  # an eval call after it
             frames -= ev.graphs
-        why = (f"region {name!r} is demoted" if name in state.demoted
-               else f"region {name!r} had no training call before the save" if example is None
-               else f"a parameter is a tensor subclass ({example.subclass})" if example.subclass
-               else f"region {name!r}'s frame compiled {frames} times in training" if frames != 1
-               else None)
+        why = (
+            f"region {name!r} is demoted"
+            if name in state.demoted
+            else f"region {name!r} had no training call before the save"
+            if example is None
+            else f"a parameter is a tensor subclass ({example.subclass})"
+            if example.subclass
+            else f"region {name!r}'s frame compiled {frames} times in training"
+            if frames != 1
+            else None
+        )
         loaded = rec.frame_precompiled.get(name)
         if example is None and loaded is not None:  # save(force=True) after a warm start
             saved[name] = loaded.saved[1]
@@ -243,9 +289,13 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
                 data, saved[name] = _save_frame(model, state, name, example)
             except Exception as exc:  # the bundle is still saved without it
                 why = f"aot_compile failed: {first_line(exc)}"
-                warnings.warn(f"aotdist cache: region {name!r}'s compiled frame could not be "
-                              f"saved ({why}); the next run loads its compiled kernels but "
-                              "traces it again.", CacheWarning, stacklevel=4)
+                warnings.warn(
+                    f"aotdist cache: region {name!r}'s compiled frame could not be "
+                    f"saved ({why}); the next run loads its compiled kernels but "
+                    "traces it again.",
+                    CacheWarning,
+                    stacklevel=4,
+                )
         if why is not None:
             _log.info("cache: no saved graph for region frame %s: %s", name, why)
             saved[name] = {"skipped": why}
@@ -258,23 +308,28 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
     return entries
 
 
-def _add_frame_eval(model: nn.Module, state, name: str, example, entries: dict,
-                    saved: dict) -> None:
+def _add_frame_eval(
+    model: nn.Module, state, name: str, example, entries: dict, saved: dict
+) -> None:
     """Region ``name``'s first eval call's saved graph into ``entries`` (its records
     into ``saved``, the region's)."""
     if example.graphs != 1:
-        saved["eval"] = {"skipped": f"its first eval call compiled {example.graphs} frame "
-                                    "graphs"}
+        saved["eval"] = {"skipped": f"its first eval call compiled {example.graphs} frame graphs"}
         return
     try:
         with example.modes.applied(example.instance):
             entries[_frame_entry(name, "eval")], saved["eval"] = _save_frame(
-                model, state, name, example)
+                model, state, name, example
+            )
     except Exception as exc:  # the training call's graph is still saved
         why = f"aot_compile failed: {first_line(exc)}"
-        warnings.warn(f"aotdist cache: region {name!r}'s eval call could not be saved "
-                      f"({why}); the next run traces its eval calls again (the compiled "
-                      "kernels still load).", CacheWarning, stacklevel=5)
+        warnings.warn(
+            f"aotdist cache: region {name!r}'s eval call could not be saved "
+            f"({why}); the next run traces its eval calls again (the compiled "
+            "kernels still load).",
+            CacheWarning,
+            stacklevel=5,
+        )
         saved["eval"] = {"skipped": why}
 
 
@@ -285,12 +340,28 @@ def _save_frame(model: nn.Module, state, name: str, example) -> tuple[bytes, dic
     args, kwargs = example.inputs()
     with pickled_with_region_depth(model), example.stand_in_parameters():
         data, modules = _compat.aot_compile(
-            state.classes[name]._aotdist_plain_forward, (example.instance, *args), kwargs,
-            model=example.instance, backend=recorder, dynamic=state.call_dynamic,
-            guard_filter=guard_filter)
-    return data, {"modules": modules, "seconds": time.perf_counter() - start,
-                  "records": [{"num_ops": r.num_ops, "call_sites": {}, "inlined": {},
-                               "subgraphs": {}, "standalone": name} for r in recorder.records]}
+            state.classes[name]._aotdist_plain_forward,
+            (example.instance, *args),
+            kwargs,
+            model=example.instance,
+            backend=recorder,
+            dynamic=state.call_dynamic,
+            guard_filter=guard_filter,
+        )
+    return data, {
+        "modules": modules,
+        "seconds": time.perf_counter() - start,
+        "records": [
+            {
+                "num_ops": r.num_ops,
+                "call_sites": {},
+                "inlined": {},
+                "subgraphs": {},
+                "standalone": name,
+            }
+            for r in recorder.records
+        ],
+    }
 
 
 def _as_sharded_call_runs(model: nn.Module):
@@ -329,9 +400,13 @@ def attach(model: nn.Module, config, entries: dict[str, bytes]) -> tuple[bool, s
         if EVAL_ENTRY in entries:  # the first eval call's graph (a validation step)
             _also_eval(loaded, entries[EVAL_ENTRY], saved["eval"])
         return True, "", False
-    warnings.warn(f"aotdist cache: the saved whole-model graph is not used: {why}; the model "
-                  "is traced again (the compiled kernels still load from the bundle), and the "
-                  "bundle is replaced after the first step.", CacheWarning, stacklevel=3)
+    warnings.warn(
+        f"aotdist cache: the saved whole-model graph is not used: {why}; the model "
+        "is traced again (the compiled kernels still load from the bundle), and the "
+        "bundle is replaced after the first step.",
+        CacheWarning,
+        stacklevel=3,
+    )
     return False, why, True
 
 
@@ -351,19 +426,30 @@ def _attach_frames(model: nn.Module, entries: dict[str, bytes]) -> tuple[bool, s
             continue
         fn, why = _load(entries[_frame_entry(region.name)], info.get("modules", {}))
         if fn is not None:
-            own = {k: entries[k] for k in (_frame_entry(region.name),
-                                           _frame_entry(region.name, "eval")) if k in entries}
+            own = {
+                k: entries[k]
+                for k in (_frame_entry(region.name), _frame_entry(region.name, "eval"))
+                if k in entries
+            }
             loaded = rec.frame_precompiled[region.name] = Precompiled(
-                model, fn, info["records"], label=f"region {region.name!r}'s saved graph",
-                saved=(own, info))
+                model,
+                fn,
+                info["records"],
+                label=f"region {region.name!r}'s saved graph",
+                saved=(own, info),
+            )
             if _frame_entry(region.name, "eval") in entries:  # its first eval call's graph
                 _also_eval(loaded, entries[_frame_entry(region.name, "eval")], info["eval"])
             continue
         refresh = refresh or why.startswith("the model's source changed")
         whys.append(f"region {region.name!r}: {why}")
-        warnings.warn(f"aotdist cache: region {region.name!r}'s saved graph is not used: "
-                      f"{why}; it is traced again (its compiled kernels still load from the "
-                      "bundle).", CacheWarning, stacklevel=4)
+        warnings.warn(
+            f"aotdist cache: region {region.name!r}'s saved graph is not used: "
+            f"{why}; it is traced again (its compiled kernels still load from the "
+            "bundle).",
+            CacheWarning,
+            stacklevel=4,
+        )
     if refresh:
         rec.frame_precompiled.clear()  # so that the run traces every frame and saves anew
     return bool(rec.frame_precompiled), "; ".join(whys), refresh

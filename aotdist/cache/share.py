@@ -51,7 +51,8 @@ class CompileSharing:
         if self._restore is not None:
             return
         self._restore = _compat.wrap_fx_graph_cache(
-            self._wrap_lookup, self._wrap_save if self.rank == 0 else None)
+            self._wrap_lookup, self._wrap_save if self.rank == 0 else None
+        )
 
     def stop(self) -> None:
         if self._restore is None:
@@ -93,8 +94,11 @@ class CompileSharing:
                 why = "rank 0's artifacts did not serve it (FX graph cache miss after loading)"
             if why is not None:
                 self.misses.append(why)
-                warnings.warn(f"aotdist cache: rank {self.rank} compiles graph {n} itself: "
-                              f"{why}.", CacheWarning, stacklevel=2)
+                warnings.warn(
+                    f"aotdist cache: rank {self.rank} compiles graph {n} itself: {why}.",
+                    CacheWarning,
+                    stacklevel=2,
+                )
             else:
                 self.loaded += 1
             return result
@@ -105,12 +109,16 @@ class CompileSharing:
         """Installs rank 0's artifacts for graph ``n``; the reason if it cannot."""
         seq = f"{self.prefix}/seq/{n}"
         if not self._wait(seq):
-            return (f"rank 0 did not reach graph {n} within {self.timeout_s}s, or finished "
-                    "its first step without it")
+            return (
+                f"rank 0 did not reach graph {n} within {self.timeout_s}s, or finished "
+                "its first step without it"
+            )
         theirs = self.store.get(seq).decode()
         if theirs != key:
-            return (f"its FX graph cache key differs from rank 0's ({key[:12]}... vs "
-                    f"{theirs[:12]}...): something rank-specific is in the graph or its inputs")
+            return (
+                f"its FX graph cache key differs from rank 0's ({key[:12]}... vs "
+                f"{theirs[:12]}...): something rank-specific is in the graph or its inputs"
+            )
         fx = f"{self.prefix}/fx/{key}"
         if not self._wait(fx, gone=f"{self.prefix}/seq/{n + 1}"):
             return f"rank 0 did not publish its artifacts within {self.timeout_s}s"

@@ -112,8 +112,13 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def cache_key(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = None,
-              device: str | None = None) -> dict:
+def cache_key(
+    model: nn.Module,
+    config: AOTDistConfig,
+    *,
+    plan: RegionPlan | None = None,
+    device: str | None = None,
+) -> dict:
     """The invalidation key stored with a bundle: versions, model structure, config, device.
 
     Args:
@@ -129,37 +134,50 @@ def cache_key(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | Non
     first = next(model.parameters(), None)
     cfg = {k: v for k, v in config.to_dict().items() if k != "cache"}
     return {
-        "format": FORMAT, "torch": torch.__version__, "aotdist": __version__,
+        "format": FORMAT,
+        "torch": torch.__version__,
+        "aotdist": __version__,
         "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
         "device": device or (first.device.type if first is not None else "cpu"),
-        "model": _digest([type(model).__qualname__, plan, params]), "config": _digest(cfg),
+        "model": _digest([type(model).__qualname__, plan, params]),
+        "config": _digest(cfg),
     }
 
 
 def _diff(stored: dict, key: dict) -> str:
-    return ", ".join(f"{k} {stored.get(k)!r} -> {v!r}" for k, v in key.items()
-                     if stored.get(k) != v)
+    return ", ".join(
+        f"{k} {stored.get(k)!r} -> {v!r}" for k, v in key.items() if stored.get(k) != v
+    )
 
 
-def _use(data: bytes | None, key: dict, path: str, model: nn.Module,
-         config: AOTDistConfig) -> CacheLoad:
+def _use(
+    data: bytes | None, key: dict, path: str, model: nn.Module, config: AOTDistConfig
+) -> CacheLoad:
     if data is None:
-        return CacheLoad(CacheStatus.MISSING, "no bundle yet; this run compiles and saves one", path)
+        return CacheLoad(
+            CacheStatus.MISSING, "no bundle yet; this run compiles and saves one", path
+        )
     try:
         header, mega, kernels = decode(data)
     except (ValueError, KeyError, TypeError, struct.error) as exc:
         return CacheLoad(CacheStatus.CORRUPT, f"corrupt bundle: {exc}", path)
     if header.get("key") != key:
-        return CacheLoad(CacheStatus.STALE, f"made for another setup ({_diff(header.get('key', {}), key)})",
-                         path)
+        return CacheLoad(
+            CacheStatus.STALE, f"made for another setup ({_diff(header.get('key', {}), key)})", path
+        )
     artifacts = install(mega, kernels)
     loaded, why, refresh = precompile.attach(model, config, kernels)
     files = sum(1 for p in kernels if not p.startswith(ENTRY_PREFIX))
     return CacheLoad(CacheStatus.LOADED, "", path, artifacts, files, loaded, why, refresh)
 
 
-def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = None,
-         device: str | None = None) -> CacheLoad:
+def load(
+    model: nn.Module,
+    config: AOTDistConfig,
+    *,
+    plan: RegionPlan | None = None,
+    device: str | None = None,
+) -> CacheLoad:
     """Loads the bundle for ``model`` before its first compile (``parallelize`` calls this).
 
     In ``shared`` mode every rank must call it (rank 0 broadcasts the bundle); there it
@@ -192,8 +210,11 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
         except FileNotFoundError:
             pass
         except OSError as exc:
-            warnings.warn(f"aotdist cache: cannot read {path} on rank {rank} ({exc}); "
-                          "compiling normally.", CacheWarning, stacklevel=2)
+            warnings.warn(
+                f"aotdist cache: cannot read {path} on rank {rank} ({exc}); compiling normally.",
+                CacheWarning,
+                stacklevel=2,
+            )
     if cfg.mode == "shared" and world > 1:
         # every rank joins, whatever rank 0 found: rank 0's verdict travels with the bytes
         box = [data, unsafe]
@@ -205,16 +226,24 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
         try:
             result = _use(data, key, path, model, config)
         except Exception as exc:  # a failure installing must never stop the job
-            result = CacheLoad(CacheStatus.CORRUPT,
-                               f"could not install it: {type(exc).__name__}: {exc}", path)
+            result = CacheLoad(
+                CacheStatus.CORRUPT, f"could not install it: {type(exc).__name__}: {exc}", path
+            )
     if result.status in (CacheStatus.STALE, CacheStatus.CORRUPT, CacheStatus.UNSAFE):
         # shared mode: every rank judged rank 0's bundle alike, so rank 0 alone warns;
         # local mode: each rank read its own file, so each rank says what it found
         warn = rank_zero_warn if cfg.mode == "shared" else warnings.warn
-        then = ("this run saves its own after the first step" if result.status == CacheStatus.UNSAFE
-                else "the bundle is replaced after the first step")
-        warn(f"aotdist cache: ignoring {path} on rank {rank}: {result.reason}; "
-             f"compiling normally ({then}).", CacheWarning, stacklevel=2)
+        then = (
+            "this run saves its own after the first step"
+            if result.status == CacheStatus.UNSAFE
+            else "the bundle is replaced after the first step"
+        )
+        warn(
+            f"aotdist cache: ignoring {path} on rank {rank}: {result.reason}; "
+            f"compiling normally ({then}).",
+            CacheWarning,
+            stacklevel=2,
+        )
     _log.info("cache %s on rank %d: %s %s", cfg.mode, rank, result.status, path)
     sharing = None
     if cfg.mode == "shared" and world > 1 and result.status != CacheStatus.LOADED:
@@ -228,9 +257,15 @@ def load(model: nn.Module, config: AOTDistConfig, *, plan: RegionPlan | None = N
         if result.status != CacheStatus.LOADED or result.refresh:
             # keep the first call's inputs: the save traces the graph with them
             rec.keep_example = why_not is None
-    model.__dict__[STATE_ATTR] = _RunState(config=config, key=key, load=result, sharing=sharing,
-                                           saved=False, load_s=time.perf_counter() - start,
-                                           entries=None)
+    model.__dict__[STATE_ATTR] = _RunState(
+        config=config,
+        key=key,
+        load=result,
+        sharing=sharing,
+        saved=False,
+        load_s=time.perf_counter() - start,
+        entries=None,
+    )
     return result
 
 
@@ -271,15 +306,24 @@ def pending(holder: nn.Module) -> bool:
     """Whether :func:`save` would write ``holder``'s bundle again: an eval call compiled
     after the first save (see :func:`watching`)."""
     state, regions = vars(holder).get(STATE_ATTR), vars(holder).get(REGION_STATE_ATTR)
-    return state is not None and regions is not None and state["saved"] \
-        and state["entries"] is not None and eval_pending(regions)
+    return (
+        state is not None
+        and regions is not None
+        and state["saved"]
+        and state["entries"] is not None
+        and eval_pending(regions)
+    )
 
 
 def watching(holder: nn.Module) -> bool:
     """Whether a first eval call after the save can still make :func:`pending` true."""
     state, regions = vars(holder).get(STATE_ATTR), vars(holder).get(REGION_STATE_ATTR)
-    return state is not None and regions is not None and state["entries"] is not None \
+    return (
+        state is not None
+        and regions is not None
+        and state["entries"] is not None
         and watches_eval(regions)
+    )
 
 
 def _save_one(model: nn.Module, *, force: bool) -> str | None:
@@ -295,7 +339,8 @@ def _save_one(model: nn.Module, *, force: bool) -> str | None:
     cfg: CacheConfig = state["config"].cache
     rank, world = _rank_world()
     if (cfg.mode == "shared" and rank != 0) or (
-            state["load"].status == CacheStatus.LOADED and not (force or state["load"].refresh)):
+        state["load"].status == CacheStatus.LOADED and not (force or state["load"].refresh)
+    ):
         if (regions := vars(model).get(REGION_STATE_ATTR)) is not None:
             release_examples(regions)  # rank 0's job; or the bundle it started from has it
         return None
@@ -314,9 +359,12 @@ def _save_one(model: nn.Module, *, force: bool) -> str | None:
         os.makedirs(cfg.dir, mode=0o755, exist_ok=True)  # not group-writable under umask 002
         write_atomic(path, data)
     except Exception as exc:  # a full disk must not stop training
-        warnings.warn(f"aotdist cache: could not save {path} on rank {rank}: "
-                      f"{type(exc).__name__}: {exc}; the next run compiles again.",
-                      CacheWarning, stacklevel=2)
+        warnings.warn(
+            f"aotdist cache: could not save {path} on rank {rank}: "
+            f"{type(exc).__name__}: {exc}; the next run compiles again.",
+            CacheWarning,
+            stacklevel=2,
+        )
         return None
     _log.info("cache %s on rank %d: saved %s (%d bytes)", cfg.mode, rank, path, len(data))
     return path

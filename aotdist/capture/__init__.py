@@ -52,8 +52,9 @@ def _install_frames(model: nn.Module, state, backend, calls: dict) -> dict[type,
     for region in state.plan:
         cls = state.classes[region.name]
         old[cls] = cls.__dict__.get("_aotdist_impl")
-        fn = torch.compile(copy_function(cls._aotdist_plain_forward, new_code=True),
-                           backend=backend)
+        fn = torch.compile(
+            copy_function(cls._aotdist_plain_forward, new_code=True), backend=backend
+        )
 
         def forward(self, *args, _fn=fn, _name=region.name, **kwargs):
             calls.setdefault(_name, []).append(fqn_of.get(id(self), "?"))
@@ -63,8 +64,9 @@ def _install_frames(model: nn.Module, state, backend, calls: dict) -> dict[type,
     return old
 
 
-def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "aot_eager",
-            **kwargs) -> Capture:
+def capture(
+    model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "aot_eager", **kwargs
+) -> Capture:
     """Runs one step of ``model`` through AOTAutograd and reports what was captured.
 
     Args:
@@ -116,8 +118,10 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
     report.mode = CompileMode.FRAMES if frames else CompileMode.GRAPH
     for region in state.plan:
         report.regions[region.name] = RegionCapture(
-            name=region.name, instances=list(region.fqns),
-            module_type=f"{region.module_type.__module__}.{region.module_type.__qualname__}")
+            name=region.name,
+            instances=list(region.fqns),
+            module_type=f"{region.module_type.__module__}.{region.module_type.__qualname__}",
+        )
     recording = RecordingBackend(recorder.dynamo_backend(aot), model=model, plan=state.plan)
     recorder.recording = recording
     grads = {p: p.grad for p in model.parameters()}
@@ -134,11 +138,17 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
                 out = model(*args, **kwargs)
             else:
                 with local_shards(model):  # graph-mode FSDP: regions read local shards
-                    out = _run_demoting(model, state, recorder, recording,
-                                        torch.compile(_runner(), backend=recording), args,
-                                        kwargs)
+                    out = _run_demoting(
+                        model,
+                        state,
+                        recorder,
+                        recording,
+                        torch.compile(_runner(), backend=recording),
+                        args,
+                        kwargs,
+                    )
             loss = loss_fn(out) if loss_fn is not None else out
-            if (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
                 loss.backward()
     finally:
         for cls, fwd in old_forwards.items():
@@ -159,8 +169,7 @@ def capture(model: nn.Module, *args, loss_fn=None, plan=None, backend: str = "ao
     return report
 
 
-def _run_demoting(model: nn.Module, state, recorder: Recorder, recording, compiled, args,
-                  kwargs):
+def _run_demoting(model: nn.Module, state, recorder: Recorder, recording, compiled, args, kwargs):
     """``compiled(model, args, kwargs)``; a region that cannot be an ``invoke_subgraph``
     (in-place buffer mutation in training, a graph break...) is fixed or demoted to
     inline compilation as :func:`aotdist.compile_regions` does (same warning), what the
@@ -223,21 +232,27 @@ def _finish(report: Capture, recorder: Recorder, calls: dict, model: nn.Module) 
             for inp in g.inputs:  # named after the instance compiled first: make relative
                 if inp["kind"] not in ("parameter", "buffer"):
                     continue
-                site = next((s for s in region.instances if inp["name"].startswith(s + ".")),
-                            None)
-                rel = inp["name"][len(site) + 1:] if site else inp["name"]
+                site = next((s for s in region.instances if inp["name"].startswith(s + ".")), None)
+                rel = inp["name"][len(site) + 1 :] if site else inp["name"]
                 inp.update(name=rel, sources=[f"{s}.{rel}" for s in region.call_sites])
     for entry in recorder.dynamo:
         for i, example in enumerate(entry.examples):
             kind, name = entry.names.get(i, ("", ""))
             info = fsdp.get(name) if kind == "parameter" else None
             if info is not None and example is info["unsharded"]:
-                report.fsdp_inputs.append({
-                    "graph": f"graph{entry.index}", "input": name, "param": name,
-                    **{k: v for k, v in info.items() if k != "unsharded"}})
+                report.fsdp_inputs.append(
+                    {
+                        "graph": f"graph{entry.index}",
+                        "input": name,
+                        "param": name,
+                        **{k: v for k, v in info.items() if k != "unsharded"},
+                    }
+                )
         entry.examples = []
     report.metrics.mode = report.mode
-    graphs = [*report.graphs, *(g for r in report.regions.values() for g in (*r.forward,
-                                                                            *r.backward))]
+    graphs = [
+        *report.graphs,
+        *(g for r in report.regions.values() for g in (*r.forward, *r.backward)),
+    ]
     for g in {id(g): g for g in graphs}.values():  # frames: a region's graph is top-level too
         name_code(g)

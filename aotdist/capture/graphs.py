@@ -80,8 +80,11 @@ class GraphCapture:
         for node in self.gm.graph.nodes if self.gm is not None else ():
             val = node.meta.get("val") if node.op == "call_function" else None
             target = str(node.target)  # the collective, not a bucket's copy-in op
-            if ("_c10d_functional" in target and "all_gather" in target
-                    and isinstance(val, torch.Tensor)):
+            if (
+                "_c10d_functional" in target
+                and "all_gather" in target
+                and isinstance(val, torch.Tensor)
+            ):
                 total += val.numel() * val.element_size()
         return total
 
@@ -124,8 +127,10 @@ def name_code(cap: GraphCapture) -> None:
     if not renames:
         return
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, renames)) + r")\b")
-    cap.code = "".join(pattern.sub(lambda m: renames[m.group(1)], line) if mine else line
-                       for line, mine in zip(lines, own, strict=True))
+    cap.code = "".join(
+        pattern.sub(lambda m: renames[m.group(1)], line) if mine else line
+        for line, mine in zip(lines, own, strict=True)
+    )
 
 
 def _dim(d) -> int | str:
@@ -140,8 +145,9 @@ def tensor_info(val: Any) -> dict:
     if not isinstance(val, torch.Tensor):
         return {"value": str(val)} if val is not None else {}
     shape = [_dim(d) for d in val.shape]
-    nbytes = (math.prod(shape) * val.element_size()
-              if all(isinstance(d, int) for d in shape) else None)
+    nbytes = (
+        math.prod(shape) * val.element_size() if all(isinstance(d, int) for d in shape) else None
+    )
     return {"shape": shape, "dtype": str(val.dtype).removeprefix("torch."), "nbytes": nbytes}
 
 
@@ -174,17 +180,22 @@ def _classify_output(desc: Any) -> tuple[str, str]:
     if desc is None:
         return "none", ""
     expr = desc.expr() if hasattr(desc, "expr") else repr(desc)
-    for marker, kind in (("SavedForBackwards", "saved"), ("InputMutation", "mutated_input"),
-                         ("Grad", "grad"), ("Token", "token"), ("Philox", "rng"),
-                         ("IntermediateBase", "intermediate_base"),
-                         ("MetadataMutation", "mutated_input"), ("PlainAOTOutput", "output")):
+    for marker, kind in (
+        ("SavedForBackwards", "saved"),
+        ("InputMutation", "mutated_input"),
+        ("Grad", "grad"),
+        ("Token", "token"),
+        ("Philox", "rng"),
+        ("IntermediateBase", "intermediate_base"),
+        ("MetadataMutation", "mutated_input"),
+        ("PlainAOTOutput", "output"),
+    ):
         if marker in cls:
             return kind, expr
     return "unknown", expr
 
 
-def _placeholder_kind(node: torch.fx.Node, names: InputNames, graph_kind: str
-                      ) -> tuple[str, str]:
+def _placeholder_kind(node: torch.fx.Node, names: InputNames, graph_kind: str) -> tuple[str, str]:
     desc = node.meta.get("desc")
     if desc is not None:
         return classify_desc(desc, names)
@@ -203,9 +214,14 @@ def _is_mutating(node: torch.fx.Node) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
-def analyse_graph(gm: torch.fx.GraphModule, *, name: str, kind: str,
-                  names: InputNames | None = None, num_user_outputs: int | None = None
-                  ) -> GraphCapture:
+def analyse_graph(
+    gm: torch.fx.GraphModule,
+    *,
+    name: str,
+    kind: str,
+    names: InputNames | None = None,
+    num_user_outputs: int | None = None,
+) -> GraphCapture:
     """A :class:`GraphCapture` of ``gm``.
 
     Args:
@@ -224,8 +240,15 @@ def analyse_graph(gm: torch.fx.GraphModule, *, name: str, kind: str,
         if node.op == "placeholder":
             k, n = _placeholder_kind(node, names, kind)
             by_node[node.name] = n
-            cap.inputs.append({"index": len(cap.inputs), "placeholder": node.name, "kind": k,
-                               "name": n, **tensor_info(node.meta.get("val"))})
+            cap.inputs.append(
+                {
+                    "index": len(cap.inputs),
+                    "placeholder": node.name,
+                    "kind": k,
+                    "name": n,
+                    **tensor_info(node.meta.get("val")),
+                }
+            )
         elif node.op == "call_function":
             cap.op_counts[str(node.target)] = cap.op_counts.get(str(node.target), 0) + 1
             first = node.args[0] if node.args else None
@@ -242,8 +265,9 @@ def analyse_graph(gm: torch.fx.GraphModule, *, name: str, kind: str,
             for i, (out, desc) in enumerate(zip(outs, descs, strict=False)):
                 k, n = _classify_output(desc)
                 if not have_descs:
-                    saved = (kind == "forward" and num_user_outputs is not None
-                             and i >= num_user_outputs)
+                    saved = (
+                        kind == "forward" and num_user_outputs is not None and i >= num_user_outputs
+                    )
                     k, n = ("saved" if saved else "unknown"), ""
                 elif k == "none" and out is not None:
                     k = "output"  # a region subgraph's own outputs carry no descriptor

@@ -75,10 +75,12 @@ class Recorder:
         return backend
 
     def _tensor_names(self) -> dict[int, tuple[str, str]]:
-        names = {id(p): ("parameter", n) for n, p in
-                 self.model.named_parameters(remove_duplicate=False)}
-        names.update({id(b): ("buffer", n) for n, b in
-                      self.model.named_buffers(remove_duplicate=False)})
+        names = {
+            id(p): ("parameter", n) for n, p in self.model.named_parameters(remove_duplicate=False)
+        }
+        names.update(
+            {id(b): ("buffer", n) for n, b in self.model.named_buffers(remove_duplicate=False)}
+        )
         for fqn, info in fsdp_params(self.model).items():
             names[id(info.pop("unsharded"))] = ("parameter", fqn)
         return names
@@ -102,16 +104,25 @@ class Recorder:
                 entry.names[i] = ("input", node.name)
             if _is_subclass(example):
                 attrs, _ = example.__tensor_flatten__()
-                self.report.subclass_inputs.append({
-                    "graph": f"graph{entry.index}", "input": entry.names[i][1],
-                    "type": f"{type(example).__module__}.{type(example).__qualname__}",
-                    "inner": {a: tensor_info(getattr(example, a)) for a in attrs},
-                })
+                self.report.subclass_inputs.append(
+                    {
+                        "graph": f"graph{entry.index}",
+                        "input": entry.names[i][1],
+                        "type": f"{type(example).__module__}.{type(example).__qualname__}",
+                        "inner": {a: tensor_info(getattr(example, a)) for a in attrs},
+                    }
+                )
         index = {node.name: i for i, node in enumerate(placeholders)}
         for placeholder in storage_resized_inputs(gm):
             name = entry.names.get(index.get(placeholder, -1), ("", placeholder))[1]
-            self.report.mutations.append({"graph": f"graph{entry.index}", "input": name,
-                                          "kind": "storage_resize", "level": "dynamo"})
+            self.report.mutations.append(
+                {
+                    "graph": f"graph{entry.index}",
+                    "input": name,
+                    "kind": "storage_resize",
+                    "level": "dynamo",
+                }
+            )
         self.dynamo.append(entry)
         return entry
 
@@ -130,12 +141,17 @@ class Recorder:
             entry = entry or next((e for e in reversed(self.dynamo) if e.forward), None)
             if entry is None:
                 return
-        self.report.fixes += [f"graph{entry.index}.{kind}: final storage resize of {n} "
-                              "applied to the input, not its functional copy"
-                              for n in gm.meta.get("aotdist_fixed_resizes", [])]
+        self.report.fixes += [
+            f"graph{entry.index}.{kind}: final storage resize of {n} "
+            "applied to the input, not its functional copy"
+            for n in gm.meta.get("aotdist_fixed_resizes", [])
+        ]
         md = entry.fw_metadata
         cap = analyse_graph(
-            gm, name=f"graph{entry.index}.{kind}", kind=kind, names=entry.names,
+            gm,
+            name=f"graph{entry.index}.{kind}",
+            kind=kind,
+            names=entry.names,
             num_user_outputs=getattr(md, "num_forward_returns", None),
         )
         if kind == "backward" and entry.forward is not None:
@@ -162,23 +178,36 @@ class Recorder:
             }
             for kind, on in flags.items():
                 if on:
-                    self.report.mutations.append({
-                        "graph": cap.name, "input": names.get(idx, ("", f"input {idx}"))[1],
-                        "kind": kind, "under_no_grad": bool(getattr(
-                            info, "mutations_under_no_grad_or_inference_mode", False)),
-                    })
+                    self.report.mutations.append(
+                        {
+                            "graph": cap.name,
+                            "input": names.get(idx, ("", f"input {idx}"))[1],
+                            "kind": kind,
+                            "under_no_grad": bool(
+                                getattr(info, "mutations_under_no_grad_or_inference_mode", False)
+                            ),
+                        }
+                    )
 
     def _mutations_from_graph(self, cap: GraphCapture) -> None:
         for r in cap.storage_resizes:
-            self.report.mutations.append({"graph": cap.name, "input": r["input"],
-                                          "kind": "storage_resize", "nbytes": r["nbytes"]})
+            self.report.mutations.append(
+                {
+                    "graph": cap.name,
+                    "input": r["input"],
+                    "kind": "storage_resize",
+                    "nbytes": r["nbytes"],
+                }
+            )
         if cap.kind == "backward":
             for name in cap.mutated_inputs:
-                self.report.mutations.append({"graph": cap.name, "input": name,
-                                              "kind": "backward_data"})
+                self.report.mutations.append(
+                    {"graph": cap.name, "input": name, "kind": "backward_data"}
+                )
 
-    def _region_calls(self, gm: torch.fx.GraphModule, cap: GraphCapture,
-                      entry: _DynamoGraph) -> None:
+    def _region_calls(
+        self, gm: torch.fx.GraphModule, cap: GraphCapture, entry: _DynamoGraph
+    ) -> None:
         """Region subgraphs called by ``gm`` (``invoke_subgraph``), per call site."""
         invoke = getattr(torch.ops.higher_order, "invoke_subgraph", None)
         by_placeholder = {i["placeholder"]: i for i in cap.inputs}
@@ -194,8 +223,9 @@ class Recorder:
             sub_cap = self.subgraphs.get(id(sub))
             if sub_cap is None:
                 graphs = region.backward if cap.kind == "backward" else region.forward
-                sub_cap = analyse_graph(sub, name=f"{region.name}.{cap.kind}{len(graphs)}",
-                                        kind=cap.kind)
+                sub_cap = analyse_graph(
+                    sub, name=f"{region.name}.{cap.kind}{len(graphs)}", kind=cap.kind
+                )
                 self.subgraphs[id(sub)] = sub_cap
                 graphs.append(sub_cap)
                 if cap.kind == "backward" and region.forward:
@@ -213,8 +243,13 @@ def _name_operands(sub_cap: GraphCapture, operands, by_placeholder: dict, site: 
             kind, full = top["kind"], top["name"]
         else:
             kind, full = "activation", getattr(arg, "name", str(arg))
-        rel = (full[len(site) + 1:] if full.startswith(site + ".")
-               else "activation" if kind == "activation" else full)
+        rel = (
+            full[len(site) + 1 :]
+            if full.startswith(site + ".")
+            else "activation"
+            if kind == "activation"
+            else full
+        )
         if "sources" not in inp:
             inp.update(kind=kind, name=rel, sources=[])
         elif inp["name"] != rel:
@@ -236,8 +271,7 @@ def _name_saved_inputs(bw: GraphCapture, fw: GraphCapture, *, relative: bool = F
 
 def _source_kind_name(source: Any) -> tuple[str, str]:
     text = source.name() if callable(getattr(source, "name", None)) else str(source.name)
-    kind = ("parameter" if "_parameters[" in text else
-            "buffer" if "_buffers[" in text else "input")
+    kind = "parameter" if "_parameters[" in text else "buffer" if "_buffers[" in text else "input"
     if kind == "input":
         return kind, re.sub(r"^L\[['\"](\w+)['\"]\]", r"\1", text)
     path = re.sub(r"\._(?:modules|parameters|buffers)\[(['\"])(.*?)\1\]", r".\2", text)

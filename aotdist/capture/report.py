@@ -103,48 +103,69 @@ class Capture:
     def to_dict(self) -> dict:
         """JSON-able copy (no tensors, no graph modules; readable code included)."""
         return {
-            "mode": str(self.mode), "backend": self.backend,
+            "mode": str(self.mode),
+            "backend": self.backend,
             "regions": {n: r.to_dict() for n, r in self.regions.items()},
             "graphs": [g.to_dict() for g in self.graphs],
-            "mutations": self.mutations, "subclass_inputs": self.subclass_inputs,
-            "fsdp_inputs": self.fsdp_inputs, "fixes": self.fixes, "demoted": self.demoted,
+            "mutations": self.mutations,
+            "subclass_inputs": self.subclass_inputs,
+            "fsdp_inputs": self.fsdp_inputs,
+            "fixes": self.fixes,
+            "demoted": self.demoted,
             "metrics": self.metrics.to_dict(),
         }
 
     def summary(self) -> str:
         """A compact text table: regions, graphs, mutations, subclasses, FSDP, breaks."""
         m = self.metrics
-        lines = [f"capture: mode {self.mode}, backend {self.backend}, {len(self.graphs)} "
-                 f"graphs, graph breaks {m.num_graph_breaks}, recompiles {len(m.recompiles)}",
-                 f"{'region':<18}{'inst':>5}{'sites':>6}{'subgr':>6}{'fw ops':>7}"
-                 f"{'bw ops':>7}{'saved':>6}{'saved B':>10}{'inl':>4}  params"]
+        lines = [
+            f"capture: mode {self.mode}, backend {self.backend}, {len(self.graphs)} "
+            f"graphs, graph breaks {m.num_graph_breaks}, recompiles {len(m.recompiles)}",
+            f"{'region':<18}{'inst':>5}{'sites':>6}{'subgr':>6}{'fw ops':>7}"
+            f"{'bw ops':>7}{'saved':>6}{'saved B':>10}{'inl':>4}  params",
+        ]
         for r in self.regions.values():
             fw = r.forward[0] if r.forward else None
             params = sum(1 for i in (fw.inputs if fw else []) if i["kind"] == "parameter")
             bw_ops = r.backward[0].num_ops if r.backward else 0
-            lines.append(f"{r.name:<18}{len(r.instances):>5}{len(r.call_sites):>6}"
-                         f"{r.num_subgraphs:>6}{fw.num_ops if fw else 0:>7}{bw_ops:>7}"
-                         f"{fw.saved_count if fw else 0:>6}{fw.saved_bytes if fw else 0:>10}"
-                         f"{r.inlined:>4}  {params}")
+            lines.append(
+                f"{r.name:<18}{len(r.instances):>5}{len(r.call_sites):>6}"
+                f"{r.num_subgraphs:>6}{fw.num_ops if fw else 0:>7}{bw_ops:>7}"
+                f"{fw.saved_count if fw else 0:>6}{fw.saved_bytes if fw else 0:>10}"
+                f"{r.inlined:>4}  {params}"
+            )
         for g in self.graphs:
             kinds: dict[str, int] = {}
             for i in g.inputs:
                 kinds[i["kind"]] = kinds.get(i["kind"], 0) + 1
-            lines.append(f"  {g.name}: {g.num_ops} ops, saved {g.saved_count} "
-                         f"({g.saved_bytes} B), inputs {kinds}"
-                         + (f", collectives {g.collectives}, gathered {g.gathered_bytes} B"
-                            if g.collectives else ""))
+            lines.append(
+                f"  {g.name}: {g.num_ops} ops, saved {g.saved_count} "
+                f"({g.saved_bytes} B), inputs {kinds}"
+                + (
+                    f", collectives {g.collectives}, gathered {g.gathered_bytes} B"
+                    if g.collectives
+                    else ""
+                )
+            )
         lines += [f"  mutation: {x['graph']} {x['input']} {x['kind']}" for x in self.mutations]
-        lines += [f"  subclass input: {x['graph']} {x['input']} {x['type']} "
-                  f"inner {list(x['inner'])}" for x in self.subclass_inputs]
-        lines += [f"  fsdp input: {x['graph']} {x['param']} sharded {x['sharded_shape']} "
-                  f"unsharded {x['unsharded_shape']}" for x in self.fsdp_inputs]
+        lines += [
+            f"  subclass input: {x['graph']} {x['input']} {x['type']} inner {list(x['inner'])}"
+            for x in self.subclass_inputs
+        ]
+        lines += [
+            f"  fsdp input: {x['graph']} {x['param']} sharded {x['sharded_shape']} "
+            f"unsharded {x['unsharded_shape']}"
+            for x in self.fsdp_inputs
+        ]
         lines += [f"  fixed: {x}" for x in self.fixes]
-        lines += [f"  demoted: {n} compiled inline, not a reusable subgraph: {r}"
-                  for n, r in self.demoted.items()]
+        lines += [
+            f"  demoted: {n} compiled inline, not a reusable subgraph: {r}"
+            for n, r in self.demoted.items()
+        ]
         lines += [f"  reuse: {n}: {why[:160]}" for n, why in m.reuse.items()]
-        lines += [f"  graph break x{n}: {r.splitlines()[0][:140]}"
-                  for r, n in m.graph_breaks.items()]
+        lines += [
+            f"  graph break x{n}: {r.splitlines()[0][:140]}" for r, n in m.graph_breaks.items()
+        ]
         lines += [f"  recompile: {r.splitlines()[0][:140]}" for r in m.recompiles]
         return "\n".join(lines)
 
@@ -158,8 +179,9 @@ class Capture:
         out.mkdir(parents=True, exist_ok=True)
         written = [out / "capture.json"]
         written[0].write_text(json.dumps(self.to_dict(), indent=1, default=str))
-        graphs = list(self.graphs) + [g for r in self.regions.values()
-                                      for g in (*r.forward, *r.backward)]
+        graphs = list(self.graphs) + [
+            g for r in self.regions.values() for g in (*r.forward, *r.backward)
+        ]
         for g in graphs:
             path = out / (re.sub(r"[^\w.-]+", "_", g.name) + ".py")
             path.write_text(f"# {g.name} ({g.kind})\n{g.code}")

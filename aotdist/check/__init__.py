@@ -14,5 +14,15 @@ from aotdist.check.runner import FAILING, CheckResult, check_family, check_fsdp
 from aotdist.check.specs import resolve
 from aotdist.check.zoo import render, run_zoo
 
-__all__ = ["FAILING", "FAMILIES", "CheckResult", "Family", "check_family", "check_fsdp",
-           "family", "render", "resolve", "run_zoo"]
+__all__ = [
+    "FAILING",
+    "FAMILIES",
+    "CheckResult",
+    "Family",
+    "check_family",
+    "check_fsdp",
+    "family",
+    "render",
+    "resolve",
+    "run_zoo",
+]

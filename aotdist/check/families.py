@@ -19,8 +19,19 @@ from torch import nn
 
 from aotdist.check.tiny_config import hf_config, text_config
 
-__all__ = ["FAMILIES", "Family", "causal_lm_types", "classification_loss", "family",
-           "hf_family", "loss_of", "stochastic_depth", "torchvision_family", "without_randomness"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "causal_lm_types",
+    "classification_loss",
+    "family",
+    "hf_family",
+    "loss_of",
+    "stochastic_depth",
+    "torchvision_family",
+    "without_randomness",
+]
+
 
 @dataclass(frozen=True)
 class Family:
@@ -46,8 +57,11 @@ def loss_of(output: Any) -> torch.Tensor:
         return loss
     if isinstance(output, torch.Tensor):
         return output.float().square().mean()
-    values = output.values() if isinstance(output, dict) else (
-        output.to_tuple() if hasattr(output, "to_tuple") else output)
+    values = (
+        output.values()
+        if isinstance(output, dict)
+        else (output.to_tuple() if hasattr(output, "to_tuple") else output)
+    )
     tensors = [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
     if not tensors:
         raise TypeError(f"no loss and no floating tensor in the output ({type(output).__name__})")
@@ -61,7 +75,8 @@ def _drop_rate(m: nn.Module) -> str | None:
     if name == "StochasticDepth":
         return "p"
     if name.endswith(("DropPath", "DropBlock2d")) and isinstance(
-            getattr(m, "drop_prob", None), float):
+        getattr(m, "drop_prob", None), float
+    ):
         return "drop_prob"
     return None
 
@@ -84,9 +99,17 @@ def without_randomness(model: nn.Module) -> nn.Module:
     return model
 
 
-def hf_family(model_type: str, kind: str, *, auto: str = "AutoModelForCausalLM",
-              seq: int = 12, notes: str = "", inputs: Callable | None = None,
-              name: str | None = None, **overrides: Any) -> Family:
+def hf_family(
+    model_type: str,
+    kind: str,
+    *,
+    auto: str = "AutoModelForCausalLM",
+    seq: int = 12,
+    notes: str = "",
+    inputs: Callable | None = None,
+    name: str | None = None,
+    **overrides: Any,
+) -> Family:
     """A ``transformers`` family (called ``name``, default ``model_type``): the ``auto``
     class built ``from_config`` on the tiny config; the batch is 2 random token sequences
     of length ``seq`` that are also the labels (or what ``inputs(config, generator)``
@@ -98,7 +121,8 @@ def hf_family(model_type: str, kind: str, *, auto: str = "AutoModelForCausalLM",
         torch.manual_seed(seed)
         config = hf_config(model_type, **overrides)
         model = without_randomness(
-            getattr(transformers, auto).from_config(config, attn_implementation="eager"))
+            getattr(transformers, auto).from_config(config, attn_implementation="eager")
+        )
         g = torch.Generator().manual_seed(seed + 1)
         if inputs is not None:
             batch = inputs(config, g)
@@ -115,12 +139,26 @@ def _with_cache(model_type: str, kind: str, **overrides: Any) -> Family:
     """``model_type`` as users call it in training: ``model(input_ids=ids, labels=ids)``
     with the config's default ``use_cache=True`` (the other rows build with
     ``use_cache=False``), 16 tokens past a sliding window of 8 where it has one."""
-    return hf_family(model_type, f"{kind}, default cache (use_cache=True)", seq=16,
-                     name=f"{model_type}+cache", use_cache=True, **overrides)
+    return hf_family(
+        model_type,
+        f"{kind}, default cache (use_cache=True)",
+        seq=16,
+        name=f"{model_type}+cache",
+        use_cache=True,
+        **overrides,
+    )
 
 
-def torchvision_family(name: str, kind: str, *, size: int = 32, batch: int = 2,
-                       notes: str = "", ctor: str | None = None, **kwargs: Any) -> Family:
+def torchvision_family(
+    name: str,
+    kind: str,
+    *,
+    size: int = 32,
+    batch: int = 2,
+    notes: str = "",
+    ctor: str | None = None,
+    **kwargs: Any,
+) -> Family:
     """A ``torchvision.models`` constructor (``ctor``, default ``name``) with random weights
     and 10 classes; the batch is ``batch`` random images of ``size`` pixels square (a
     BatchNorm network gets 4 of 64: over 2 images of 32 its last BatchNorms normalize 2
@@ -132,7 +170,8 @@ def torchvision_family(name: str, kind: str, *, size: int = 32, batch: int = 2,
 
         torch.manual_seed(seed)
         model = without_randomness(
-            getattr(torchvision.models, ctor or name)(num_classes=10, **kwargs))
+            getattr(torchvision.models, ctor or name)(num_classes=10, **kwargs)
+        )
         g = torch.Generator().manual_seed(seed + 1)
         return model, {"x": torch.randn(batch, 3, size, size, generator=g)}
 
@@ -177,32 +216,79 @@ FAMILIES: tuple[Family, ...] = (
     hf_family("gpt_neox", "dense decoder, parallel residual"),
     hf_family("mixtral", "MoE decoder"),
     hf_family("qwen3_moe", "MoE decoder", decoder_sparse_step=1, mlp_only_layers=[]),
-    hf_family("deepseek_v3", "MLA + MoE decoder", q_lora_rank=32, kv_lora_rank=16,
-              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
-              qk_head_dim=16, num_key_value_heads=4, first_k_dense_replace=0,
-              n_group=1, topk_group=1, n_shared_experts=1),
-    hf_family("jamba", "hybrid attention/Mamba, MoE", num_hidden_layers=4,
-              attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-              expert_layer_offset=1, use_mamba_kernels=False, mamba_d_state=8,
-              mamba_dt_rank=8),
+    hf_family(
+        "deepseek_v3",
+        "MLA + MoE decoder",
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        head_dim=8,
+        qk_head_dim=16,
+        num_key_value_heads=4,
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+    ),
+    hf_family(
+        "jamba",
+        "hybrid attention/Mamba, MoE",
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        use_mamba_kernels=False,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+    ),
     # both cache settings: a sliding-window family called as users call it
     _with_cache("llama", "dense decoder"),
     _with_cache("mistral", "dense decoder, sliding window", sliding_window=8),
     _with_cache("phi3", "dense decoder, fused QKV", sliding_window=8),
-    _with_cache("qwen3_moe", "MoE decoder", decoder_sparse_step=1, mlp_only_layers=[],
-                sliding_window=8, use_sliding_window=True),
+    _with_cache(
+        "qwen3_moe",
+        "MoE decoder",
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        sliding_window=8,
+        use_sliding_window=True,
+    ),
     hf_family("bert", "encoder", auto="AutoModelForMaskedLM", inputs=_masked),
-    hf_family("t5", "encoder-decoder", auto="AutoModelForSeq2SeqLM", inputs=_seq2seq,
-              num_heads=4, relative_attention_num_buckets=8),
-    hf_family("whisper", "speech encoder-decoder", auto="AutoModelForSpeechSeq2Seq",
-              inputs=_speech, num_mel_bins=16, max_source_positions=16),
+    hf_family(
+        "t5",
+        "encoder-decoder",
+        auto="AutoModelForSeq2SeqLM",
+        inputs=_seq2seq,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+    ),
+    hf_family(
+        "whisper",
+        "speech encoder-decoder",
+        auto="AutoModelForSpeechSeq2Seq",
+        inputs=_speech,
+        num_mel_bins=16,
+        max_source_positions=16,
+    ),
     torchvision_family("resnet18", "CNN", size=64, batch=4),
-    torchvision_family("efficientnet_b0", "CNN, squeeze-excitation, BatchNorm", size=64,
-                       batch=4),
+    torchvision_family("efficientnet_b0", "CNN, squeeze-excitation, BatchNorm", size=64, batch=4),
     torchvision_family("convnext_tiny", "CNN, stochastic depth"),
     torchvision_family("swin_t", "windowed vision transformer", size=64),
-    torchvision_family("vit", "vision transformer", ctor="VisionTransformer", size=32,
-                       image_size=32, patch_size=8, num_layers=3, num_heads=4, hidden_dim=64, mlp_dim=128),
+    torchvision_family(
+        "vit",
+        "vision transformer",
+        ctor="VisionTransformer",
+        size=32,
+        image_size=32,
+        patch_size=8,
+        num_layers=3,
+        num_heads=4,
+        hidden_dim=64,
+        mlp_dim=128,
+    ),
 )
 
 
@@ -220,5 +306,3 @@ def causal_lm_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-

@@ -17,9 +17,16 @@ from aotdist.check.families import Family, classification_loss
 __all__ = ["TIMM_MODELS", "timm_family"]
 
 
-def timm_family(arch: str, kind: str = "timm model", *, size: int | None = None,
-                batch: int = 2, img_size: bool = True, notes: str = "",
-                **kwargs: Any) -> Family:
+def timm_family(
+    arch: str,
+    kind: str = "timm model",
+    *,
+    size: int | None = None,
+    batch: int = 2,
+    img_size: bool = True,
+    notes: str = "",
+    **kwargs: Any,
+) -> Family:
     """A ``timm.create_model(arch)`` with random weights, 10 classes and stochastic depth
     on (``drop_path_rate=0.1``, timm's usual training setting, where the architecture has
     it), in train mode; ``kwargs``
@@ -42,8 +49,11 @@ def timm_family(arch: str, kind: str = "timm model", *, size: int | None = None,
             del args["drop_path_rate"]
             model = timm.create_model(arch, **args)
         model.train()
-        shape = (3, size, size) if size is not None else tuple(
-            model.pretrained_cfg.get("input_size", (3, 224, 224)))
+        shape = (
+            (3, size, size)
+            if size is not None
+            else tuple(model.pretrained_cfg.get("input_size", (3, 224, 224)))
+        )
         g = torch.Generator().manual_seed(seed + 1)
         return model, {"x": torch.randn(batch, *shape, generator=g)}
 

@@ -36,17 +36,27 @@ def _titan_tiny(name: str):
         config = qwen3.model_registry("debugmodel_moe", attn_backend="flex").model
         rope = config.layers[0].attention.rope
         config.layers = qwen3._build_qwen3_moe_layers(
-            n_layers=3, dim=config.dim, n_heads=16, n_kv_heads=8, head_dim=16,
-            moe_hidden_dim=64, num_experts=8, top_k=2, attn_backend="flex",
-            moe_comm_backend="standard", rope=_rope(rope, 16))
+            n_layers=3,
+            dim=config.dim,
+            n_heads=16,
+            n_kv_heads=8,
+            head_dim=16,
+            moe_hidden_dim=64,
+            num_experts=8,
+            top_k=2,
+            attn_backend="flex",
+            moe_comm_backend="standard",
+            rope=_rope(rope, 16),
+        )
     elif name == "deepseek_v3":
         from torchtitan.models import deepseek_v3
 
         config = deepseek_v3.model_registry("debugmodel", attn_backend="flex").model
         config.layers = config.layers[:4]
     else:
-        raise ValueError(f"titan:{name}: torchtitan models checked here are "
-                         f"{', '.join(TITAN_MODELS)}")
+        raise ValueError(
+            f"titan:{name}: torchtitan models checked here are {', '.join(TITAN_MODELS)}"
+        )
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return config
@@ -58,9 +68,12 @@ def _rope(rope, head_dim: int):
     return dataclasses.replace(rope, dim=head_dim)
 
 
-TITAN_MODELS = {"llama3": "dense decoder (Llama 3)", "qwen3": "dense decoder, QK norm (Qwen 3)",
-                "qwen3_moe": "MoE decoder (Qwen 3 MoE)",
-                "deepseek_v3": "MLA + MoE decoder (DeepSeek-V3)"}
+TITAN_MODELS = {
+    "llama3": "dense decoder (Llama 3)",
+    "qwen3": "dense decoder, QK norm (Qwen 3)",
+    "qwen3_moe": "MoE decoder (Qwen 3 MoE)",
+    "deepseek_v3": "MLA + MoE decoder (DeepSeek-V3)",
+}
 
 # torchtitan 0.3's model code imports torch.distributed.fsdp.DataParallelMeshDims (torch 2.12)
 TITAN_MIN_TORCH = "2.12"
@@ -72,14 +85,18 @@ def titan_unavailable(name: str = "llama3") -> str | None:
     try:
         importlib.import_module(f"torchtitan.models.{module}")
     except ModuleNotFoundError as exc:
-        if exc.name is not None and exc.name.split(".")[0] == "torchtitan" and (
-                "." not in exc.name):
-            return ("torchtitan is not installed (pip install --no-deps torchtitan "
-                    "spmd_types tyro)")
+        if (
+            exc.name is not None
+            and exc.name.split(".")[0] == "torchtitan"
+            and ("." not in exc.name)
+        ):
+            return "torchtitan is not installed (pip install --no-deps torchtitan spmd_types tyro)"
         return f"needs torchtitan's dependency {exc.name}: {first_line(exc)}"
     except ImportError as exc:  # its code uses torch.distributed APIs newer than this torch
-        return (f"needs torch >= {TITAN_MIN_TORCH} (torchtitan's model code does not import "
-                f"on torch {torch.__version__.split('+')[0]}: {first_line(exc)})")
+        return (
+            f"needs torch >= {TITAN_MIN_TORCH} (torchtitan's model code does not import "
+            f"on torch {torch.__version__.split('+')[0]}: {first_line(exc)})"
+        )
     return None
 
 
@@ -100,8 +117,9 @@ def titan_family(name: str) -> Family:
         g = torch.Generator().manual_seed(seed + 1)
         return model, {"*": (torch.randint(0, vocab, (2, 17), generator=g)[:, :-1],)}
 
-    return Family(name, TITAN_MODELS.get(name, "torchtitan model"), build, "torchtitan",
-                  loss=_next_token_loss)
+    return Family(
+        name, TITAN_MODELS.get(name, "torchtitan model"), build, "torchtitan", loss=_next_token_loss
+    )
 
 
 def _next_token_loss(logits: torch.Tensor) -> torch.Tensor:

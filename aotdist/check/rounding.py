@@ -39,8 +39,9 @@ def as_float64(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
     return copy.deepcopy(model).double(), cast(inputs)
 
 
-def rounding_errors(exact: Callable[[], list[dict]], runs: dict[str, list[dict]]
-                    ) -> dict[str, float] | None:
+def rounding_errors(
+    exact: Callable[[], list[dict]], runs: dict[str, list[dict]]
+) -> dict[str, float] | None:
     """Each run's largest gradient difference from the float64 run ``exact()`` returns
     (its gradients per step), scaled as the check scales them, over the steps; ``None``
     where the model cannot run in float64 (an op without a float64 kernel)."""
@@ -48,9 +49,16 @@ def rounding_errors(exact: Callable[[], list[dict]], runs: dict[str, list[dict]]
         reference = exact()
     except Exception:  # noqa: BLE001 - the judgement is skipped, the verdict stands
         return None
-    return {name: max((compare_grads(step, ref, rtol=0.0)[0]
-                       for step, ref in zip(grads, reference, strict=False)), default=0.0)
-            for name, grads in runs.items()}
+    return {
+        name: max(
+            (
+                compare_grads(step, ref, rtol=0.0)[0]
+                for step, ref in zip(grads, reference, strict=False)
+            ),
+            default=0.0,
+        )
+        for name, grads in runs.items()
+    }
 
 
 def only_rounding(errors: dict[str, float] | None, name: str, rtol: float) -> bool:
@@ -60,7 +68,9 @@ def only_rounding(errors: dict[str, float] | None, name: str, rtol: float) -> bo
 
 def describe(errors: dict[str, float], name: str, diff: float) -> str:
     """The note: how far ``name`` is from eager, and each from float64 eager."""
-    return (f"gradients off eager's by {diff:.1e} (scaled), fp32 rounding: against eager "
-            f"in float64, {name}'s are off by {errors[name]:.1e} and eager's own by "
-            f"{errors['eager']:.1e} (a gradient zero in exact arithmetic, as a bias before "
-            "a BatchNorm, is rounding noise in float32)")
+    return (
+        f"gradients off eager's by {diff:.1e} (scaled), fp32 rounding: against eager "
+        f"in float64, {name}'s are off by {errors[name]:.1e} and eager's own by "
+        f"{errors['eager']:.1e} (a gradient zero in exact arithmetic, as a bias before "
+        "a BatchNorm, is rounding noise in float32)"
+    )

@@ -97,8 +97,11 @@ class CheckResult:
     def line(self) -> str:
         """One progress line: name, status, regions and the loss difference."""
         regions = ", ".join(f"{n} x{r['instances']}" for n, r in self.regions.items()) or "-"
-        diff = ("" if self.loss_diff is None
-                else f" | loss diff {self.loss_diff:.1e}, grad diff {self.max_grad_diff:.1e}")
+        diff = (
+            ""
+            if self.loss_diff is None
+            else f" | loss diff {self.loss_diff:.1e}, grad diff {self.max_grad_diff:.1e}"
+        )
         if self.whole_model_grad_diff is not None:
             diff += f" (whole-model compile {self.whole_model_grad_diff:.1e})"
         if self.max_buffer_diff is not None:
@@ -116,8 +119,12 @@ class CheckResult:
 def _classify(result: CheckResult, m, caught: list[str]) -> None:
     """Fills ``status``, ``regions`` and ``notes`` from the aotdist step's metrics."""
     for name, st in m.regions.items():
-        result.regions[name] = {"instances": st.instances, "call_sites": st.call_sites,
-                                "subgraphs": st.subgraphs, "inlined": st.inlined}
+        result.regions[name] = {
+            "instances": st.instances,
+            "call_sites": st.call_sites,
+            "subgraphs": st.subgraphs,
+            "inlined": st.inlined,
+        }
     for source in (m.reuse, m.demoted, m.eager):
         for name, why in source.items():
             result.notes.setdefault(name, why.splitlines()[0][:300])
@@ -140,26 +147,51 @@ def _classify(result: CheckResult, m, caught: list[str]) -> None:
 def _region_warnings(caught) -> list[str]:
     import aotdist
 
-    return [str(w.message).splitlines()[0][:300] for w in caught
-            if issubclass(w.category, aotdist.RegionCompileWarning)]
+    return [
+        str(w.message).splitlines()[0][:300]
+        for w in caught
+        if issubclass(w.category, aotdist.RegionCompileWarning)
+    ]
 
 
-def _judge(result: CheckResult, m, loss: torch.Tensor, model: nn.Module, reference: nn.Module,
-           backend: str, *, frames: bool = False, whole_zeros: list[str] | None = None,
-           ran: dict[str, int] | None = None) -> None:
+def _judge(
+    result: CheckResult,
+    m,
+    loss: torch.Tensor,
+    model: nn.Module,
+    reference: nn.Module,
+    backend: str,
+    *,
+    frames: bool = False,
+    whole_zeros: list[str] | None = None,
+    ran: dict[str, int] | None = None,
+) -> None:
     """:func:`_verdict` on one step: ``loss`` against ``result.loss_eager``, the gradients
     of ``model`` against those of ``reference``."""
     result.loss_aotdist = loss.item()
     diff = Diff()
-    diff.add(1, result.loss_aotdist, result.loss_eager,
-             {n: p.grad for n, p in model.named_parameters()},
-             {n: p.grad for n, p in reference.named_parameters()}, None, None,
-             tolerance(backend))
+    diff.add(
+        1,
+        result.loss_aotdist,
+        result.loss_eager,
+        {n: p.grad for n, p in model.named_parameters()},
+        {n: p.grad for n, p in reference.named_parameters()},
+        None,
+        None,
+        tolerance(backend),
+    )
     _verdict(result, m, diff, frames=frames, whole_zeros=whole_zeros, ran=ran)
 
 
-def _verdict(result: CheckResult, m, diff: Diff, *, frames: bool = False,
-             whole_zeros: list[str] | None = None, ran: dict[str, int] | None = None) -> None:
+def _verdict(
+    result: CheckResult,
+    m,
+    diff: Diff,
+    *,
+    frames: bool = False,
+    whole_zeros: list[str] | None = None,
+    ran: dict[str, int] | None = None,
+) -> None:
     """Status from the metrics, then ``eager!`` (``frames``: a kept region with fewer
     compiled call sites than instances that ran, ``ran`` counting them per region where
     known) or ``parity`` (``diff``: a loss, gradient or buffer off eager). ``whole_zeros``:
@@ -174,19 +206,23 @@ def _verdict(result: CheckResult, m, diff: Diff, *, frames: bool = False,
             f"{len(zeros)} parameter(s) ({', '.join(zeros[:3])}"
             f"{', ...' if len(zeros) > 3 else ''}) get zero gradients where eager leaves "
             "them None: they feed only an output the loss does not use, and a compiled "
-            "backward gives such parameters zeros")
+            "backward gives such parameters zeros"
+        )
         if whole_zeros is not None:
             differ = [n for n in zeros if n not in whole_zeros]
             result.notes["gradients"] += (
                 f"; whole-model compile leaves {len(differ)} of them None ({differ[0]}...)"
-                if differ else " (whole-model compile too)")
+                if differ
+                else " (whole-model compile too)"
+            )
     for name, st in m.regions.items() if frames else ():
         called = st.instances if ran is None else ran.get(name, st.instances)
         if called == 0:  # a part of the model this batch does not use (a vision tower)
             result.notes.setdefault(name, "not run by this batch: not checked")
         elif name not in m.demoted and name not in m.eager and st.call_sites < called:
-            result.notes.setdefault(name, f"{st.call_sites} of the {called} instances that "
-                                    "ran ran compiled")
+            result.notes.setdefault(
+                name, f"{st.call_sites} of the {called} instances that ran ran compiled"
+            )
             result.status = "eager!"
     if not diff.ok and result.status != "eager!":
         result.status = "parity"
@@ -221,8 +257,14 @@ def _compile_whole(model: nn.Module, backend: str) -> nn.Module:
     return torch.compile(model, backend=backend)
 
 
-def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int = 0,
-                 whole_model: bool = True, steps: int = STEPS) -> CheckResult:
+def check_family(
+    family: Family | str,
+    *,
+    backend: str = "aot_eager",
+    seed: int = 0,
+    whole_model: bool = True,
+    steps: int = STEPS,
+) -> CheckResult:
     """``steps`` SGD steps of ``family`` eager, with aotdist and (``whole_model``) with
     whole-model ``torch.compile``, on one batch from the same weights, each step from the
     same random seed; losses, gradients and buffers compared after every step."""
@@ -258,15 +300,28 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
             with contextlib.ExitStack() as later:
                 m = later.enter_context(aotdist.metrics.track(model))
                 after = []
-                diff = train(family, model, inputs, steps=steps, seed=seed, against=eager,
-                              record=(ran := Run()),
-                              rtol=rtol, after_first=lambda _model=model: (
-                                  later.close(), after.append(
-                                      later.enter_context(aotdist.metrics.track(_model)))))
+                diff = train(
+                    family,
+                    model,
+                    inputs,
+                    steps=steps,
+                    seed=seed,
+                    against=eager,
+                    record=(ran := Run()),
+                    rtol=rtol,
+                    after_first=lambda _model=model: (
+                        later.close(),
+                        after.append(later.enter_context(aotdist.metrics.track(_model))),
+                    ),
+                )
             if after and after[0].graphs:
-                result.notes.setdefault("later steps", (
-                    f"steps 2-{steps} compiled {after[0].graphs} more graph(s) "
-                    f"({'; '.join(_guard(r) for r in after[0].recompiles)[:300] or 'a new frame'})"))
+                result.notes.setdefault(
+                    "later steps",
+                    (
+                        f"steps 2-{steps} compiled {after[0].graphs} more graph(s) "
+                        f"({'; '.join(_guard(r) for r in after[0].recompiles)[:300] or 'a new frame'})"
+                    ),
+                )
         except Exception as exc:  # noqa: BLE001 - classified below against torch.compile
             crashed = exc
             result.error = first_line(exc, 400)
@@ -275,50 +330,86 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
     whole_zeros, whole_diff, whole_ran = None, None, Run()
     if whole_model:
         try:
-            whole_diff = train(family, whole, inputs, steps=steps, seed=seed, against=eager,
-                                record=whole_ran,
-                                rtol=rtol, call=_compile_whole(whole, backend))
+            whole_diff = train(
+                family,
+                whole,
+                inputs,
+                steps=steps,
+                seed=seed,
+                against=eager,
+                record=whole_ran,
+                rtol=rtol,
+                call=_compile_whole(whole, backend),
+            )
             result.whole_model_grad_diff, whole_zeros = whole_diff.grad, whole_diff.zeros
             # torch's own miscompile: whole-model compile runs, but not as eager does
-            result.whole_model = "trains" if whole_diff.ok else (
-                f"wrong gradients (grad diff {whole_diff.grad:.1e})"
-                if whole_diff.grad_bad or not whole_diff.loss_ok
-                else f"wrong buffers (buffer diff {whole_diff.buffer:.1e})")
+            result.whole_model = (
+                "trains"
+                if whole_diff.ok
+                else (
+                    f"wrong gradients (grad diff {whole_diff.grad:.1e})"
+                    if whole_diff.grad_bad or not whole_diff.loss_ok
+                    else f"wrong buffers (buffer diff {whole_diff.buffer:.1e})"
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             result.whole_model = f"fails: {first_line(exc, 400)}"
     del whole
     if crashed is not None:
-        result.status = ("crash" if result.whole_model in ("trains", "")
-                         else "torch.compile fails too")
+        result.status = (
+            "crash" if result.whole_model in ("trains", "") else "torch.compile fails too"
+        )
         if result.status == "crash":
             result.error = "".join(traceback.format_exception(crashed))[-3000:]
     else:
         result.loss_aotdist = diff.first_loss
         _verdict(result, m, diff, whole_zeros=whole_zeros)
-        if (result.status == "parity" and diff.loss_ok and diff.buffer_bad is None
-                and exact is not None):
+        if (
+            result.status == "parity"
+            and diff.loss_ok
+            and diff.buffer_bad is None
+            and exact is not None
+        ):
 
             def exact_grads() -> list[dict]:
                 train(family, *exact, steps=steps, seed=seed, record=(run := Run()))
                 return run.grads
 
-            errors = rounding_errors(exact_grads, {"eager": eager.grads, "aotdist": ran.grads,
-                                                   "whole-model compile": whole_ran.grads})
+            errors = rounding_errors(
+                exact_grads,
+                {
+                    "eager": eager.grads,
+                    "aotdist": ran.grads,
+                    "whole-model compile": whole_ran.grads,
+                },
+            )
             if only_rounding(errors, "aotdist", rtol):  # the regions' verdict stands
                 diff.grad_bad = diff.step = None
                 result.notes.pop("parity", None)
                 _verdict(result, m, diff, whole_zeros=whole_zeros)
                 result.notes["gradients"] = describe(errors, "aotdist", diff.grad)
-            if (whole_diff is not None and whole_diff.loss_ok and whole_diff.buffer_bad is None
-                    and whole_ran.grads and only_rounding(errors, "whole-model compile", rtol)):
+            if (
+                whole_diff is not None
+                and whole_diff.loss_ok
+                and whole_diff.buffer_bad is None
+                and whole_ran.grads
+                and only_rounding(errors, "whole-model compile", rtol)
+            ):
                 result.whole_model = "trains"
         if result.status == "parity" and result.whole_model.startswith("wrong"):
-            result.notes.setdefault("gradients", (
-                f"whole-model torch.compile's gradients are off eager's too (by "
-                f"{result.whole_model_grad_diff:.1e}, aotdist's by {diff.grad:.1e}): the "
-                "compiler's, not the regions'; try another backend or torch version"))
-            if (diff.loss_ok and diff.buffer_bad is None
-                    and diff.grad <= 2 * result.whole_model_grad_diff):
+            result.notes.setdefault(
+                "gradients",
+                (
+                    f"whole-model torch.compile's gradients are off eager's too (by "
+                    f"{result.whole_model_grad_diff:.1e}, aotdist's by {diff.grad:.1e}): the "
+                    "compiler's, not the regions'; try another backend or torch version"
+                ),
+            )
+            if (
+                diff.loss_ok
+                and diff.buffer_bad is None
+                and diff.grad <= 2 * result.whole_model_grad_diff
+            ):
                 # no further off eager than whole-model compile: torch's, as the status says
                 result.status = "torch.compile fails too"
         if as_built is not None and result.ok:
@@ -327,8 +418,14 @@ def check_family(family: Family | str, *, backend: str = "aot_eager", seed: int 
     return result
 
 
-def _judge_as_built(result: CheckResult, family: Family, model: nn.Module,
-                    inputs: dict[str, Any], backend: str, seed: int) -> None:
+def _judge_as_built(
+    result: CheckResult,
+    family: Family,
+    model: nn.Module,
+    inputs: dict[str, Any],
+    backend: str,
+    seed: int,
+) -> None:
     """Reuse with the model's stochastic depth on (one step, not compared: masks are
     random): ``result.stochastic_depth`` is that status; where it is worse than with
     stochastic depth off, it is the status, its notes prefixed."""
@@ -344,38 +441,44 @@ def _judge_as_built(result: CheckResult, family: Family, model: nn.Module,
         except Exception as exc:  # noqa: BLE001 - an aotdist crash with the user's setting
             result.stochastic_depth = "crash"
             result.status = "crash"
-            result.error = ("with stochastic depth on: "
-                            + "".join(traceback.format_exception(exc))[-3000:])
+            result.error = (
+                "with stochastic depth on: " + "".join(traceback.format_exception(exc))[-3000:]
+            )
             return
     probe.warnings = _region_warnings(caught)
     _classify(probe, m, probe.warnings)
     result.stochastic_depth = probe.status
     rank = ("reused", "partly reused", "demoted", "eager!")
-    if probe.status in rank and result.status in rank and (
-            rank.index(probe.status) > rank.index(result.status)):
+    if (
+        probe.status in rank
+        and result.status in rank
+        and (rank.index(probe.status) > rank.index(result.status))
+    ):
         result.status = probe.status
         for name, why in probe.notes.items():
             result.notes.setdefault(name, f"stochastic depth on: {why}")
 
 
-def _fsdp_rank(rank: int, world_size: int, spec: str, backend: str, seed: int,
-               mode: str = "hooks") -> dict:
+def _fsdp_rank(
+    rank: int, world_size: int, spec: str, backend: str, seed: int, mode: str = "hooks"
+) -> dict:
     """One rank of :func:`check_fsdp`: every rank trains on the whole batch, so the
     averaged sharded gradients equal the single-process eager ones."""
     import aotdist
 
     family = resolve(spec)
     start = time.perf_counter()
-    result = CheckResult(family.name, family.kind, family.source, fsdp=world_size,
-                         fsdp_mode=mode)
+    result = CheckResult(family.name, family.kind, family.source, fsdp=world_size, fsdp_mode=mode)
     model, inputs = family.build(seed)
     reference = copy.deepcopy(model)
     result.loss_eager = run_step(family, reference, inputs).item()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            aotdist.parallelize(model, config={"fsdp": {"enabled": True, "mode": mode},
-                                               "compile": {"backend": backend}})
+            aotdist.parallelize(
+                model,
+                config={"fsdp": {"enabled": True, "mode": mode}, "compile": {"backend": backend}},
+            )
             with aotdist.metrics.track(model) as m, _instances_run(model) as ran:
                 loss = run_step(family, model, inputs)
         except Exception as exc:  # noqa: BLE001 - reported
@@ -401,8 +504,11 @@ def _instances_run(model: nn.Module):
     counts: dict[str, int] = {}
     handles = [
         model.get_submodule(fqn).register_forward_pre_hook(
-            lambda mod, args, r=region.name, f=fqn: ran[r].add(f))
-        for region in plan for fqn in region.fqns]
+            lambda mod, args, r=region.name, f=fqn: ran[r].add(f)
+        )
+        for region in plan
+        for fqn in region.fqns
+    ]
     try:
         yield counts
     finally:
@@ -411,8 +517,15 @@ def _instances_run(model: nn.Module):
         counts.update({name: len(fqns) for name, fqns in ran.items()})
 
 
-def check_fsdp(family: Family | str, world_size: int, *, backend: str = "aot_eager",
-               seed: int = 0, timeout: float = 600.0, mode: str = "hooks") -> CheckResult:
+def check_fsdp(
+    family: Family | str,
+    world_size: int,
+    *,
+    backend: str = "aot_eager",
+    seed: int = 0,
+    timeout: float = 600.0,
+    mode: str = "hooks",
+) -> CheckResult:
     """One training step under FSDP2 (``aotdist.parallelize``, ``fsdp.mode`` ``mode``:
     ``"hooks"`` or ``"graph"``) on ``world_size`` gloo ranks against single-process
     eager; the worst rank's result.
@@ -423,12 +536,13 @@ def check_fsdp(family: Family | str, world_size: int, *, backend: str = "aot_eag
     from aotdist.launch import run_distributed
 
     if mode not in FSDP_MODES:
-        raise ValueError(f"check_fsdp(mode={mode!r}): FSDP modes are 'hooks' (FSDP2's "
-                         "units) and 'graph' (graph-mode FSDP: collectives in the compiled "
-                         "graph)")
+        raise ValueError(
+            f"check_fsdp(mode={mode!r}): FSDP modes are 'hooks' (FSDP2's "
+            "units) and 'graph' (graph-mode FSDP: collectives in the compiled "
+            "graph)"
+        )
     spec = family if isinstance(family, str) else family.name
-    outs = run_distributed(_fsdp_rank, world_size, spec, backend, seed, mode,
-                           timeout=timeout)
+    outs = run_distributed(_fsdp_rank, world_size, spec, backend, seed, mode, timeout=timeout)
     fields = set(CheckResult.__dataclass_fields__)
     results = [CheckResult(**{k: v for k, v in o.items() if k in fields}) for o in outs]
     return next((r for r in results if not r.ok), results[0])

@@ -28,15 +28,23 @@ def resolve(spec: str) -> Family:
     if not rest:
         if spec in known:
             return known[spec]
-        raise ValueError(f"unknown model {spec!r}: give a family ({', '.join(known)}), "
-                         "hf:TYPE, torchvision:NAME, timm:ARCH, titan:NAME or module:factory")
+        raise ValueError(
+            f"unknown model {spec!r}: give a family ({', '.join(known)}), "
+            "hf:TYPE, torchvision:NAME, timm:ARCH, titan:NAME or module:factory"
+        )
     listed = known.get(rest)
     if kind == "hf":
-        return listed if listed is not None and listed.source == "transformers" else \
-            hf_family(rest, "transformers model")
+        return (
+            listed
+            if listed is not None and listed.source == "transformers"
+            else hf_family(rest, "transformers model")
+        )
     if kind == "torchvision":
-        return listed if listed is not None and listed.source == "torchvision" else \
-            torchvision_family(rest, "torchvision model")
+        return (
+            listed
+            if listed is not None and listed.source == "torchvision"
+            else torchvision_family(rest, "torchvision model")
+        )
     if kind == "timm":  # one of the sweep's at its size, else at the architecture's own
         return next((f for f in TIMM_MODELS if f.name == rest), None) or timm_family(rest)
     if kind == "titan":
@@ -46,8 +54,10 @@ def resolve(spec: str) -> Family:
         torch.manual_seed(seed)
         made = getattr(importlib.import_module(kind), rest)()
         if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module)):
-            raise TypeError(f"{spec} must return (model, inputs): inputs a dict of keyword "
-                            f"arguments or a tuple of positional ones; got {type(made).__name__}")
+            raise TypeError(
+                f"{spec} must return (model, inputs): inputs a dict of keyword "
+                f"arguments or a tuple of positional ones; got {type(made).__name__}"
+            )
         model, inputs = made
         return model, inputs if isinstance(inputs, dict) else {"*": tuple(inputs)}
 

@@ -30,14 +30,17 @@ def run_step(family: Family, model: nn.Module, inputs: dict[str, Any]) -> torch.
     return loss.detach()
 
 
-def grad_diff(model: nn.Module, reference: nn.Module, *,
-               rtol: float) -> tuple[float, bool, list[str]]:
+def grad_diff(
+    model: nn.Module, reference: nn.Module, *, rtol: float
+) -> tuple[float, bool, list[str]]:
     """:func:`aotdist.compile.verify.compare_grads` of the two models' gradients: the
     largest scaled difference, whether all are within ``rtol``, the zero-for-``None``
     gradients."""
     worst, bad, zeros = compare_grads(
         {n: p.grad for n, p in model.named_parameters()},
-        {n: p.grad for n, p in reference.named_parameters()}, rtol=rtol)
+        {n: p.grad for n, p in reference.named_parameters()},
+        rtol=rtol,
+    )
     return worst, bad is None, zeros
 
 
@@ -59,8 +62,17 @@ class Diff:
     def ok(self) -> bool:
         return self.loss_ok and self.grad_bad is None and self.buffer_bad is None
 
-    def add(self, step: int, loss: float, ref_loss: float, grads: dict, ref_grads: dict,
-            buffers: dict | None, ref_buffers: dict | None, rtol: float) -> None:
+    def add(
+        self,
+        step: int,
+        loss: float,
+        ref_loss: float,
+        grads: dict,
+        ref_grads: dict,
+        buffers: dict | None,
+        ref_buffers: dict | None,
+        rtol: float,
+    ) -> None:
         """Adds step ``step``'s comparison (losses, gradients, buffers after the update)."""
         self.loss = max(self.loss, abs(loss - ref_loss))
         loss_ok = abs(loss - ref_loss) <= rtol * max(1.0, abs(ref_loss))
@@ -71,8 +83,9 @@ class Diff:
         ok = loss_ok and bad is None
         if ref_buffers is not None:
             # every buffer eager has (aotdist's own non-persistent ones aside)
-            worst_b, bad_b, _ = compare_grads({n: buffers.get(n) for n in ref_buffers},
-                                              ref_buffers, rtol=rtol)
+            worst_b, bad_b, _ = compare_grads(
+                {n: buffers.get(n) for n in ref_buffers}, ref_buffers, rtol=rtol
+            )
             self.buffer = max(self.buffer or 0.0, worst_b)
             self.buffer_bad = self.buffer_bad or bad_b
             ok &= bad_b is None
@@ -83,9 +96,15 @@ class Diff:
 
     def describe(self) -> str:
         """Where it first differs: the step and what."""
-        what = [w for w, bad in (("the loss", not self.loss_ok),
-                                 (f"gradient of {self.grad_bad}", self.grad_bad),
-                                 (f"buffer {self.buffer_bad}", self.buffer_bad)) if bad]
+        what = [
+            w
+            for w, bad in (
+                ("the loss", not self.loss_ok),
+                (f"gradient of {self.grad_bad}", self.grad_bad),
+                (f"buffer {self.buffer_bad}", self.buffer_bad),
+            )
+            if bad
+        ]
         return f"differs from eager from step {self.step}: {', '.join(what)}"
 
 
@@ -109,10 +128,19 @@ class Run:
     buffers: list[dict] = field(default_factory=list)
 
 
-def train(family: Family, model: nn.Module, inputs: dict[str, Any], *, steps: int,
-           seed: int, record: Run | None = None, against: Run | None = None,
-           rtol: float = 0.0, call: nn.Module | None = None,
-           after_first: Callable[[], None] | None = None) -> Diff | None:
+def train(
+    family: Family,
+    model: nn.Module,
+    inputs: dict[str, Any],
+    *,
+    steps: int,
+    seed: int,
+    record: Run | None = None,
+    against: Run | None = None,
+    rtol: float = 0.0,
+    call: nn.Module | None = None,
+    after_first: Callable[[], None] | None = None,
+) -> Diff | None:
     """``steps`` SGD steps of ``model`` (run as ``call``, default itself: a
     ``torch.compile`` wrapper of it) on ``inputs``, each from the same random seed whichever
     way the model runs; ``record`` keeps each step (eager), or each step is compared
@@ -133,6 +161,14 @@ def train(family: Family, model: nn.Module, inputs: dict[str, Any], *, steps: in
             record.grads.append(grads)
             record.buffers.append(buffers)
         if diff is not None:
-            diff.add(i + 1, loss, against.losses[i], grads, against.grads[i], buffers,
-                     against.buffers[i], rtol)
+            diff.add(
+                i + 1,
+                loss,
+                against.losses[i],
+                grads,
+                against.grads[i],
+                buffers,
+                against.buffers[i],
+                rtol,
+            )
     return diff

@@ -18,21 +18,48 @@ __all__ = ["TINY", "hf_config", "text_config"]
 # Config attributes that set the size of a transformers model, and their tiny values.
 # Only those a config has are set; a family's own overrides come after.
 TINY = {
-    "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64,
-    "intermediate_size": 128, "ffn_dim": 128, "d_ff": 128, "n_inner": 128,
-    "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
-    "num_hidden_layers": 3, "n_layer": 3, "num_layers": 3, "n_layers": 3,
-    "encoder_layers": 3, "decoder_layers": 3, "num_decoder_layers": 3,
-    "num_attention_heads": 4, "n_head": 4, "n_heads": 4,
-    "encoder_attention_heads": 4, "decoder_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "d_kv": 16,
-    "vocab_size": 256, "max_position_embeddings": 128, "n_positions": 128,
-    "max_source_positions": 64, "max_target_positions": 64,
-    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
-    "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
-    "use_cache": False, "tie_word_embeddings": False,
-    "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16,  # Gemma 3n/4
-    "hidden_size_global": 64, "encoder_hash_byte_group_vocab": 256,  # BLT
+    "hidden_size": 64,
+    "d_model": 64,
+    "n_embd": 64,
+    "dim": 64,
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+    "d_ff": 128,
+    "n_inner": 128,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "num_hidden_layers": 3,
+    "n_layer": 3,
+    "num_layers": 3,
+    "n_layers": 3,
+    "encoder_layers": 3,
+    "decoder_layers": 3,
+    "num_decoder_layers": 3,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "n_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "d_kv": 16,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+    "n_positions": 128,
+    "max_source_positions": 64,
+    "max_target_positions": 64,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "use_cache": False,
+    "tie_word_embeddings": False,
+    "vocab_size_per_layer_input": 256,
+    "hidden_size_per_layer_input": 16,  # Gemma 3n/4
+    "hidden_size_global": 64,
+    "encoder_hash_byte_group_vocab": 256,  # BLT
 }
 
 
@@ -69,17 +96,24 @@ def hf_config(model_type: str, **overrides: Any):
         _consistent(sub, {})
     for cfg in (config, *_sub_configs(config)):  # dropout off: the step is deterministic
         for key, value in cfg.to_dict().items():
-            if isinstance(value, float) and ("dropout" in key or "pdrop" in key) and (
-                    key not in overrides):
+            if (
+                isinstance(value, float)
+                and ("dropout" in key or "pdrop" in key)
+                and (key not in overrides)
+            ):
                 setattr(cfg, key, 0.0)
     # Special token ids past the shrunk vocabulary (or missing) become 0, 1, 2.
     text = text_config(config)
     for cfg in (config,) if text is config else (config, text):
-        for i, key in enumerate(("pad_token_id", "bos_token_id", "eos_token_id",
-                                 "decoder_start_token_id")):
+        for i, key in enumerate(
+            ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+        ):
             value = getattr(cfg, key, None)
-            if key not in overrides and (value is None or isinstance(value, int)) and (
-                    value is None or value >= text.vocab_size):
+            if (
+                key not in overrides
+                and (value is None or isinstance(value, int))
+                and (value is None or value >= text.vocab_size)
+            ):
                 setattr(cfg, key, min(i, 2))
     return config
 
@@ -119,10 +153,14 @@ def _layer_lists(config, layers: int | None) -> dict[str, list]:
     to ``layers``, the last layers taking the kinds the first ones lack."""
     lists = {}
     for key, kinds in config.to_dict().items():
-        if (key.endswith("layer_types") or key == "layers_block_type") and isinstance(
-                kinds, list) and layers and len(kinds) != layers:
-            missing = [k for k in dict.fromkeys(kinds) if k not in kinds[:layers]][:layers - 1]
-            lists[key] = kinds[:layers - len(missing)] + missing
+        if (
+            (key.endswith("layer_types") or key == "layers_block_type")
+            and isinstance(kinds, list)
+            and layers
+            and len(kinds) != layers
+        ):
+            missing = [k for k in dict.fromkeys(kinds) if k not in kinds[:layers]][: layers - 1]
+            lists[key] = kinds[: layers - len(missing)] + missing
     return lists
 
 
@@ -138,9 +176,17 @@ def _consistent(config, overrides: dict[str, Any]) -> None:
             setattr(config, key, value)
 
     if getattr(config, "qk_rope_head_dim", None) is not None:  # multi-head latent attention
-        for key, value in (("q_lora_rank", 32), ("kv_lora_rank", 16), ("qk_rope_head_dim", 8),
-                           ("qk_nope_head_dim", 8), ("v_head_dim", 16), ("qk_head_dim", 16),
-                           ("head_dim", 8), ("index_head_dim", 16), ("index_n_heads", 4)):
+        for key, value in (
+            ("q_lora_rank", 32),
+            ("kv_lora_rank", 16),
+            ("qk_rope_head_dim", 8),
+            ("qk_nope_head_dim", 8),
+            ("v_head_dim", 16),
+            ("qk_head_dim", 16),
+            ("head_dim", 8),
+            ("index_head_dim", 16),
+            ("index_n_heads", 4),
+        ):
             put(key, value)
         put("num_key_value_heads", getattr(config, "num_attention_heads", None))
     put("rotary_dim", 8)
@@ -149,12 +195,15 @@ def _consistent(config, overrides: dict[str, Any]) -> None:
     if getattr(config, "n_shared_experts", 0) is None and "n_shared_experts" not in overrides:
         config.n_shared_experts = 1  # Dots1's default, None, builds no shared expert
     if config.model_type == "lfm2_moe" and config.layer_types is None:  # its checkpoints name them
-        config.layer_types = [("conv", "full_attention")[i % 2]
-                              for i in range(config.num_hidden_layers)]
+        config.layer_types = [
+            ("conv", "full_attention")[i % 2] for i in range(config.num_hidden_layers)
+        ]
     if isinstance(width, int):
-        for heads, head_dim, expand in (("num_heads", "head_dim", "expand"),
-                                        ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
-                                        ("n_mamba_heads", "mamba_headdim", "mamba_expand")):
+        for heads, head_dim, expand in (
+            ("num_heads", "head_dim", "expand"),
+            ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+            ("n_mamba_heads", "mamba_headdim", "mamba_expand"),
+        ):
             if getattr(config, expand, None) and getattr(config, heads, None):
                 put(head_dim, 16)
                 put(heads, getattr(config, expand) * width // 16)

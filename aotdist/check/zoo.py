@@ -17,8 +17,14 @@ from aotdist.check.families_timm import TIMM_MODELS
 from aotdist.check.families_titan import TITAN_MODELS
 from aotdist.check.runner import FAILING, STEPS, CheckResult
 
-__all__ = ["SOURCES", "default_memory_limit_gb", "limit_memory", "render", "run_zoo",
-           "source_specs"]
+__all__ = [
+    "SOURCES",
+    "default_memory_limit_gb",
+    "limit_memory",
+    "render",
+    "run_zoo",
+    "source_specs",
+]
 
 # Families the zoo also checks under FSDP2 hooks mode on 2 ranks: dense, MoE, encoder.
 FSDP_FAMILIES = ("llama", "qwen3_moe", "bert")
@@ -42,12 +48,12 @@ def source_specs(source: str) -> list[str]:
 STATUS_MEANING = {
     "reused": "every region compiled once, one subgraph for all its instances",
     "partly reused": "some region demoted, inlined or compiled more than once (named in "
-                     "Notes, warned at run time)",
+    "Notes, warned at run time)",
     "demoted": "no region kept as a subgraph: the model compiles whole",
     "no regions": "no repeated region found",
     "torch.compile fails too": "aotdist fails, and whole-model torch.compile fails or "
-                               "trains with gradients off eager's (by at least half as "
-                               "much as aotdist's)",
+    "trains with gradients off eager's (by at least half as "
+    "much as aotdist's)",
     "not built": "the tiny config does not build or train eagerly (not checked)",
     "crash": "FAILS: aotdist fails where whole-model torch.compile trains as eager does",
     "parity": "FAILS: loss or a gradient differs from eager",
@@ -78,16 +84,30 @@ def limit_memory(gb: float) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-_OUT_OF_MEMORY = ("MemoryError", "can't allocate memory", "std::bad_alloc",
-                  "Cannot allocate memory")
+_OUT_OF_MEMORY = (
+    "MemoryError",
+    "can't allocate memory",
+    "std::bad_alloc",
+    "Cannot allocate memory",
+)
 
 
-def _one(spec: str, *, backend: str, fsdp: int, timeout: float,
-         memory_gb: float = 0.0) -> CheckResult:
+def _one(
+    spec: str, *, backend: str, fsdp: int, timeout: float, memory_gb: float = 0.0
+) -> CheckResult:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "aotdist.cli", "check", spec, "--backend", backend,
-               "--json", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "aotdist.cli",
+            "check",
+            spec,
+            "--backend",
+            backend,
+            "--json",
+            out,
+        ]
         if fsdp:
             cmd += ["--nproc", str(fsdp)]
         if memory_gb > 0:
@@ -95,16 +115,20 @@ def _one(spec: str, *, backend: str, fsdp: int, timeout: float,
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return CheckResult(spec, status="crash", fsdp=fsdp,
-                               error=f"timed out after {timeout:.0f} s")
+            return CheckResult(
+                spec, status="crash", fsdp=fsdp, error=f"timed out after {timeout:.0f} s"
+            )
         if not os.path.exists(out):
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
             error = f"exit {proc.returncode}: " + "\n".join(tail)
             if proc.returncode == -9 or any(m in error for m in _OUT_OF_MEMORY):
-                cap = (f"capped at {memory_gb:.1f} GiB of address space" if memory_gb > 0
-                       else "no cap")
-                error = (f"out of memory ({cap}; set one with --memory-limit GB; exit -9: "
-                         "killed by the system): " + error)
+                cap = (
+                    f"capped at {memory_gb:.1f} GiB of address space" if memory_gb > 0 else "no cap"
+                )
+                error = (
+                    f"out of memory ({cap}; set one with --memory-limit GB; exit -9: "
+                    "killed by the system): " + error
+                )
             return CheckResult(spec, status="crash", fsdp=fsdp, error=error)
         with open(out) as f:
             data = json.load(f)
@@ -112,11 +136,17 @@ def _one(spec: str, *, backend: str, fsdp: int, timeout: float,
     return CheckResult(**{k: v for k, v in data.items() if k in fields})
 
 
-def run_zoo(names: Sequence[str] | None = None, *, backend: str = "aot_eager",
-            fsdp_names: Sequence[str] = FSDP_FAMILIES, fsdp_ranks: int = 2,
-            timeout: float = 600.0, memory_gb: float | None = None,
-            progress: Callable[[str], None] | None = print,
-            source: str | Sequence[str] = "families") -> list[CheckResult]:
+def run_zoo(
+    names: Sequence[str] | None = None,
+    *,
+    backend: str = "aot_eager",
+    fsdp_names: Sequence[str] = FSDP_FAMILIES,
+    fsdp_ranks: int = 2,
+    timeout: float = 600.0,
+    memory_gb: float | None = None,
+    progress: Callable[[str], None] | None = print,
+    source: str | Sequence[str] = "families",
+) -> list[CheckResult]:
     """Checks each family (when ``names`` is ``None``: every one of ``source``, one of
     :data:`SOURCES` or several) in a fresh process, then those of ``fsdp_names`` under
     FSDP2 on ``fsdp_ranks`` gloo ranks (beyond the listed families: only those checked).
@@ -144,19 +174,25 @@ def run_zoo(names: Sequence[str] | None = None, *, backend: str = "aot_eager",
 
 
 _SHORT = (  # torch's long reasons, as a table cell says them
-    ("in-place input or buffer mutations",
-     "demoted: updates a buffer in place in training, which invoke_subgraph does not "
-     "support yet"),
-    ("inputs differ between call sites", "compiled more than once: its inputs differ "
-     "between call sites (shape, layout or requires_grad)"),
+    (
+        "in-place input or buffer mutations",
+        "demoted: updates a buffer in place in training, which invoke_subgraph does not "
+        "support yet",
+    ),
+    (
+        "inputs differ between call sites",
+        "compiled more than once: its inputs differ "
+        "between call sites (shape, layout or requires_grad)",
+    ),
 )
 
 
 def _short(why: str) -> str:
     if "call sites pass inputs that differ" in why:
         detail = re.search(r"mismatch: ([^;)]+)", why)
-        return ("compiled more than once: its call sites pass inputs that differ"
-                + (f" ({detail.group(1)})" if detail else ""))
+        return "compiled more than once: its call sites pass inputs that differ" + (
+            f" ({detail.group(1)})" if detail else ""
+        )
     for needle, text in _SHORT:
         if needle in why:
             return text
@@ -167,13 +203,16 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-_TITLES = {"families": "Model families", "timm": "timm models",
-           "torchtitan": "torchtitan models"}
+_TITLES = {"families": "Model families", "timm": "timm models", "torchtitan": "torchtitan models"}
 _LIBRARIES = {"families": ("transformers",), "timm": ("timm",), "torchtitan": ("torchtitan",)}
 
 
-def render(results: Sequence[CheckResult], *, backend: str = "aot_eager",
-           source: str | Sequence[str] = "families") -> str:
+def render(
+    results: Sequence[CheckResult],
+    *,
+    backend: str = "aot_eager",
+    source: str | Sequence[str] = "families",
+) -> str:
     """The markdown of a sweep's page (``docs/models.md`` for the listed families): one row
     per check, the statuses explained."""
     import importlib
@@ -194,18 +233,19 @@ def render(results: Sequence[CheckResult], *, backend: str = "aot_eager",
     failing = [r for r in results if r.status in FAILING]
     built = {
         "families": "each family is built from its config, shrunk to a few layers of width "
-                    "64 with random weights",
+        "64 with random weights",
         "timm": "each architecture is built by `timm.create_model(arch, pretrained=False, "
-                "num_classes=10, drop_path_rate=0.1)` with random weights, at 64 pixels "
-                "where it takes an `img_size` (fewer blocks where it takes `depth`), in "
-                "train mode",
+        "num_classes=10, drop_path_rate=0.1)` with random weights, at 64 pixels "
+        "where it takes an `img_size` (fewer blocks where it takes `depth`), in "
+        "train mode",
         "torchtitan": "each model is built from torchtitan's own model code (its debug "
-                      "flavor: 3 blocks, fewer experts, SDPA attention) with random weights",
+        "flavor: 3 blocks, fewer experts, SDPA attention) with random weights",
     }
     steps = max((r.steps for r in results), default=STEPS)
     flag = "" if sources == ["families"] else f" --source {','.join(sources)}"
     lines = [
-        "# " + " and ".join(_TITLES.get(s, s) for s in sources)
+        "# "
+        + " and ".join(_TITLES.get(s, s) for s in sources)
         + ("" if backend == "aot_eager" else f", backend {backend}"),
         "",
         f"Generated by `aotdist zoo{flag}` "
@@ -226,8 +266,12 @@ def render(results: Sequence[CheckResult], *, backend: str = "aot_eager",
         "",
         f"{reused} of {len(single)} families keep every region as one reused subgraph; "
         f"{len(failing)} check(s) fail"
-        + (f"; {len(results) - len(single) - sum(bool(r.fsdp) for r in results)} tiny "
-           "config(s) do not build." if any(r.status == "not built" for r in results) else "."),
+        + (
+            f"; {len(results) - len(single) - sum(bool(r.fsdp) for r in results)} tiny "
+            "config(s) do not build."
+            if any(r.status == "not built" for r in results)
+            else "."
+        ),
         "",
         "| Family | Kind | Regions (instances) | aotdist | Whole-model torch.compile "
         "| Loss diff | Grad diff: aotdist (whole-model) | Buffer diff | Stochastic depth on "
@@ -247,9 +291,11 @@ def render(results: Sequence[CheckResult], *, backend: str = "aot_eager",
         notes = "; ".join(f"{n}: {_short(why)}" for n, why in r.notes.items())
         if r.status in FAILING and r.error:
             notes = (notes + "; " if notes else "") + r.error.strip().splitlines()[-1][:200]
-        lines.append(f"| {_cell(name)} | {_cell(r.kind)} | {_cell(regions)} | {r.status} "
-                     f"| {_cell(whole[:120])} | {diff} | {grad} | {buffers} "
-                     f"| {r.stochastic_depth or '-'} | {_cell(notes)} |")
+        lines.append(
+            f"| {_cell(name)} | {_cell(r.kind)} | {_cell(regions)} | {r.status} "
+            f"| {_cell(whole[:120])} | {diff} | {grad} | {buffers} "
+            f"| {r.stochastic_depth or '-'} | {_cell(notes)} |"
+        )
     lines += ["", "Statuses:", ""]
     lines += [f"- **{k}**: {v}" for k, v in STATUS_MEANING.items()]
     return "\n".join(lines) + "\n"

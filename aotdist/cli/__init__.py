@@ -21,7 +21,8 @@ __all__ = ["DEBUG_ENV", "build_parser", "main"]
 _DESCRIPTION = (
     "Compile the repeated regions of PyTorch models once. A mistake is one screen with the "
     f"fix; --debug (or {DEBUG_ENV}=1) shows the traceback. Exit 2: a usage mistake; 1: a "
-    "failed check.")
+    "failed check."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,11 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
     from aotdist.cli.parser import HelpFormatter
     from aotdist.version import __version__
 
-    parser = argparse.ArgumentParser(prog="aotdist", description=_DESCRIPTION,
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="aotdist", description=_DESCRIPTION, formatter_class=HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"aotdist {__version__}")
-    parser.add_argument("--debug", action="store_true",
-                        help=f"on an error, show the traceback (or set {DEBUG_ENV}=1)")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"on an error, show the traceback (or set {DEBUG_ENV}=1)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     check.register(sub)  # check, zoo
     bench.register(sub)

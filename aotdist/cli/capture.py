@@ -53,15 +53,22 @@ def inspect_rank(rank: int, world_size: int, opts: dict) -> str:
     try:
         (x,), _ = example_inputs(model, generator=torch.Generator().manual_seed(rank))
     except TypeError:
-        return "\n".join([*lines, "(no built-in example inputs for this model: printed the "
-                           "plan only)"])
+        return "\n".join(
+            [*lines, "(no built-in example inputs for this model: printed the plan only)"]
+        )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", aotdist.RegionCompileWarning)
-        cap = aotdist.capture(model, x, backend=opts["backend"],
-                              loss_fn=lambda out: (out if isinstance(out, torch.Tensor)
-                                                   else out[0]).float().mean())
-    lines += [f"warning: {w.message}" for w in caught
-              if issubclass(w.category, aotdist.RegionCompileWarning)]
+        cap = aotdist.capture(
+            model,
+            x,
+            backend=opts["backend"],
+            loss_fn=lambda out: (out if isinstance(out, torch.Tensor) else out[0]).float().mean(),
+        )
+    lines += [
+        f"warning: {w.message}"
+        for w in caught
+        if issubclass(w.category, aotdist.RegionCompileWarning)
+    ]
     lines += [cap.metrics.summary(), cap.summary()]
     if opts["out"] and rank == 0:
         files = cap.save(opts["out"])
@@ -73,8 +80,15 @@ def _run(args: argparse.Namespace) -> int:
     from aotdist.check.zoo import limit_memory
 
     fsdp = args.nproc > 1 or args.nproc_alias is not None  # the old --fsdp: also on 1 rank
-    opts = {"model": args.model, "depth": args.depth, "fsdp": fsdp, "fsdp_mode": args.fsdp_mode,
-            "float8": args.float8, "out": args.out, "backend": args.backend}
+    opts = {
+        "model": args.model,
+        "depth": args.depth,
+        "fsdp": fsdp,
+        "fsdp_mode": args.fsdp_mode,
+        "float8": args.float8,
+        "out": args.out,
+        "backend": args.backend,
+    }
     if ":" in args.model:
         import_factory(args.model)  # here, so a bad name is one screen, not one per rank
     else:
@@ -96,22 +110,36 @@ def register(sub) -> None:
     """Adds ``inspect`` to the subcommands."""
     import aotdist
 
-    i = cli.add_command(sub, "inspect",
-                        summary="the region plan and what AOTAutograd captured per region",
-                        description="Builds a model, finds its regions and captures one "
-                        "training step: the region plan, then what AOTAutograd captured "
-                        "per region (graphs, call sites, subgraphs); --out saves them.")
+    i = cli.add_command(
+        sub,
+        "inspect",
+        summary="the region plan and what AOTAutograd captured per region",
+        description="Builds a model, finds its regions and captures one "
+        "training step: the region plan, then what AOTAutograd captured "
+        "per region (graphs, call sites, subgraphs); --out saves them.",
+    )
     i.add_argument("--model", default="gpt", help="gpt, vit, resnet, aliasing or module:factory")
     i.add_argument("--depth", type=int, default=4, help="blocks of a built-in model")
-    cli.add_backend(i, default=cli.default_of(aotdist.capture, "backend"),
-                    help="torch.compile backend of the capture: aot_eager or inductor")
-    cli.add_ranks(i, default=1, old="--fsdp", old_switch=True,
-                  help="ranks (gloo on CPU); > 1 shards with FSDP2 (aotdist.parallelize)")
+    cli.add_backend(
+        i,
+        default=cli.default_of(aotdist.capture, "backend"),
+        help="torch.compile backend of the capture: aot_eager or inductor",
+    )
+    cli.add_ranks(
+        i,
+        default=1,
+        old="--fsdp",
+        old_switch=True,
+        help="ranks (gloo on CPU); > 1 shards with FSDP2 (aotdist.parallelize)",
+    )
     cli.add_fsdp_mode(i)
     cli.add_float8(i, help="torchao Float8 training (float8 all-gather with --nproc > 1)")
-    cli.add_memory_limit(i, help="cap the address space of the command and its ranks at GB "
-                         "GiB, so that a model too big for the machine fails instead of being "
-                         "killed (default 0: no cap)")
+    cli.add_memory_limit(
+        i,
+        help="cap the address space of the command and its ranks at GB "
+        "GiB, so that a model too big for the machine fails instead of being "
+        "killed (default 0: no cap)",
+    )
     cli.add_timeout(i, default=DEFAULT_TIMEOUT_S, help="seconds, with --nproc > 1")
     cli.add_out(i, default=None, help="save capture.json and one .py per graph in this directory")
     i.set_defaults(func=_run)

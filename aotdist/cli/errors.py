@@ -13,8 +13,17 @@ import os
 import sys
 import traceback
 
-__all__ = ["DEBUG_ENV", "NotBuilt", "UsageError", "UserCodeError", "debugging", "import_factory",
-           "screen", "set_debug", "user_code"]
+__all__ = [
+    "DEBUG_ENV",
+    "NotBuilt",
+    "UsageError",
+    "UserCodeError",
+    "debugging",
+    "import_factory",
+    "screen",
+    "set_debug",
+    "user_code",
+]
 
 DEBUG_ENV = "AOTDIST_DEBUG"  # set (not "0") to see tracebacks instead of one screen
 _debug = False  # --debug or DEBUG_ENV: errors propagate as they are
@@ -68,7 +77,8 @@ def import_factory(spec: str):
         raise UsageError(
             f"cannot import {mod_name!r} for {spec!r} (looked in {cwd} and sys.path). Fix: "
             f"run from the directory holding {mod_name.replace('.', '/')}.py, or add its "
-            "directory to PYTHONPATH.") from None
+            "directory to PYTHONPATH."
+        ) from None
     except Exception as exc:  # noqa: BLE001 - the module's own top level raised
         if _debug:
             raise
@@ -77,12 +87,12 @@ def import_factory(spec: str):
     if not callable(factory):
         from aotdist.config.validation import did_you_mean
 
-        public = [n for n in vars(module) if not n.startswith("_")
-                  and callable(getattr(module, n))]
+        public = [n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n))]
         raise UsageError(
             f"{mod_name!r} ({getattr(module, '__file__', '?')}) has no function {attr!r}"
             f"{did_you_mean(attr, public)}. Fix: name a zero-argument function of it, "
-            f"{mod_name}:FUNCTION.")
+            f"{mod_name}:FUNCTION."
+        )
     return factory
 
 
@@ -110,8 +120,11 @@ def _user_frame(exc: BaseException) -> str:
     if not frames:
         return ""
     f = frames[-1]
-    path = os.path.relpath(f.filename) if os.path.abspath(f.filename).startswith(
-        os.getcwd()) else f.filename
+    path = (
+        os.path.relpath(f.filename)
+        if os.path.abspath(f.filename).startswith(os.getcwd())
+        else f.filename
+    )
     return f"{path}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
 
 
@@ -129,11 +142,16 @@ def screen(exc: BaseException) -> tuple[int, str]:
         if not where:  # aotdist refused what the factory returned: the message has the fix
             return 1, f"{first_line(exc.exc, 600)} {hint}"
         return 1, "\n".join(
-            [f"{exc.spec} raised {first_line(exc.exc, 600)}", f"  at {where}",
-             f"Fix: make {exc.spec} build its model without error (try calling it in "
-             f"Python first) {hint}"])
+            [
+                f"{exc.spec} raised {first_line(exc.exc, 600)}",
+                f"  at {where}",
+                f"Fix: make {exc.spec} build its model without error (try calling it in "
+                f"Python first) {hint}",
+            ]
+        )
     if isinstance(exc, AOTDistError):
         return 1, str(exc)
     where = _user_frame(exc)
-    return 1, "\n".join([f"failed: {first_line(exc, 600)}"]
-                        + ([f"  at {where}"] if where else []) + [hint])
+    return 1, "\n".join(
+        [f"failed: {first_line(exc, 600)}"] + ([f"  at {where}"] if where else []) + [hint]
+    )

@@ -18,9 +18,24 @@ from typing import Any
 
 from aotdist.cli.errors import DEBUG_ENV, UsageError
 
-__all__ = ["HelpFormatter", "add_backend", "add_command", "add_float8", "add_fsdp_mode",
-           "add_memory_limit", "add_old_spelling", "add_out", "add_ranks", "add_timeout", "csv",
-           "default_of", "fsdp_modes", "ints", "mesh", "resolve_ranks"]
+__all__ = [
+    "HelpFormatter",
+    "add_backend",
+    "add_command",
+    "add_float8",
+    "add_fsdp_mode",
+    "add_memory_limit",
+    "add_old_spelling",
+    "add_out",
+    "add_ranks",
+    "add_timeout",
+    "csv",
+    "default_of",
+    "fsdp_modes",
+    "ints",
+    "mesh",
+    "resolve_ranks",
+]
 
 
 def default_of(fn: Callable[..., Any], name: str) -> Any:
@@ -42,21 +57,31 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (default is None or default is False or default == "" or default is argparse.SUPPRESS
-                or "default" in text or not action.option_strings):
+        if (
+            default is None
+            or default is False
+            or default == ""
+            or default is argparse.SUPPRESS
+            or "default" in text
+            or not action.option_strings
+        ):
             return text
         shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         return f"{text} (default: {shown})".strip()
 
 
-def add_command(sub: Any, name: str, *, summary: str, description: str
-                ) -> argparse.ArgumentParser:
+def add_command(sub: Any, name: str, *, summary: str, description: str) -> argparse.ArgumentParser:
     """A subcommand: ``summary`` is its line in ``aotdist --help``, ``description`` its
     ``--help``; it takes ``--debug`` after its name too and shows defaults."""
-    parser = sub.add_parser(name, help=summary, description=description,
-                            formatter_class=HelpFormatter)
-    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help=f"on an error, show the traceback (or set {DEBUG_ENV}=1)")
+    parser = sub.add_parser(
+        name, help=summary, description=description, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help=f"on an error, show the traceback (or set {DEBUG_ENV}=1)",
+    )
     return parser
 
 
@@ -70,7 +95,9 @@ def ints(text: str) -> list[int]:
     try:
         values = [int(t) for t in csv(text)]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
@@ -115,29 +142,54 @@ class _OldSpelling(argparse.Action):
         self.new = new
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"{parser.prog}: {option_string} is an old spelling; use {self.new}",
-              file=sys.stderr)
+        print(f"{parser.prog}: {option_string} is an old spelling; use {self.new}", file=sys.stderr)
         setattr(namespace, self.dest, values)
 
 
 def add_old_spelling(p: argparse.ArgumentParser, old: str, new: str, **kwargs: Any) -> None:
     """``old``, hidden from help, sets what ``new`` sets."""
     dest = new.lstrip("-").replace("-", "_")
-    p.add_argument(old, dest=dest, action=_OldSpelling, new=new, default=argparse.SUPPRESS,
-                   help=argparse.SUPPRESS, **kwargs)
+    p.add_argument(
+        old,
+        dest=dest,
+        action=_OldSpelling,
+        new=new,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+        **kwargs,
+    )
 
 
-def add_ranks(p: argparse.ArgumentParser, *, default: Any, help: str, grid: bool = False,
-              old: str | None = None, old_switch: bool = False) -> None:
+def add_ranks(
+    p: argparse.ArgumentParser,
+    *,
+    default: Any,
+    help: str,
+    grid: bool = False,
+    old: str | None = None,
+    old_switch: bool = False,
+) -> None:
     """``--nproc``: how many ranks (gloo on CPU, NCCL on CUDA); ``grid``: a comma-separated
     list, one cell per count. ``old`` names a hidden old spelling taking a count (also a
     bare switch with ``old_switch``); :func:`resolve_ranks` settles it after parsing."""
-    p.add_argument("--nproc", type=ints if grid else _rank_count, default=default, metavar="N",
-                   action=_Given, help=help)
+    p.add_argument(
+        "--nproc",
+        type=ints if grid else _rank_count,
+        default=default,
+        metavar="N",
+        action=_Given,
+        help=help,
+    )
     if old:
-        p.add_argument(old, type=int, default=None, dest="nproc_alias",
-                       nargs="?" if old_switch else None, action=_OldRanks,
-                       help=argparse.SUPPRESS)
+        p.add_argument(
+            old,
+            type=int,
+            default=None,
+            dest="nproc_alias",
+            nargs="?" if old_switch else None,
+            action=_OldRanks,
+            help=argparse.SUPPRESS,
+        )
 
 
 def resolve_ranks(args: argparse.Namespace) -> None:
@@ -152,17 +204,23 @@ def resolve_ranks(args: argparse.Namespace) -> None:
         return
     old = args.nproc_alias = max(old, 1)  # the old spelling's 0 meant one rank, no FSDP
     if getattr(args, "nproc_given", False) and args.nproc != old:
-        raise UsageError(f"--fsdp {old} and --nproc {args.nproc} disagree. Fix: give the "
-                         f"ranks once, --nproc {old}")
+        raise UsageError(
+            f"--fsdp {old} and --nproc {args.nproc} disagree. Fix: give the "
+            f"ranks once, --nproc {old}"
+        )
     args.nproc = old
 
 
 def add_fsdp_mode(p: argparse.ArgumentParser) -> None:
     """``--fsdp-mode``: ``fsdp.mode`` of the sharded run, its default the config's."""
     modes = fsdp_modes()
-    p.add_argument("--fsdp-mode", default=modes[0], choices=modes,
-                   help="with --nproc > 1 (fsdp.mode): FSDP2 units per region instance "
-                   "(hooks) or graph-mode FSDP (the collectives inside the compiled graph)")
+    p.add_argument(
+        "--fsdp-mode",
+        default=modes[0],
+        choices=modes,
+        help="with --nproc > 1 (fsdp.mode): FSDP2 units per region instance "
+        "(hooks) or graph-mode FSDP (the collectives inside the compiled graph)",
+    )
 
 
 def add_backend(p: argparse.ArgumentParser, *, default: str, help: str) -> None:
@@ -170,8 +228,7 @@ def add_backend(p: argparse.ArgumentParser, *, default: str, help: str) -> None:
     p.add_argument("--backend", default=default, help=help)
 
 
-def add_memory_limit(p: argparse.ArgumentParser, *, default: float | None = 0.0,
-                     help: str) -> None:
+def add_memory_limit(p: argparse.ArgumentParser, *, default: float | None = 0.0, help: str) -> None:
     """``--memory-limit GB``: an address-space cap, so that a run too big for the machine
     fails with an error instead of being killed."""
     p.add_argument("--memory-limit", type=float, default=default, metavar="GB", help=help)

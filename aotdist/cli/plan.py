@@ -28,12 +28,13 @@ def _builder(args: argparse.Namespace):
         else:
             config = transformers.AutoConfig.for_model(args.hf)  # its default (real) sizes
         config.use_cache = False  # a training step
-        for key, value in (args.set or []):
+        for key, value in args.set or []:
             setattr(config, key, type(getattr(config, key, value))(value))
 
         def build():
             model = transformers.AutoModelForCausalLM.from_config(config)
             return model, inputs(config.vocab_size)
+
         return build
     if ":" in args.model:
         factory = import_factory(args.model)
@@ -42,6 +43,7 @@ def _builder(args: argparse.Namespace):
             with user_code(args.model):
                 out = factory()
             return out if isinstance(out, tuple) else (out, inputs(getattr(out, "vocab", 64)))
+
         return build
     from aotdist.testing.models import build_model, example_inputs
 
@@ -49,6 +51,7 @@ def _builder(args: argparse.Namespace):
         model = build_model(args.model, depth=args.depth)
         (x,), _ = example_inputs(model, args.batch)
         return model, (x,)
+
     return build
 
 
@@ -59,8 +62,9 @@ def _mesh(text: str) -> tuple[int, ...]:
     try:
         return cli.mesh(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected SHARDS or REPLICASxSHARDS such as 64 or "
-                                         f"8x8, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected SHARDS or REPLICASxSHARDS such as 64 or 8x8, got {text!r}"
+        ) from None
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -86,22 +90,39 @@ def _run(args: argparse.Namespace) -> int:
         config["float8"]["enabled"] = True
     if args.float8_all_gather:
         config["float8"]["fsdp_all_gather"] = True
-    result = plan(_builder(args), world=args.world, mesh=mesh, config=config,
-                  optimizer=args.optimizer, gpus_per_node=args.gpus_per_node)
+    result = plan(
+        _builder(args),
+        world=args.world,
+        mesh=mesh,
+        config=config,
+        optimizer=args.optimizer,
+        gpus_per_node=args.gpus_per_node,
+    )
     print(result.to_json() if args.json else result.table())
     budget = int(args.gpu_memory * 2**30)
     if result.peak_bytes > budget:
         more = 2 * result.mesh[-1]
-        levers = [f"shard over more ranks (a shard group of {more}: --mesh "
-                  f"{max(args.world // more, 1)}x{more}, or --mesh {args.world} without HSDP)"
-                  if more <= args.world else "more ranks (--world)"]
-        levers += [flag for flag, on in (("--ac", config["ac"]["enabled"]),
-                                         ("--param-dtype bfloat16",
-                                          config["fsdp"]["param_dtype"])) if not on]
-        print(f"aotdist plan: does not fit: the peak estimate "
-              f"{result.peak_bytes / 2**30:.1f} GiB per rank is over --gpu-memory "
-              f"{args.gpu_memory:g} GiB. Fix: {', '.join(levers)}, or a smaller --batch or "
-              "--seq.", file=sys.stderr)
+        levers = [
+            f"shard over more ranks (a shard group of {more}: --mesh "
+            f"{max(args.world // more, 1)}x{more}, or --mesh {args.world} without HSDP)"
+            if more <= args.world
+            else "more ranks (--world)"
+        ]
+        levers += [
+            flag
+            for flag, on in (
+                ("--ac", config["ac"]["enabled"]),
+                ("--param-dtype bfloat16", config["fsdp"]["param_dtype"]),
+            )
+            if not on
+        ]
+        print(
+            f"aotdist plan: does not fit: the peak estimate "
+            f"{result.peak_bytes / 2**30:.1f} GiB per rank is over --gpu-memory "
+            f"{args.gpu_memory:g} GiB. Fix: {', '.join(levers)}, or a smaller --batch or "
+            "--seq.",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -110,39 +131,79 @@ def register(sub) -> None:
     """Adds ``plan`` to the subcommands."""
     from aotdist.plan import OPTIMIZER_STATES
 
-    p = cli.add_command(sub, "plan", summary="memory and collectives per rank at N ranks, "
-                        "simulated from the compile", description="Traces one training step "
-                        "of the job at --world ranks on this CPU (fake tensors, torch's fake "
-                        "process group, no weights) and prints per rank: parameter, gradient, "
-                        "optimizer and saved-activation bytes, a peak estimate, and per step "
-                        "the collectives by mesh dimension.")
+    p = cli.add_command(
+        sub,
+        "plan",
+        summary="memory and collectives per rank at N ranks, simulated from the compile",
+        description="Traces one training step "
+        "of the job at --world ranks on this CPU (fake tensors, torch's fake "
+        "process group, no weights) and prints per rank: parameter, gradient, "
+        "optimizer and saved-activation bytes, a peak estimate, and per step "
+        "the collectives by mesh dimension.",
+    )
     p.add_argument("--model", default="gpt", help="gpt, vit or module:factory")
     p.add_argument("--depth", type=int, default=4, help="blocks of a built-in model")
-    p.add_argument("--hf", metavar="MODEL_TYPE|CONFIG", help="a transformers model type at "
-                   "its config's default sizes (llama: 7B), or a model's config.json (or its "
-                   "directory); built without weights")
-    p.add_argument("--set", type=_key_value, action="append", metavar="KEY=VALUE",
-                   help="override a --hf config field (num_hidden_layers=80)")
+    p.add_argument(
+        "--hf",
+        metavar="MODEL_TYPE|CONFIG",
+        help="a transformers model type at "
+        "its config's default sizes (llama: 7B), or a model's config.json (or its "
+        "directory); built without weights",
+    )
+    p.add_argument(
+        "--set",
+        type=_key_value,
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a --hf config field (num_hidden_layers=80)",
+    )
     p.add_argument("--world", type=int, required=True, help="ranks")
-    p.add_argument("--mesh", type=_mesh, default=None, metavar="[REPLICASx]SHARDS",
-                   help="8x8: HSDP, 8 replicas of 8 shards; 64: every rank shards (default)")
-    p.add_argument("--config", metavar="YAML", help="the job's aotdist config "
-                   "(configs/aotdist/*.yaml); the flags below override it")
-    p.add_argument("--fsdp-mode", choices=cli.fsdp_modes(), default=None,
-                   help="fsdp.mode (default: the config's)")
-    p.add_argument("--param-dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                   help="fsdp.param_dtype: mixed precision, the dtype weights are gathered in")
+    p.add_argument(
+        "--mesh",
+        type=_mesh,
+        default=None,
+        metavar="[REPLICASx]SHARDS",
+        help="8x8: HSDP, 8 replicas of 8 shards; 64: every rank shards (default)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="YAML",
+        help="the job's aotdist config (configs/aotdist/*.yaml); the flags below override it",
+    )
+    p.add_argument(
+        "--fsdp-mode",
+        choices=cli.fsdp_modes(),
+        default=None,
+        help="fsdp.mode (default: the config's)",
+    )
+    p.add_argument(
+        "--param-dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
+        help="fsdp.param_dtype: mixed precision, the dtype weights are gathered in",
+    )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (ac.enabled)")
     cli.add_float8(p, help="Float8 training (float8.enabled)")
-    p.add_argument("--float8-all-gather", action="store_true",
-                   help="Float8 training with its weights all-gathered in float8 "
-                        "(float8.fsdp_all_gather)")
+    p.add_argument(
+        "--float8-all-gather",
+        action="store_true",
+        help="Float8 training with its weights all-gathered in float8 (float8.fsdp_all_gather)",
+    )
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (--hf, factory)")
-    p.add_argument("--gpus-per-node", type=int, default=8,
-                   help="ranks per node: a mesh dimension spanning nodes crosses the network")
-    p.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB",
-                   help="memory of one GPU: a peak estimate above it exits 1 with the fix")
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="ranks per node: a mesh dimension spanning nodes crosses the network",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=80.0,
+        metavar="GiB",
+        help="memory of one GPU: a peak estimate above it exits 1 with the fix",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=_run)

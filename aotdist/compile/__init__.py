@@ -67,8 +67,11 @@ def check_not_compiled(model: nn.Module) -> None:
             "model.compile() was already called on this module; aotdist would compound it. "
             "Fix: pass the uncompiled module; aotdist compiles it."
         )
-    wrapped = [n for n, m in model.named_modules()
-               if isinstance(m, optimized) or _compat.compiled_call(m) is not None]
+    wrapped = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, optimized) or _compat.compiled_call(m) is not None
+    ]
     if wrapped:
         raise OrderingError(
             f"submodules {wrapped[:4]} are already compiled (torch.compile / .compile(), e.g. "
@@ -157,8 +160,13 @@ def compile_regions(
     state = _prepare(model, plan, backend, mode, dynamic, options, verify, outer)
     if fsdp_modules(model):  # FSDP2's hooks would break the whole graph: see module doc
         state.mode = CompileMode.FRAMES
-        compile_frames(model, state, functools.partial(
-            torch.compile, backend=state.backend, dynamic=_torch_dynamic(dynamic)))
+        compile_frames(
+            model,
+            state,
+            functools.partial(
+                torch.compile, backend=state.backend, dynamic=_torch_dynamic(dynamic)
+            ),
+        )
         if verify:
             install_frames_check(model, state)
     else:
@@ -174,10 +182,18 @@ def compile_regions(
     return model
 
 
-def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None = None,
-                     backend: str | Callable = "inductor", mode: str | None = None,
-                     dynamic: bool | None = None, options: dict[str, Any] | None = None,
-                     verify: bool = False, outer: str = "auto") -> Callable:
+def compile_callable(
+    model: nn.Module,
+    fn: Callable,
+    *,
+    plan: RegionPlan | None = None,
+    backend: str | Callable = "inductor",
+    mode: str | None = None,
+    dynamic: bool | None = None,
+    options: dict[str, Any] | None = None,
+    verify: bool = False,
+    outer: str = "auto",
+) -> Callable:
     """Like :func:`compile_regions`, but compiles ``fn``, a callable that runs ``model``.
 
     For integrations that own the call path: Accelerate's hooks wrap ``model.forward``
@@ -215,9 +231,16 @@ def compile_callable(model: nn.Module, fn: Callable, *, plan: RegionPlan | None 
     return RegionGuardedCall(model, state, compiled)
 
 
-def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
-             mode: str | None, dynamic: bool | None, options: dict[str, Any] | None,
-             verify: bool = False, outer: str = "auto") -> RegionState:
+def _prepare(
+    model: nn.Module,
+    plan: RegionPlan | None,
+    backend: str | Callable,
+    mode: str | None,
+    dynamic: bool | None,
+    options: dict[str, Any] | None,
+    verify: bool = False,
+    outer: str = "auto",
+) -> RegionState:
     """Checks, marks (unless marked) and attaches the recording backend; no compile yet."""
     state = vars(model).get(STATE_ATTR)
     if state is not None and state.compiled:
@@ -239,10 +262,12 @@ def _prepare(model: nn.Module, plan: RegionPlan | None, backend: str | Callable,
             f"aotdist found no repeated regions in {type(model).__name__}; the whole model is "
             "compiled as usual (no subgraph reuse). Pass include=[...] or min_repeats=1 to "
             "choose regions.",
-            RegionCompileWarning, stacklevel=3,
+            RegionCompileWarning,
+            stacklevel=3,
         )
-    state.backend = RecordingBackend(inner, model=model, plan=state.plan,
-                                     outer=resolve_outer(outer, backend, mode, options))
+    state.backend = RecordingBackend(
+        inner, model=model, plan=state.plan, outer=resolve_outer(outer, backend, mode, options)
+    )
     state.backend_name = backend if isinstance(backend, str) else ""
     state.verify = verify
     state.dynamic_inputs = dynamic is True

@@ -40,8 +40,9 @@ def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
         compiled = compile_fn(cls._aotdist_plain_forward)
         calls = state.frame_calls.setdefault(region.name, set())
 
-        def forward(self, *args, _compiled=compiled, _calls=calls, _state=state,
-                    _name=region.name, **kwargs):
+        def forward(
+            self, *args, _compiled=compiled, _calls=calls, _state=state, _name=region.name, **kwargs
+        ):
             _calls.add(id(self))
             if _state.dynamic_inputs:
                 mark_dynamic_inputs(args, kwargs)
@@ -73,8 +74,9 @@ class TensorMeta:
     requires_grad: bool
 
     def empty(self) -> torch.Tensor:
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
-                                   device=self.device).requires_grad_(self.requires_grad)
+        return torch.empty_strided(
+            self.shape, self.stride, dtype=self.dtype, device=self.device
+        ).requires_grad_(self.requires_grad)
 
 
 @dataclass
@@ -95,18 +97,27 @@ class FrameExample:
 
     def inputs(self) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with an empty tensor for each :class:`TensorMeta`."""
-        return _compat.tree_map(lambda x: x.empty() if isinstance(x, TensorMeta) else x,
-                                (self.args, self.kwargs))
+        return _compat.tree_map(
+            lambda x: x.empty() if isinstance(x, TensorMeta) else x, (self.args, self.kwargs)
+        )
 
     def stand_in_parameters(self):
         """Inside, the instance holds empty parameters like those its call saw."""
         return _compat.stand_in_parameters(
-            self.instance, {name: meta.empty() for name, meta in self.params.items()})
+            self.instance, {name: meta.empty() for name, meta in self.params.items()}
+        )
 
 
-def frame_example(instance: nn.Module, args: tuple, kwargs: dict, *,
-                  compiled_before: int = 0, modes: CallModes | None = None) -> FrameExample:
+def frame_example(
+    instance: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    compiled_before: int = 0,
+    modes: CallModes | None = None,
+) -> FrameExample:
     """What :class:`FrameExample` keeps of a call."""
+
     def meta(t):
         return TensorMeta(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
@@ -116,7 +127,8 @@ def frame_example(instance: nn.Module, args: tuple, kwargs: dict, *,
             subclass = subclass or f"{name} is a {type(p).__name__}"
         params[name] = meta(p)
     args, kwargs = _compat.tree_map(
-        lambda t: meta(t) if type(t) in (torch.Tensor, nn.Parameter) else t, (args, kwargs))
+        lambda t: meta(t) if type(t) in (torch.Tensor, nn.Parameter) else t, (args, kwargs)
+    )
     return FrameExample(instance, args, kwargs, params, subclass, compiled_before, modes)
 
 
@@ -128,8 +140,11 @@ def _watch_first_forward(model: nn.Module, state: RegionState) -> None:
     for region in state.plan:
         seen = ran.setdefault(region.name, set())
         for fqn in region.fqns:
-            handles.append(model.get_submodule(fqn).register_forward_pre_hook(
-                lambda mod, args, _seen=seen: _seen.add(id(mod))))
+            handles.append(
+                model.get_submodule(fqn).register_forward_pre_hook(
+                    lambda mod, args, _seen=seen: _seen.add(id(mod))
+                )
+            )
 
     def check(module, args, output):
         for handle in handles:
@@ -142,16 +157,19 @@ def _watch_first_forward(model: nn.Module, state: RegionState) -> None:
             fqn_of = {id(model.get_submodule(f)): f for f in region.fqns}
             names = sorted(fqn_of.get(i, "?") for i in missed)
             cls = type(model.get_submodule(names[0])) if names[0] != "?" else None
-            why = (f"{len(missed)} of {region.count} instances ran uncompiled ({names[:3]}); "
-                   f"their class {getattr(cls, '__qualname__', '?')} does not reach aotdist's "
-                   "region forward (a wrapper or class created after marking replaced "
-                   "forward)")
+            why = (
+                f"{len(missed)} of {region.count} instances ran uncompiled ({names[:3]}); "
+                f"their class {getattr(cls, '__qualname__', '?')} does not reach aotdist's "
+                "region forward (a wrapper or class created after marking replaced "
+                "forward)"
+            )
             state.eager[region.name] = why
             rank_zero_warn(
                 f"aotdist region {region.name!r} ran EAGER, not compiled: {why}. Fix: apply "
                 "aotdist.parallelize(model, config=...) to the unwrapped model (it marks, "
                 "then shards), or exclude the region and use torch.compile on it.",
-                RegionCompileWarning, stacklevel=2,
+                RegionCompileWarning,
+                stacklevel=2,
             )
         if not state.reuse_checked:  # every region frame compiled by now
             state.reuse_checked = True

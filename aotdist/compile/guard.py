@@ -29,8 +29,14 @@ from aotdist.errors import exception_chain as _chain
 from aotdist.fsdp import fsdp_modules
 from aotdist.log import get_logger, rank_zero_info, rank_zero_warn
 
-__all__ = ["CallModes", "RegionGuardedCall", "compiled_graphs", "is_training",
-           "mark_dynamic_inputs", "replay_outcomes"]
+__all__ = [
+    "CallModes",
+    "RegionGuardedCall",
+    "compiled_graphs",
+    "is_training",
+    "mark_dynamic_inputs",
+    "replay_outcomes",
+]
 
 _log = get_logger(__name__)
 
@@ -50,8 +56,11 @@ class CallModes:
 
     @classmethod
     def of(cls, module: nn.Module) -> CallModes:
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                   tuple(m.training for m in module.modules()))
+        return cls(
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            tuple(m.training for m in module.modules()),
+        )
 
     @contextlib.contextmanager
     def applied(self, module: nn.Module) -> Iterator[None]:
@@ -70,8 +79,11 @@ class CallModes:
 
 def compiled_graphs(state: RegionState, frame: str | None = None) -> int:
     """Graphs the model (or region ``frame``'s frame) compiled so far, none loaded."""
-    return sum(1 for r in state.backend.records
-               if not r.precompiled and (frame is None or r.standalone == frame))
+    return sum(
+        1
+        for r in state.backend.records
+        if not r.precompiled and (frame is None or r.standalone == frame)
+    )
 
 
 class RegionGuardedCall(_compat.CallWrapper):
@@ -89,8 +101,9 @@ class RegionGuardedCall(_compat.CallWrapper):
 
     __reduce_ex__ = _compat.unsaved_in_guards  # run state, not in a saved graph's guards
 
-    def __init__(self, model: nn.Module, state: RegionState, compiled: Callable, *,
-                 backend: Any = None):
+    def __init__(
+        self, model: nn.Module, state: RegionState, compiled: Callable, *, backend: Any = None
+    ):
         self._model_ref = model
         self._state = state
         self._compiled = compiled
@@ -104,12 +117,16 @@ class RegionGuardedCall(_compat.CallWrapper):
         if state.verify and is_training(self._model_ref):  # compile.verify, once
             state.verify = False
             first_step_check(
-                self._model_ref, state, lambda: self(*args, **kwargs),
+                self._model_ref,
+                state,
+                lambda: self(*args, **kwargs),
                 lambda: state.call_fn(*state.call_bound, *args, **kwargs),
                 fresh=lambda n: torch.compile(
                     _compat.unique_code_function(state.call_fn, f"verify_{n}"),
-                    backend=self._backend or state.backend, dynamic=state.call_dynamic,
-                )(*state.call_bound, *args, **kwargs))
+                    backend=self._backend or state.backend,
+                    dynamic=state.call_dynamic,
+                )(*state.call_bound, *args, **kwargs),
+            )
         if state.dynamic_inputs:
             mark_dynamic_inputs(args, kwargs)
         first = not state.reuse_checked
@@ -123,11 +140,18 @@ class RegionGuardedCall(_compat.CallWrapper):
                 return out
         if first:  # the wait a user sees: say what compiles, then how long it took
             started = time.perf_counter()
-            rank_zero_info(_log, "compiling %s: %s, backend %s (the first call compiles; the "
-                           "ones after reuse it)", type(self._model_ref).__name__,
-                           _regions_text(state), state.backend_name or "a callable")
-        called = (state.calling(CompiledCall(self._model_ref, args, kwargs))
-                  if state.call_watchers else ())  # aotdist.cache keeps calls to save
+            rank_zero_info(
+                _log,
+                "compiling %s: %s, backend %s (the first call compiles; the ones after reuse it)",
+                type(self._model_ref).__name__,
+                _regions_text(state),
+                state.backend_name or "a callable",
+            )
+        called = (
+            state.calling(CompiledCall(self._model_ref, args, kwargs))
+            if state.call_watchers
+            else ()
+        )  # aotdist.cache keeps calls to save
         for _ in range(2 * len(state.plan) + 2):
             try:
                 out = self._run(*args, **kwargs)
@@ -138,9 +162,13 @@ class RegionGuardedCall(_compat.CallWrapper):
             if first:
                 state.reuse_checked = True
                 report_reuse(self._model_ref, state)
-                rank_zero_info(_log, "compiled %s in %.1f s (%d graph(s))",
-                               type(self._model_ref).__name__, time.perf_counter() - started,
-                               compiled_graphs(state))
+                rank_zero_info(
+                    _log,
+                    "compiled %s in %.1f s (%d graph(s))",
+                    type(self._model_ref).__name__,
+                    time.perf_counter() - started,
+                    compiled_graphs(state),
+                )
             for done in called:
                 done()
             return out
@@ -148,11 +176,18 @@ class RegionGuardedCall(_compat.CallWrapper):
 
     def _run(self, *args, **kwargs):
         # until reuse is reported: torch's own reasons for not reusing a region's subgraph
-        why = (_compat.reuse_refusals(self._state.refusals) if not self._state.reuse_checked
-               else contextlib.nullcontext())
-        with (_compat.tolerant_subgraph_dedup(), _compat.cached_subgraph_schemas(),
-              _compat.single_use_inlining_deferred(), _compat.subclass_intermediates_inside(),
-              why):
+        why = (
+            _compat.reuse_refusals(self._state.refusals)
+            if not self._state.reuse_checked
+            else contextlib.nullcontext()
+        )
+        with (
+            _compat.tolerant_subgraph_dedup(),
+            _compat.cached_subgraph_schemas(),
+            _compat.single_use_inlining_deferred(),
+            _compat.subclass_intermediates_inside(),
+            why,
+        ):
             return self._compiled(*args, **kwargs)  # dedup: reuse, not a crash (2.11)
 
     def handle(self, exc: Exception, run: Callable[[], Any]) -> bool:
@@ -181,16 +216,18 @@ class RegionGuardedCall(_compat.CallWrapper):
                 _demote(self._model_ref, state, name, reason)
         return True
 
-    def _bisect(self, exc: Exception, run: Callable[[], Any], live: list[str],
-                reason: str) -> bool:
+    def _bisect(self, exc: Exception, run: Callable[[], Any], live: list[str], reason: str) -> bool:
         """The error does not say which regions: dry-run trials find them."""
         state = self._state
         trial = Trials(self._model_ref, state, run, self._backend or state.backend)
         names = trial.isolate(live)
         if not names:
-            _note(exc, "aotdist: the model fails the same way with every region demoted, "
-                  "i.e. as a whole-model torch.compile; this is torch.compile's own error "
-                  "(above), not a region problem.")
+            _note(
+                exc,
+                "aotdist: the model fails the same way with every region demoted, "
+                "i.e. as a whole-model torch.compile; this is torch.compile's own error "
+                "(above), not a region problem.",
+            )
             return False
         for name in names:  # a fix that keeps the region reusable, where a trial passes
             if trial.fixed_by_cloning(name):
@@ -200,8 +237,9 @@ class RegionGuardedCall(_compat.CallWrapper):
         return True
 
 
-def replay_outcomes(model: nn.Module, state: RegionState, fixes: dict[str, str],
-                    demoted: dict[str, str]) -> None:
+def replay_outcomes(
+    model: nn.Module, state: RegionState, fixes: dict[str, str], demoted: dict[str, str]
+) -> None:
     """Fixes and demotes regions as the run that saved a whole-model graph did (that graph
     was traced with them so), with the same warnings (:mod:`aotdist.cache.precompile`)."""
     names = {r.name for r in state.plan}
@@ -221,8 +259,9 @@ def mark_dynamic_inputs(args: tuple, kwargs: dict) -> None:
             _compat.maybe_mark_dynamic(leaf)
 
 
-def _fix(model: nn.Module, state: RegionState, name: str, reason: str, *,
-         apply: bool = True) -> None:
+def _fix(
+    model: nn.Module, state: RegionState, name: str, reason: str, *, apply: bool = True
+) -> None:
     if apply:
         unmark_region(model, state, name)
         apply_region_class(model, state, name, clone_aliases=True)
@@ -231,7 +270,8 @@ def _fix(model: nn.Module, state: RegionState, name: str, reason: str, *,
         f"aotdist region {name!r}: an output aliases an input, or inputs share storage "
         f"({reason}). Fixed by cloning the aliasing outputs inside the region and the "
         "aliasing inputs before it; it still compiles once as a reusable subgraph.",
-        RegionCompileWarning, stacklevel=5,
+        RegionCompileWarning,
+        stacklevel=5,
     )
 
 
@@ -240,17 +280,22 @@ def _demote(model: nn.Module, state: RegionState, name: str, reason: str) -> Non
     if state.checkpoint:  # inline, but still checkpointed
         apply_region_class(model, state, name, nested=False)
     state.demoted[name] = reason
-    hint = (" The region writes a tensor into an object passed to it (a KV cache?), and "
-            "torch cannot return that tensor from a reused subgraph (it is a view of one the "
-            "subgraph returns or takes, as transformers' sliding-window cache layers keep); "
-            "no handling inside the region keeps the model's result, so for training pass "
-            "use_cache=False (model(..., use_cache=False) or model.config.use_cache = False), "
-            "which keeps the region reused." if _stores_into_an_argument(reason) else "")
+    hint = (
+        " The region writes a tensor into an object passed to it (a KV cache?), and "
+        "torch cannot return that tensor from a reused subgraph (it is a view of one the "
+        "subgraph returns or takes, as transformers' sliding-window cache layers keep); "
+        "no handling inside the region keeps the model's result, so for training pass "
+        "use_cache=False (model(..., use_cache=False) or model.config.use_cache = False), "
+        "which keeps the region reused."
+        if _stores_into_an_argument(reason)
+        else ""
+    )
     rank_zero_warn(
         f"aotdist region {name!r} cannot be a reusable subgraph: {reason}. It is compiled "
         "inline in the surrounding graph instead (no reuse; Dynamo handles its graph breaks "
         f"as usual); exclude it or fix the cause to regain reuse.{hint}",
-        RegionCompileWarning, stacklevel=5,
+        RegionCompileWarning,
+        stacklevel=5,
     )
 
 
@@ -262,7 +307,9 @@ def _stores_into_an_argument(reason: str) -> bool:
 
 def _regions_text(state: RegionState) -> str:
     regions = [f"{r.name} x{r.count}" for r in state.plan if r.name not in state.demoted]
-    return f"{len(regions)} region(s) ({', '.join(regions[:4])}{', ...' if len(regions) > 4 else ''})"
+    return (
+        f"{len(regions)} region(s) ({', '.join(regions[:4])}{', ...' if len(regions) > 4 else ''})"
+    )
 
 
 def _note(exc: BaseException, text: str) -> None:
@@ -289,8 +336,8 @@ def _first_line_of_cause(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for i, ln in enumerate(lines):
         if ln.endswith("Got graph break/error:") and i + 1 < len(lines):
-            expl = next((x for x in lines[i + 1:] if x.startswith("Explanation:")), "")
-            return (lines[i + 1] + (f" - {expl[len('Explanation: '):]}" if expl else ""))[:500]
+            expl = next((x for x in lines[i + 1 :] if x.startswith("Explanation:")), "")
+            return (lines[i + 1] + (f" - {expl[len('Explanation: ') :]}" if expl else ""))[:500]
     if len(lines) > 1 and lines[0].endswith("raised:"):  # BackendCompilerFailed: the cause
         return f"the compiler backend raised {lines[1]}"[:500]
     return lines[0][:500] if lines else "unknown reason"
@@ -308,8 +355,12 @@ def _regions_in_stack(exc: BaseException, state: RegionState, live: list[str]) -
         code = state.plan.by_name(name).module_type.forward.__code__
         last = max((ln for _, _, ln in code.co_lines() if ln is not None), default=0)
         for fr in frames:
-            if (fr.filename == code.co_filename and fr.name == code.co_name
-                    and fr.lineno is not None and code.co_firstlineno <= fr.lineno <= last):
+            if (
+                fr.filename == code.co_filename
+                and fr.name == code.co_name
+                and fr.lineno is not None
+                and code.co_firstlineno <= fr.lineno <= last
+            ):
                 found.append(name)
                 break
     return found

@@ -33,8 +33,7 @@ class Trials:
         backend: The recording backend ``run`` compiles with.
     """
 
-    def __init__(self, model: nn.Module, state: RegionState, run: Callable[[], object],
-                 backend):
+    def __init__(self, model: nn.Module, state: RegionState, run: Callable[[], object], backend):
         self._model, self._state, self._run, self._backend = model, state, run, backend
         self.count = 0
 
@@ -81,8 +80,13 @@ class Trials:
         for name in names:
             unmark_region(self._model, self._state, name)
             if nested or self._state.checkpoint:
-                apply_region_class(self._model, self._state, name, nested=nested,
-                                   clone_aliases=self._state.fixes.get(name) == _CLONE)
+                apply_region_class(
+                    self._model,
+                    self._state,
+                    name,
+                    nested=nested,
+                    clone_aliases=self._state.fixes.get(name) == _CLONE,
+                )
 
     def _passes(self) -> bool:
         self.count += 1

@@ -37,11 +37,12 @@ def copy_function(fn: Callable, *, new_code: bool = False) -> types.FunctionType
     """
     fn = getattr(fn, "__func__", fn)
     if not isinstance(fn, types.FunctionType):
-        raise ConfigError(f"cannot mark {fn!r}: a region's forward must be a plain Python "
-                          "function; exclude this module class with exclude=[...]")
+        raise ConfigError(
+            f"cannot mark {fn!r}: a region's forward must be a plain Python "
+            "function; exclude this module class with exclude=[...]"
+        )
     code = fn.__code__.replace() if new_code else fn.__code__
-    new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__,
-                             fn.__closure__)
+    new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__ = fn.__qualname__
     new.__module__ = fn.__module__
@@ -53,8 +54,15 @@ def _dispatch(self, *args, **kwargs):
     return self._aotdist_impl(*args, **kwargs)
 
 
-def _region_class(base: type, region: str, *, count: int = 2, clone_aliases: bool = False,
-                  checkpoint: bool = False, nested: bool = True) -> type:
+def _region_class(
+    base: type,
+    region: str,
+    *,
+    count: int = 2,
+    clone_aliases: bool = False,
+    checkpoint: bool = False,
+    nested: bool = True,
+) -> type:
     """The region class of ``base``: its forward with :data:`FORWARD_FIXES` applied, inside
     ``nested_compile_region`` (``nested``) and as frames mode's plain forward."""
     on = {"clone_aliases": clone_aliases, "checkpoint": checkpoint}
@@ -62,14 +70,15 @@ def _region_class(base: type, region: str, *, count: int = 2, clone_aliases: boo
     if nested:
         # One code object per region: torch keys subgraph reuse (and its entry cap) by code.
         marked = torch.compiler.nested_compile_region(
-            _compat.unique_code_function(fwd, region),
-            **_compat.region_options(max(8, 2 * count)))
+            _compat.unique_code_function(fwd, region), **_compat.region_options(max(8, 2 * count))
+        )
     else:
         marked = fwd
     marked = wrap_forward(marked, OUTSIDE, on, nested=nested)
     # For frames mode: the same forward without invoke_subgraph, with a code object of its own.
     plain = _compat.unique_code_function(
-        wrap_forward(base.forward, INSIDE, on, frames=True), f"{region}_frame")
+        wrap_forward(base.forward, INSIDE, on, frames=True), f"{region}_frame"
+    )
     plain = wrap_forward(plain, OUTSIDE, on, frames=True)
     namespace = {
         # forward only dispatches to _aotdist_impl, read at call time: classes made later from
@@ -107,12 +116,14 @@ def _check_plan(model: nn.Module, plan: RegionPlan) -> None:
     if problems:
         raise ConfigError(
             "the region plan does not fit this model (was it made for another model?): "
-            + "; ".join(problems) + ". Fix: build the plan with aotdist.find_regions(model)."
+            + "; ".join(problems)
+            + ". Fix: build the plan with aotdist.find_regions(model)."
         )
 
 
-def mark_regions(model: nn.Module, plan: RegionPlan | None = None, *,
-                 checkpoint: bool = False) -> RegionState:
+def mark_regions(
+    model: nn.Module, plan: RegionPlan | None = None, *, checkpoint: bool = False
+) -> RegionState:
     """Marks every region instance of ``model`` for ``invoke_subgraph``; no compile.
 
     Eager execution is unchanged by marking (``nested_compile_region`` is a no-op outside
@@ -134,8 +145,12 @@ def mark_regions(model: nn.Module, plan: RegionPlan | None = None, *,
         )
     plan = find_regions(model) if plan is None else plan
     _check_plan(model, plan)
-    stale = [f for r in plan for f in r.fqns
-             if getattr(type(model.get_submodule(f)), "_aotdist_region", None) is not None]
+    stale = [
+        f
+        for r in plan
+        for f in r.fqns
+        if getattr(type(model.get_submodule(f)), "_aotdist_region", None) is not None
+    ]
     if stale:
         raise OrderingError(
             f"{stale[:3]} were marked by aotdist and then wrapped again (fully_shard?); "
@@ -149,11 +164,23 @@ def mark_regions(model: nn.Module, plan: RegionPlan | None = None, *,
     return state
 
 
-def apply_region_class(model: nn.Module, state: RegionState, name: str, *,
-                        clone_aliases: bool = False, nested: bool = True):
+def apply_region_class(
+    model: nn.Module,
+    state: RegionState,
+    name: str,
+    *,
+    clone_aliases: bool = False,
+    nested: bool = True,
+):
     region = state.plan.by_name(name)
-    cls = _region_class(region.module_type, name, count=region.count,
-                        clone_aliases=clone_aliases, checkpoint=state.checkpoint, nested=nested)
+    cls = _region_class(
+        region.module_type,
+        name,
+        count=region.count,
+        clone_aliases=clone_aliases,
+        checkpoint=state.checkpoint,
+        nested=nested,
+    )
     state.classes[name] = cls
     for fqn in region.fqns:
         model.get_submodule(fqn).__class__ = cls
@@ -162,8 +189,9 @@ def apply_region_class(model: nn.Module, state: RegionState, name: str, *,
         state.marked[fqn] = name
 
 
-def unmark_region(model: nn.Module, state: RegionState, name: str, *,
-                   neutralize: bool = False) -> None:
+def unmark_region(
+    model: nn.Module, state: RegionState, name: str, *, neutralize: bool = False
+) -> None:
     """Returns the region's instances to their own class.
 
     An instance whose class was wrapped again after marking (``fully_shard`` does that)
@@ -173,8 +201,10 @@ def unmark_region(model: nn.Module, state: RegionState, name: str, *,
     region = state.plan.by_name(name)
     for fqn in region.fqns:
         mod = model.get_submodule(fqn)
-        if not any(fqn.startswith(outer + ".") and region_name not in state.demoted
-                   for outer, region_name in state.marked.items()):
+        if not any(
+            fqn.startswith(outer + ".") and region_name not in state.demoted
+            for outer, region_name in state.marked.items()
+        ):
             restore_fixes(mod)  # inside a live region's instance, the fixes are that region's
         base = getattr(type(mod), "_aotdist_base", None)
         if base is None:

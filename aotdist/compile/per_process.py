@@ -19,9 +19,13 @@ from torch import nn
 __all__ = ["made_class", "made_per_process", "pickled_with_region_depth"]
 
 
-def made_class(base: type, namespace: dict[str, Any], *,
-               remake: tuple[Callable, tuple] | None = None,
-               pickles_as_base: bool = False) -> type:
+def made_class(
+    base: type,
+    namespace: dict[str, Any],
+    *,
+    remake: tuple[Callable, tuple] | None = None,
+    pickles_as_base: bool = False,
+) -> type:
     """A subclass of ``base`` made in this process, named and placed as ``base`` (so that
     errors, guards and ``repr`` name the user's class).
 
@@ -29,8 +33,12 @@ def made_class(base: type, namespace: dict[str, Any], *,
     saved graph's guards. ``pickles_as_base``: ``pickle`` and ``deepcopy`` give an
     instance of ``base`` (a region class, a gathering class: a copy is the user's model).
     """
-    made = {"__module__": base.__module__, "__qualname__": base.__qualname__,
-            "_aotdist_made_from": base, **namespace}
+    made = {
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "_aotdist_made_from": base,
+        **namespace,
+    }
     if remake is not None:
         made["_aotdist_remake"] = remake
     if pickles_as_base:
@@ -40,8 +48,11 @@ def made_class(base: type, namespace: dict[str, Any], *,
 
 def _reduce_as_base(self, protocol):
     """Pickle and deepcopy an instance as an instance of the class it was made from."""
-    return (copyreg._reconstructor, (type(self)._aotdist_made_from, object, None),
-            vars(self).copy())
+    return (
+        copyreg._reconstructor,
+        (type(self)._aotdist_made_from, object, None),
+        vars(self).copy(),
+    )
 
 
 _STAND_INS: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -63,7 +74,7 @@ def _stand_in_instance(base: type, names: tuple[str, ...] = ()) -> nn.Module:
 
 def _reduce_keeping_depth(self, protocol):
     base = type(self)._aotdist_base
-    above = type(self).__mro__[:type(self).__mro__.index(base)]
+    above = type(self).__mro__[: type(self).__mro__.index(base)]
     return (_stand_in_instance, (base, tuple(c.__name__ for c in above)), vars(self).copy())
 
 
@@ -80,8 +91,10 @@ def made_per_process(cls: type) -> bool:
     """A class aotdist makes in each process: a region class (or one made from it, such
     as FSDP2's ``FSDP<cls>``), or a class that says how to make it again
     (``_aotdist_remake``: a fix's class, graph-mode FSDP's gathering classes)."""
-    return (getattr(cls, "_aotdist_region", None) is not None
-            or getattr(cls, "_aotdist_remake", None) is not None)
+    return (
+        getattr(cls, "_aotdist_region", None) is not None
+        or getattr(cls, "_aotdist_remake", None) is not None
+    )
 
 
 @contextlib.contextmanager
@@ -94,11 +107,13 @@ def pickled_with_region_depth(model: nn.Module) -> Iterator[None]:
     made per process that says how to make it again (``_aotdist_remake = (make, args)``:
     a fix's class, graph-mode FSDP's gathering classes) pickle as instances of
     ``make(*args)``."""
-    classes = {type(m): vars(type(m)).get("__reduce_ex__") for m in model.modules()
-               if made_per_process(type(m))}
+    classes = {
+        type(m): vars(type(m)).get("__reduce_ex__")
+        for m in model.modules()
+        if made_per_process(type(m))
+    }
     for cls in classes:
-        remake = ("_aotdist_remake" in vars(cls)
-                  or getattr(cls, "_aotdist_region", None) is None)
+        remake = "_aotdist_remake" in vars(cls) or getattr(cls, "_aotdist_region", None) is None
         cls.__reduce_ex__ = _reduce_remade if remake else _reduce_keeping_depth
     try:
         yield

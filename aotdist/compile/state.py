@@ -20,8 +20,15 @@ from torch import nn
 from aotdist._compat.enums import StrEnum
 from aotdist.regions import RegionPlan
 
-__all__ = ["INFO_ATTR", "STATE_ATTR", "CacheRecord", "CallWatcher", "CompileMode", "CompiledCall",
-           "RegionState"]
+__all__ = [
+    "INFO_ATTR",
+    "STATE_ATTR",
+    "CacheRecord",
+    "CallWatcher",
+    "CompileMode",
+    "CompiledCall",
+    "RegionState",
+]
 
 STATE_ATTR = "_aotdist_state"
 INFO_ATTR = "_aotdist_parallelized"  # aotdist.parallelize's ParallelizeInfo

@@ -23,8 +23,9 @@ __all__ = ["differing_attributes", "distinct_meshes", "report_reuse"]
 _SCALARS = (bool, int, float, str, type(None))
 
 
-def report_reuse(model: nn.Module, state: RegionState, records=None,
-                 found: dict[str, str] | None = None) -> dict[str, str]:
+def report_reuse(
+    model: nn.Module, state: RegionState, records=None, found: dict[str, str] | None = None
+) -> dict[str, str]:
     """Warns about each region of ``model`` compiled into more than one subgraph, or
     inlined; returns ``found`` (``state.reuse`` unless given), region -> why.
 
@@ -52,8 +53,14 @@ def report_reuse(model: nn.Module, state: RegionState, records=None,
         instances = [model.get_submodule(f) for f in region.fqns]
         differ = differing_attributes(instances)
         meshes = distinct_meshes(instances)
-        refused = next((why for code, why in state.refusals.items()
-                        if _compat.is_region_code(code, region.name)), None)
+        refused = next(
+            (
+                why
+                for code, why in state.refusals.items()
+                if _compat.is_region_code(code, region.name)
+            ),
+            None,
+        )
         refused = refused or _observed_mismatch(records, region.name)  # torch < 2.14
         # torch's own reason (torch 2.14+) for skipping its reuse check: the cause when its
         # fallback, comparing each traced body, also merged none (Gemma 4); where it merged
@@ -65,34 +72,49 @@ def report_reuse(model: nn.Module, state: RegionState, records=None,
         if refused is not None and (n >= region.count or mismatch):
             cause, fix = _refused(refused)
             if differ:
-                cause += ("; its instances also differ in Python constants the forward may "
-                          f"read: {'; '.join(f'{p} ({k}: {v})' for p, k, v in differ[:2])}")
+                cause += (
+                    "; its instances also differ in Python constants the forward may "
+                    f"read: {'; '.join(f'{p} ({k}: {v})' for p, k, v in differ[:2])}"
+                )
         elif meshes:
-            cause = (f"its instances hold {meshes[1]} distinct DeviceMesh objects where "
-                     f"one is expected (at {meshes[0]}), and torch.compile guards on the "
-                     "object: tensor parallelism applied with the mesh sliced anew for each "
-                     "layer (mesh['tp'] makes a new object per call)")
-            fix = ("slice the mesh once, tp_mesh = mesh['tp'], and pass that one object to "
-                   "every parallelize_module call")
+            cause = (
+                f"its instances hold {meshes[1]} distinct DeviceMesh objects where "
+                f"one is expected (at {meshes[0]}), and torch.compile guards on the "
+                "object: tensor parallelism applied with the mesh sliced anew for each "
+                "layer (mesh['tp'] makes a new object per call)"
+            )
+            fix = (
+                "slice the mesh once, tp_mesh = mesh['tp'], and pass that one object to "
+                "every parallelize_module call"
+            )
         elif differ:
             shown = "; ".join(f"{path} ({kind}: {values})" for path, kind, values in differ[:4])
             cause = f"its instances differ in Python constants the forward may read: {shown}"
-            fix = ("make such a value a tensor buffer, or pass it as an input, so that one "
-                   "subgraph serves every instance; exclude the region if it must differ. "
-                   "TORCH_LOGS=+hierarchical_compile shows torch's own reason: 'unsupported "
-                   "input VT types' is an argument it cannot compare between calls instead, "
-                   "such as a dict subclass made in the forward (Gemma 4's "
-                   "shared_kv_states): make it outside the compiled call and pass it in")
+            fix = (
+                "make such a value a tensor buffer, or pass it as an input, so that one "
+                "subgraph serves every instance; exclude the region if it must differ. "
+                "TORCH_LOGS=+hierarchical_compile shows torch's own reason: 'unsupported "
+                "input VT types' is an argument it cannot compare between calls instead, "
+                "such as a dict subclass made in the forward (Gemma 4's "
+                "shared_kv_states): make it outside the compiled call and pass it in"
+            )
         else:
-            cause = ("the region's inputs differ between call sites (an input's strides, "
-                     "dtype, shape or requires_grad: e.g. a transposed layout from the block "
-                     "before, or a first block fed data that needs no gradient)")
-            fix = ("hand every instance inputs of one layout (.contiguous()); "
-                   "TORCH_LOGS=+hierarchical_compile shows the guard that failed")
+            cause = (
+                "the region's inputs differ between call sites (an input's strides, "
+                "dtype, shape or requires_grad: e.g. a transposed layout from the block "
+                "before, or a first block fed data that needs no gradient)"
+            )
+            fix = (
+                "hand every instance inputs of one layout (.contiguous()); "
+                "TORCH_LOGS=+hierarchical_compile shows the guard that failed"
+            )
         why = f"{n} distinct subgraphs for {region.count} instances: {cause}"
         found[region.name] = why
-        rank_zero_warn(f"aotdist region {region.name!r} is compiled {n} times, not once: "
-                       f"{why}. Fix: {fix}.", RegionCompileWarning, stacklevel=4)
+        rank_zero_warn(
+            f"aotdist region {region.name!r} is compiled {n} times, not once: {why}. Fix: {fix}.",
+            RegionCompileWarning,
+            stacklevel=4,
+        )
     return found
 
 
@@ -104,52 +126,71 @@ _REFUSALS = {
         "typically one made inside the compiled forward (Gemma 4's shared_kv_states, a "
         "dict subclass)",
         "make that object outside the compiled call and pass it in (a model argument), or "
-        "hand the region tensors and numbers instead"),
+        "hand the region tensors and numbers instead",
+    ),
     "subgraph has side effects": (
         "its forward has a side effect torch must replay (it mutates a Python object or "
         "attribute), so torch does not reuse the subgraph",
-        "move the mutation out of the region's forward, or return the value instead"),
+        "move the mutation out of the region's forward, or return the value instead",
+    ),
     "output contains non-tensor types": (
         "it returns values that are not tensors, so torch does not reuse the subgraph",
-        "return tensors only (a tensor or a tuple of tensors)"),
+        "return tensors only (a tensor or a tuple of tensors)",
+    ),
     "is not tensor or tuple/list": (
         "it returns a value that is not a tensor or a tuple of tensors, so torch does not "
         "reuse the subgraph",
-        "return tensors only (a tensor or a tuple of tensors)"),
+        "return tensors only (a tensor or a tuple of tensors)",
+    ),
     "mutated sources detected": (
         "a Python value its forward reads is changed during the step, so torch cannot "
         "trust guards taken before it changed and does not reuse the subgraph",
-        "keep the values the region reads fixed during the step, or pass them as inputs"),
+        "keep the values the region reads fixed during the step, or pass them as inputs",
+    ),
 }
 
 
 # what differs in an input torch would not reuse the subgraph for -> the fix
 _MISMATCH_FIXES = {
-    "shape": ("a block applied at two sizes (feature maps of two resolutions) cannot share "
-              "one subgraph: exclude the region (find_regions(model, exclude=[...])), and "
-              "it compiles inline as in whole-model torch.compile, without this warning"),
-    "stride": ("hand every instance inputs of one layout (.contiguous()); aotdist does so "
-               "itself only for inputs that need a gradient, not for buffers or data"),
-    "requires_grad": ("the first block is fed data that needs no gradient (a frozen "
-                      "embedding, as in LoRA fine-tuning), so it compiles once more, inline; "
-                      "this costs one block's trace and is usually the cheapest option "
-                      "(model.enable_input_require_grads() makes it reuse the subgraph but "
-                      "breaks the graph at the embedding, which costs more); otherwise let "
-                      "the first block compute its input from a tensor that needs a "
-                      "gradient"),
+    "shape": (
+        "a block applied at two sizes (feature maps of two resolutions) cannot share "
+        "one subgraph: exclude the region (find_regions(model, exclude=[...])), and "
+        "it compiles inline as in whole-model torch.compile, without this warning"
+    ),
+    "stride": (
+        "hand every instance inputs of one layout (.contiguous()); aotdist does so "
+        "itself only for inputs that need a gradient, not for buffers or data"
+    ),
+    "requires_grad": (
+        "the first block is fed data that needs no gradient (a frozen "
+        "embedding, as in LoRA fine-tuning), so it compiles once more, inline; "
+        "this costs one block's trace and is usually the cheapest option "
+        "(model.enable_input_require_grads() makes it reuse the subgraph but "
+        "breaks the graph at the embedding, which costs more); otherwise let "
+        "the first block compute its input from a tensor that needs a "
+        "gradient"
+    ),
 }
 
 
 def _refused(why: str) -> tuple[str, str]:
     if "tensor metadata mismatch" in why:
-        fix = next((f for field, f in _MISMATCH_FIXES.items() if f": {field} " in why
-                    or f"; {field} " in why), "hand every instance inputs of one kind")
+        fix = next(
+            (
+                f
+                for field, f in _MISMATCH_FIXES.items()
+                if f": {field} " in why or f"; {field} " in why
+            ),
+            "hand every instance inputs of one kind",
+        )
         return (f"its call sites pass inputs that differ (torch: {why})", fix)
     for key, (cause, fix) in _REFUSALS.items():
         if key in why:
             return f"{cause} (torch: {why})", fix
-    return (f"torch does not reuse its subgraph (torch: {why})",
-            "TORCH_LOGS=+hierarchical_compile shows torch's reasoning")
+    return (
+        f"torch does not reuse its subgraph (torch: {why})",
+        "TORCH_LOGS=+hierarchical_compile shows torch's reasoning",
+    )
 
 
 _KIND_FIELDS = ("shape", "dtype", "stride", "requires_grad")
@@ -164,8 +205,10 @@ def _observed_mismatch(records, region: str) -> str | None:
             for field in ("requires_grad", "stride", "shape", "dtype"):
                 seen = [k[_KIND_FIELDS.index(field)] for k in kinds if k is not None]
                 if len(set(seen)) > 1:
-                    return (f"reuse failed -- input {i} tensor metadata mismatch: {field} "
-                            f"{seen[0]} vs {next(v for v in seen if v != seen[0])}")
+                    return (
+                        f"reuse failed -- input {i} tensor metadata mismatch: {field} "
+                        f"{seen[0]} vs {next(v for v in seen if v != seen[0])}"
+                    )
     return None
 
 
@@ -176,8 +219,7 @@ def differing_attributes(instances: list[nn.Module]) -> list[tuple[str, str, str
     for inst in instances:
         for prefix, mod in inst.named_modules():
             for key, value in vars(mod).items():
-                if isinstance(value, (list, tuple)) and all(isinstance(v, _SCALARS)
-                                                            for v in value):
+                if isinstance(value, (list, tuple)) and all(isinstance(v, _SCALARS) for v in value):
                     value = tuple(value)  # e.g. Swin's shift_size: [0, 0] vs [4, 4]
                 elif not isinstance(value, _SCALARS):
                     continue
@@ -189,8 +231,9 @@ def differing_attributes(instances: list[nn.Module]) -> list[tuple[str, str, str
         distinct = list(dict.fromkeys(vals))
         if len(vals) == len(instances) and len(distinct) > 1:
             kind = type(next(v for v in distinct if v is not None)).__name__
-            shown = ", ".join(repr(v) for v in distinct[:4]) + (", ..." if len(distinct) > 4
-                                                                 else "")
+            shown = ", ".join(repr(v) for v in distinct[:4]) + (
+                ", ..." if len(distinct) > 4 else ""
+            )
             out.append((path, kind, shown))
     return out
 
@@ -204,12 +247,17 @@ def distinct_meshes(instances: list[nn.Module]) -> tuple[str, int] | None:
     objects: dict[str, set[int]] = {}
     for inst in instances:
         for path, mod in inst.named_modules():
-            held = [(f"{path}.{n}".lstrip("."), getattr(p, "device_mesh", None))
-                    for n, p in mod.named_parameters(recurse=False)]
+            held = [
+                (f"{path}.{n}".lstrip("."), getattr(p, "device_mesh", None))
+                for n, p in mod.named_parameters(recurse=False)
+            ]
             hooks = [*mod._forward_pre_hooks.values(), *mod._forward_hooks.values()]
-            held += [(f"{path or 'the block'}'s hook", cell.cell_contents)
-                     for hook in hooks for cell in (getattr(hook, "__closure__", None) or ())
-                     if _filled(cell)]
+            held += [
+                (f"{path or 'the block'}'s hook", cell.cell_contents)
+                for hook in hooks
+                for cell in (getattr(hook, "__closure__", None) or ())
+                if _filled(cell)
+            ]
             for where, mesh in held:
                 if isinstance(mesh, DeviceMesh):
                     objects.setdefault(where, set()).add(id(mesh))

@@ -28,8 +28,7 @@ from aotdist.compile.state import RegionState
 from aotdist.errors import RegionMismatchError
 from aotdist.log import get_logger
 
-__all__ = ["Comparison", "compare_grads", "first_step_check", "install_frames_check",
-           "tolerance"]
+__all__ = ["Comparison", "compare_grads", "first_step_check", "install_frames_check", "tolerance"]
 
 _log = get_logger(__name__)
 
@@ -39,9 +38,9 @@ def tolerance(backend: object) -> float:
     return 1e-4 if backend in ("eager", "aot_eager") else 2e-2
 
 
-def compare_grads(grads: dict[str, torch.Tensor | None],
-                  reference: dict[str, torch.Tensor | None], *,
-                  rtol: float) -> tuple[float, str | None, list[str]]:
+def compare_grads(
+    grads: dict[str, torch.Tensor | None], reference: dict[str, torch.Tensor | None], *, rtol: float
+) -> tuple[float, str | None, list[str]]:
     """Largest gradient difference scaled by the reference gradient's size (at least a
     thousandth of the largest reference gradient: one that is zero in exact arithmetic is
     rounding noise in both), the first parameter beyond ``rtol`` (``None``: all within),
@@ -69,8 +68,12 @@ def compare_grads(grads: dict[str, torch.Tensor | None],
             g, r = _local_pair(g, r)
             rows.append([_amax((g - r).abs()), _amax(r.abs()), 0.0, 0.0])
         names.append(name)
-    stats = _max_over_shards(rows, sharded=any(_is_sharded(t) for t in (
-        *grads.values(), *reference.values()) if t is not None))
+    stats = _max_over_shards(
+        rows,
+        sharded=any(
+            _is_sharded(t) for t in (*grads.values(), *reference.values()) if t is not None
+        ),
+    )
     floor = 1e-3 * max((row[1] for row in stats if not row[3]), default=0.0)
     worst, bad, zeros = 0.0, None, []
     for name, (diff, size, nonzero, no_reference) in zip(names, stats, strict=True):
@@ -103,8 +106,9 @@ def _local_pair(g: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.T
         from torch.distributed.tensor import distribute_tensor
 
         like, whole = (g, r) if _is_sharded(g) else (r, g)
-        cut = distribute_tensor(whole.detach().to(like.device), like.device_mesh,
-                                like.placements, src_data_rank=None)
+        cut = distribute_tensor(
+            whole.detach().to(like.device), like.device_mesh, like.placements, src_data_rank=None
+        )
         g, r = (g, cut) if like is g else (cut, r)
     return _local(g), _local(r)
 
@@ -139,13 +143,18 @@ class Comparison:
 
     def describe(self) -> str:
         where = f" (first beyond it: {self.worst_param})" if self.worst_param else ""
-        return (f"outputs differ by {self.output_diff:.2e}, gradients by "
-                f"{self.grad_diff:.2e}{where}, tolerance {self.rtol:.0e}")
+        return (
+            f"outputs differ by {self.output_diff:.2e}, gradients by "
+            f"{self.grad_diff:.2e}{where}, tolerance {self.rtol:.0e}"
+        )
 
 
 def _outputs(out: object) -> list[torch.Tensor]:
-    return [t for t in _compat.tree_leaves(out)
-            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+    return [
+        t
+        for t in _compat.tree_leaves(out)
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+    ]
 
 
 def _step(model: nn.Module, call: Callable[[], object]) -> tuple[list[torch.Tensor], dict]:
@@ -158,12 +167,14 @@ def _step(model: nn.Module, call: Callable[[], object]) -> tuple[list[torch.Tens
     try:
         outs = _outputs(call())
         g = torch.Generator().manual_seed(0)
-        terms = [(o.float() * torch.randn(o.shape, generator=g).to(o.device)).sum() / o.numel()
-                 for o in outs if o.requires_grad and o.numel()]
+        terms = [
+            (o.float() * torch.randn(o.shape, generator=g).to(o.device)).sum() / o.numel()
+            for o in outs
+            if o.requires_grad and o.numel()
+        ]
         if terms:
             torch.stack(terms).sum().backward()
-        grads = {n: None if p.grad is None else p.grad.detach().clone()
-                 for n, p in params.items()}
+        grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in params.items()}
         return [o.detach().clone() for o in outs], grads
     finally:
         for n, p in params.items():
@@ -173,10 +184,17 @@ def _step(model: nn.Module, call: Callable[[], object]) -> tuple[list[torch.Tens
 def _output_diff(outs: list[torch.Tensor], ref_outs: list[torch.Tensor]) -> float:
     """Largest output difference relative to the reference's size (at least 1)."""
     if len(outs) != len(ref_outs) or any(
-            a.shape != b.shape for a, b in zip(outs, ref_outs, strict=True)):
+        a.shape != b.shape for a, b in zip(outs, ref_outs, strict=True)
+    ):
         return float("inf")
-    return max(((a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1.0)
-                for a, b in zip(outs, ref_outs, strict=True) if a.numel()), default=0.0)
+    return max(
+        (
+            (a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1.0)
+            for a, b in zip(outs, ref_outs, strict=True)
+            if a.numel()
+        ),
+        default=0.0,
+    )
 
 
 def _compare(got, want, rtol: float) -> Comparison:
@@ -187,8 +205,7 @@ def _compare(got, want, rtol: float) -> Comparison:
 
 def _agreed(values: list[float]) -> list[float]:
     """Each value's largest over the ranks (every rank then decides alike, none hangs)."""
-    if not values or not (torch.distributed.is_available()
-                          and torch.distributed.is_initialized()):
+    if not values or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return values
     backend = torch.distributed.get_backend()
     t = torch.tensor(values, device="cuda" if backend == "nccl" else "cpu")
@@ -223,10 +240,16 @@ def _dropout_off(model: nn.Module) -> Iterator[int]:
     """Dropout modules in eval mode and the stochastic depth aotdist made a tensor at rate
     0 (no recompile: the rate is data), for both runs: their masks differ compiled and
     eager (Inductor's random stream, the swapped draw)."""
-    drops = [m for m in model.modules()
-             if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
-    depths = [(m, type(m)._aotdist_dp_name) for m in model.modules()
-              if "_aotdist_dp_base" in vars(type(m))]
+    drops = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    ]
+    depths = [
+        (m, type(m)._aotdist_dp_name)
+        for m in model.modules()
+        if "_aotdist_dp_base" in vars(type(m))
+    ]
     rates = [getattr(m, name) for m, name in depths]
     for m in drops:
         m.training = False
@@ -241,9 +264,15 @@ def _dropout_off(model: nn.Module) -> Iterator[int]:
             setattr(m, name, rate)
 
 
-def first_step_check(model: nn.Module, state: RegionState, compiled: Callable[[], object],
-                     eager: Callable[[], object], *, frames: bool = False,
-                     fresh: Callable[[int], object] | None = None) -> Comparison:
+def first_step_check(
+    model: nn.Module,
+    state: RegionState,
+    compiled: Callable[[], object],
+    eager: Callable[[], object],
+    *,
+    frames: bool = False,
+    fresh: Callable[[int], object] | None = None,
+) -> Comparison:
     """Runs the check; raises :class:`RegionMismatchError` naming the regions on a
     mismatch. ``compiled`` and ``eager`` make the same call, compiled and eagerly;
     ``fresh(n)`` makes it through a new compile (``n``: the trial), for isolation.
@@ -260,9 +289,14 @@ def first_step_check(model: nn.Module, state: RegionState, compiled: Callable[[]
                 want = _step(model, eager)
         put_back()
         result = _compare(got, want, rtol)
-        _log.info("first-step check: %s: %s (compiled step with its compile %.2f s; eager "
-                  "step and comparison %.2f s)", "passed" if result.ok else "FAILED",
-                  result.describe(), compiled_s, time.perf_counter() - start - compiled_s)
+        _log.info(
+            "first-step check: %s: %s (compiled step with its compile %.2f s; eager "
+            "step and comparison %.2f s)",
+            "passed" if result.ok else "FAILED",
+            result.describe(),
+            compiled_s,
+            time.perf_counter() - start - compiled_s,
+        )
         if result.ok:
             return result
         if frames:
@@ -273,14 +307,19 @@ def first_step_check(model: nn.Module, state: RegionState, compiled: Callable[[]
 
 
 @contextlib.contextmanager
-def _instance_outputs(model: nn.Module, state: RegionState,
-                      on: bool) -> Iterator[list[tuple[str, list[torch.Tensor]]]]:
+def _instance_outputs(
+    model: nn.Module, state: RegionState, on: bool
+) -> Iterator[list[tuple[str, list[torch.Tensor]]]]:
     """Records each region instance's outputs, in call order (both runs, one list)."""
     calls: list[tuple[str, list[torch.Tensor]]] = []
-    handles = [model.get_submodule(fqn).register_forward_hook(
-        lambda m, a, out, fqn=fqn: calls.append((fqn, [o.detach().clone()
-                                                       for o in _outputs(out)])))
-        for fqn in (state.marked if on else ())]
+    handles = [
+        model.get_submodule(fqn).register_forward_hook(
+            lambda m, a, out, fqn=fqn: calls.append(
+                (fqn, [o.detach().clone() for o in _outputs(out)])
+            )
+        )
+        for fqn in (state.marked if on else ())
+    ]
     try:
         yield calls
     finally:
@@ -292,28 +331,45 @@ def _first_differing_instance(state: RegionState, calls, rtol: float) -> list[st
     """The region of the first instance whose compiled output differs from its eager one
     (the first half of ``calls`` is the compiled run, the second the eager run)."""
     half = len(calls) // 2
-    diffs = _agreed([_output_diff(got, want) for (_, got), (_, want)
-                     in zip(calls[:half], calls[half:], strict=True)])
-    return next(([state.marked[fqn]] for (fqn, _), d in zip(calls, diffs, strict=False)
-                 if d > rtol), [])
+    diffs = _agreed(
+        [
+            _output_diff(got, want)
+            for (_, got), (_, want) in zip(calls[:half], calls[half:], strict=True)
+        ]
+    )
+    return next(
+        ([state.marked[fqn]] for (fqn, _), d in zip(calls, diffs, strict=False) if d > rtol), []
+    )
 
 
 def install_frames_check(model: nn.Module, state: RegionState) -> None:
     """Per-region frames: the check runs from a forward pre-hook on the root (the root is
     not compiled there), before FSDP2's own, on the first training call; then it goes."""
+
     def hook(module, args, kwargs):
         if not (module.training and torch.is_grad_enabled()):
             return None
         handle.remove()
-        first_step_check(model, state, lambda: module(*args, **kwargs),
-                         lambda: module(*args, **kwargs), frames=True)
+        first_step_check(
+            model,
+            state,
+            lambda: module(*args, **kwargs),
+            lambda: module(*args, **kwargs),
+            frames=True,
+        )
         return None
 
     handle = model.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
 
 
-def _isolate(model: nn.Module, state: RegionState, fresh: Callable[[int], object], want,
-             rtol: float, put_back: Callable[[], None]) -> list[str]:
+def _isolate(
+    model: nn.Module,
+    state: RegionState,
+    fresh: Callable[[int], object],
+    want,
+    rtol: float,
+    put_back: Callable[[], None],
+) -> list[str]:
     """The live regions the mismatch comes with (all else nested), by runs with regions
     inline; ``[]`` when it remains with every region inline (whole-model compile's).
     ``fresh(n)`` makes the call through a compile of its own (a code object of its own:

@@ -53,8 +53,9 @@ def compile_backends() -> list[str]:
     ``torch._dynamo.register_backend`` included), less torch's ``*_TESTING_ONLY`` ones."""
     import torch
 
-    return sorted(b for b in torch.compiler.list_backends(exclude_tags=())
-                  if not b.endswith("_TESTING_ONLY"))
+    return sorted(
+        b for b in torch.compiler.list_backends(exclude_tags=()) if not b.endswith("_TESTING_ONLY")
+    )
 
 
 def torch_dtype(name: str | None) -> Any:
@@ -119,18 +120,27 @@ class CompileConfig(Section):
         modes = COMPILE_MODES
         out = []
         if self.outer not in OUTER_MODES:
-            out.append(f"compile.outer: unknown value {self.outer!r}"
-                       f"{did_you_mean(self.outer, OUTER_MODES)}; use one of {list(OUTER_MODES)}")
-        names = [] if not isinstance(self.backend, str) or self.backend in _COMMON_BACKENDS \
-            else compile_backends()  # (a bad type is reported already)
+            out.append(
+                f"compile.outer: unknown value {self.outer!r}"
+                f"{did_you_mean(self.outer, OUTER_MODES)}; use one of {list(OUTER_MODES)}"
+            )
+        names = (
+            []
+            if not isinstance(self.backend, str) or self.backend in _COMMON_BACKENDS
+            else compile_backends()
+        )  # (a bad type is reported already)
         if names and self.backend not in names:
-            out.append(f"compile.backend: unknown backend {self.backend!r}"
-                       f"{did_you_mean(self.backend, names)}. Fix: one of {', '.join(names)}, "
-                       "or register yours with torch._dynamo.register_backend before building "
-                       "the config")
+            out.append(
+                f"compile.backend: unknown backend {self.backend!r}"
+                f"{did_you_mean(self.backend, names)}. Fix: one of {', '.join(names)}, "
+                "or register yours with torch._dynamo.register_backend before building "
+                "the config"
+            )
         if self.mode is not None and self.mode not in modes:
-            out.append(f"compile.mode: unknown mode {self.mode!r}"
-                       f"{did_you_mean(self.mode, modes)}; use one of {list(modes)}")
+            out.append(
+                f"compile.mode: unknown mode {self.mode!r}"
+                f"{did_you_mean(self.mode, modes)}; use one of {list(modes)}"
+            )
         elif self.mode is not None and self.backend != "inductor":
             out.append(
                 f"compile.mode: applies to the inductor backend only; got backend "
@@ -187,25 +197,35 @@ class FSDPConfig(Section):
         out = [
             f"fsdp.{name}: unknown dtype {value!r}{did_you_mean(value, _DTYPES)}; use one of "
             f"{list(_DTYPES)} or null"
-            for name, value in (("param_dtype", self.param_dtype),
-                                ("reduce_dtype", self.reduce_dtype))
+            for name, value in (
+                ("param_dtype", self.param_dtype),
+                ("reduce_dtype", self.reduce_dtype),
+            )
             if value is not None and value not in _DTYPES
         ]
         if self.mode not in FSDP_MODES:
-            out.append(f"fsdp.mode: unknown mode {self.mode!r}{did_you_mean(self.mode, FSDP_MODES)}"
-                       f"; use one of {list(FSDP_MODES)}")
+            out.append(
+                f"fsdp.mode: unknown mode {self.mode!r}{did_you_mean(self.mode, FSDP_MODES)}"
+                f"; use one of {list(FSDP_MODES)}"
+            )
         elif self.mode == "graph" and not self.enabled:
-            out.append("fsdp.mode: graph shards the model, but fsdp.enabled is false. Fix: set "
-                       "fsdp.enabled: true, or drop fsdp.mode")
+            out.append(
+                "fsdp.mode: graph shards the model, but fsdp.enabled is false. Fix: set "
+                "fsdp.enabled: true, or drop fsdp.mode"
+            )
         if self.bucket_mb is not None and not self.bucket_mb >= 0:
-            out.append(f"fsdp.bucket_mb: must be >= 0 (MiB per bucket), got {self.bucket_mb!r}. "
-                       "Fix: a positive cap, or null / 0 for one collective per parameter")
+            out.append(
+                f"fsdp.bucket_mb: must be >= 0 (MiB per bucket), got {self.bucket_mb!r}. "
+                "Fix: a positive cap, or null / 0 for one collective per parameter"
+            )
         if self.replicate_degree < 1:
             out.append(f"fsdp.replicate_degree: must be >= 1, got {self.replicate_degree}")
         if self.overlap and self.mode != "graph":
-            out.append("fsdp.overlap: reorders the collectives inside compiled graphs, which only "
-                       f"fsdp.mode: graph has (mode is {self.mode!r}). Fix: set fsdp.mode: graph, "
-                       "or drop fsdp.overlap")
+            out.append(
+                "fsdp.overlap: reorders the collectives inside compiled graphs, which only "
+                f"fsdp.mode: graph has (mode is {self.mode!r}). Fix: set fsdp.mode: graph, "
+                "or drop fsdp.overlap"
+            )
         return out
 
 
@@ -234,9 +254,11 @@ class Float8Config(Section):
     def _rule_problems(self) -> list[str]:
         out = []
         if self.recipe not in _FLOAT8_RECIPES:
-            out.append(f"float8.recipe: unknown recipe {self.recipe!r}"
-                       f"{did_you_mean(self.recipe, _FLOAT8_RECIPES)}; use one of "
-                       f"{list(_FLOAT8_RECIPES)}")
+            out.append(
+                f"float8.recipe: unknown recipe {self.recipe!r}"
+                f"{did_you_mean(self.recipe, _FLOAT8_RECIPES)}; use one of "
+                f"{list(_FLOAT8_RECIPES)}"
+            )
         elif self.fsdp_all_gather and self.recipe != "tensorwise":
             out.append(
                 f"float8.fsdp_all_gather: needs float8.recipe tensorwise, got "
@@ -289,11 +311,15 @@ class CacheConfig(Section):
     def _rule_problems(self) -> list[str]:
         out = []
         if self.mode not in _CACHE_MODES:
-            out.append(f"cache.mode: unknown mode {self.mode!r}"
-                       f"{did_you_mean(self.mode, _CACHE_MODES)}; use one of {list(_CACHE_MODES)}")
+            out.append(
+                f"cache.mode: unknown mode {self.mode!r}"
+                f"{did_you_mean(self.mode, _CACHE_MODES)}; use one of {list(_CACHE_MODES)}"
+            )
         elif self.mode != "off" and not self.dir:
-            out.append(f"cache.dir: required with cache.mode {self.mode!r}, got {self.dir!r}. "
-                       "Fix: set cache.dir to a writable directory, or cache.mode: off")
+            out.append(
+                f"cache.dir: required with cache.mode {self.mode!r}, got {self.dir!r}. "
+                "Fix: set cache.dir to a writable directory, or cache.mode: off"
+            )
         if self.share_timeout_s < 1:
             out.append(f"cache.share_timeout_s: must be >= 1, got {self.share_timeout_s}")
         return out
@@ -332,7 +358,8 @@ class AOTDistConfig:
     def __post_init__(self) -> None:
         problems = [
             f"{key}: expected a {cls.__name__}, got {type(getattr(self, key)).__name__}"
-            for key, cls in _SECTIONS.items() if not isinstance(getattr(self, key), cls)
+            for key, cls in _SECTIONS.items()
+            if not isinstance(getattr(self, key), cls)
         ]
         if problems:
             raise ConfigError(problems_message(problems), problems=problems)
@@ -341,7 +368,8 @@ class AOTDistConfig:
                 "float8.fsdp_all_gather has no effect without FSDP (fsdp.enabled is false); "
                 "weights are cast to float8 locally. Fix: set fsdp.enabled: true, or drop "
                 "float8.fsdp_all_gather.",
-                ConfigWarning, stacklevel=3,
+                ConfigWarning,
+                stacklevel=3,
             )
 
     @classmethod
@@ -363,7 +391,8 @@ class AOTDistConfig:
             if mixed:
                 raise ConfigError(
                     f"the config has an aotdist: section and aotdist sections {mixed} at top "
-                    "level; Fix: put them all under aotdist:, or none.")
+                    "level; Fix: put them all under aotdist:, or none."
+                )
             data = data["aotdist"] or {}
             if not isinstance(data, Mapping):
                 raise ConfigError(f"aotdist: expected a mapping of sections; got {data!r}")
@@ -371,8 +400,10 @@ class AOTDistConfig:
         sections: dict[str, Section] = {}
         for key in data:
             if key not in _SECTIONS:
-                problems.append(f"{key}: unknown section{did_you_mean(key, _SECTIONS)}; known "
-                                f"sections: {list(_SECTIONS)}")
+                problems.append(
+                    f"{key}: unknown section{did_you_mean(key, _SECTIONS)}; known "
+                    f"sections: {list(_SECTIONS)}"
+                )
         for key, section_cls in _SECTIONS.items():
             values = data.get(key) or {}
             if not isinstance(values, Mapping):
@@ -381,8 +412,9 @@ class AOTDistConfig:
             names = [f.name for f in dataclasses.fields(section_cls)]
             unknown = [k for k in values if k not in names]
             for k in unknown:
-                problems.append(f"{key}.{k}: unknown key{did_you_mean(k, names)}; known keys "
-                                f"of {key}: {names}")
+                problems.append(
+                    f"{key}.{k}: unknown key{did_you_mean(k, names)}; known keys of {key}: {names}"
+                )
             try:
                 sections[key] = section_cls(**{k: v for k, v in values.items() if k in names})
             except ConfigError as exc:
@@ -425,8 +457,10 @@ class AOTDistConfig:
         merged = self.to_dict()
         for key, values in sections.items():
             if key not in _SECTIONS:
-                raise ConfigError(f"{key}: unknown section{did_you_mean(key, _SECTIONS)}; "
-                                  f"known sections: {list(_SECTIONS)}")
+                raise ConfigError(
+                    f"{key}: unknown section{did_you_mean(key, _SECTIONS)}; "
+                    f"known sections: {list(_SECTIONS)}"
+                )
             merged[key] = {**merged[key], **dict(values)}
         return AOTDistConfig.from_dict(merged)
 

@@ -54,8 +54,9 @@ def _type_name(hint: Any) -> str:
         return "a list of strings"
     if typing.get_origin(hint) is dict or hint is dict:
         return "a mapping"
-    return {bool: "true/false", int: "an integer", float: "a number",
-            str: "a string"}.get(hint, str(hint))
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(
+        hint, str(hint)
+    )
 
 
 class Section:
@@ -94,7 +95,8 @@ def problems_message(problems: list[str]) -> str:
     if len(problems) == 1:
         return f"invalid aotdist config: {problems[0]}"
     return "invalid aotdist config, {} problems:\n  - {}".format(
-        len(problems), "\n  - ".join(problems))
+        len(problems), "\n  - ".join(problems)
+    )
 
 
 def did_you_mean(word: object, choices: typing.Iterable[str]) -> str:
@@ -105,4 +107,3 @@ def did_you_mean(word: object, choices: typing.Iterable[str]) -> str:
         return ""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
-

@@ -34,8 +34,18 @@ from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan, find_regions
 from aotdist.version import __version__
 
-__all__ = ["FLOAT8_SCALE", "GatherSpec", "ShardedCall", "check_graph_config", "graph_plan",
-           "float8_gathered", "local_shards", "refresh_float8_scales", "shard_graph", "sharded_call"]
+__all__ = [
+    "FLOAT8_SCALE",
+    "GatherSpec",
+    "ShardedCall",
+    "check_graph_config",
+    "graph_plan",
+    "float8_gathered",
+    "local_shards",
+    "refresh_float8_scales",
+    "shard_graph",
+    "sharded_call",
+]
 
 FLOAT8_SCALE = "aotdist_float8_scale"  # a Float8Linear's weight scale (non-persistent buffer)
 
@@ -133,12 +143,12 @@ class _AsFloat8Weight(torch.autograd.Function):
     gradient passes through to ``carrier``, as in torchao's own ``_ToFloat8ConstrFunc``."""
 
     @staticmethod
-    def forward(ctx, carrier: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor,
-                mm_config):
+    def forward(ctx, carrier: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, mm_config):
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
-        return Float8TrainingTensor(bits, scale, carrier.dtype, mm_config,
-                                    gemm_input_role=GemmInputRole.WEIGHT)
+        return Float8TrainingTensor(
+            bits, scale, carrier.dtype, mm_config, gemm_input_role=GemmInputRole.WEIGHT
+        )
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -156,8 +166,9 @@ def _float8_parts(local: torch.Tensor, spec: GatherSpec, scale: torch.Tensor, mm
         hp_tensor_and_scale_to_float8,
     )
 
-    bits = hp_tensor_and_scale_to_float8(local.detach(), scale, spec.float8, mm_config,
-                                         GemmInputRole.WEIGHT)._data
+    bits = hp_tensor_and_scale_to_float8(
+        local.detach(), scale, spec.float8, mm_config, GemmInputRole.WEIGHT
+    )._data
     raw = _pad0(bits.view(torch.uint8), spec.padded // spec.world).contiguous()
     full = _all_gather(raw, spec.group).view(spec.float8)  # uint8: gloo has no float8
     full = full if spec.padded == spec.shape[0] else full[: spec.shape[0]]
@@ -212,12 +223,18 @@ def gather(local: torch.Tensor, spec: GatherSpec, *float8) -> torch.Tensor:
     ``float8``: ``(scale, linear_mm_config)`` of a ``Float8Linear`` weight whose spec
     gathers in float8; the result is then torchao's ``Float8TrainingTensor`` (what
     ``fsdp_post_all_gather`` makes under FSDP2), made of the gathered bytes."""
-    if (spec.reshard and spec.shape and torch.is_grad_enabled() and local.requires_grad
-            and torch.compiler.is_compiling()):
+    if (
+        spec.reshard
+        and spec.shape
+        and torch.is_grad_enabled()
+        and local.requires_grad
+        and torch.compiler.is_compiling()
+    ):
         from torch.utils.checkpoint import checkpoint
 
-        out = checkpoint(_gather_fn, local, spec, *float8, use_reentrant=False,
-                         context_fn=_recompute_context)
+        out = checkpoint(
+            _gather_fn, local, spec, *float8, use_reentrant=False, context_fn=_recompute_context
+        )
     else:
         out = _gather_fn(local, spec, *float8)
     if float8:
@@ -264,8 +281,12 @@ def _gather_class(base: type, specs: tuple[tuple[str, GatherSpec], ...]) -> type
     """``base`` with a gathering property per parameter; one class per (base, specs)."""
     namespace = {name: _param_property(name) for name, _ in specs}
     namespace.update(_aotdist_gather=dict(specs), _aotdist_gather_base=base)
-    return made_class(base, namespace, remake=(_gather_class, (base, specs)),  # saved guards
-                      pickles_as_base=True)
+    return made_class(
+        base,
+        namespace,
+        remake=(_gather_class, (base, specs)),  # saved guards
+        pickles_as_base=True,
+    )
 
 
 def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) -> None:
@@ -277,8 +298,11 @@ def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) ->
     """
     from torch.distributed.tensor import DTensor
 
-    dtensors = [n for n, p in (model.named_parameters() if model is not None else ())
-                if isinstance(p, DTensor)]
+    dtensors = [
+        n
+        for n, p in (model.named_parameters() if model is not None else ())
+        if isinstance(p, DTensor)
+    ]
     if dtensors:
         raise ConfigError(
             f"fsdp.mode: graph shards plain parameters, but {len(dtensors)} are DTensors "
@@ -287,13 +311,15 @@ def check_graph_config(config: AOTDistConfig, model: nn.Module | None = None) ->
             "DTensors into a reused invoke_subgraph, which torch cannot trace yet "
             "(docs/internals.md, 'Tensor parallelism and graph-mode FSDP'). Fix: use "
             "fsdp.mode: hooks (FSDP2 on the data-parallel mesh dim composes with your "
-            "parallelize_module plan, every region still reused), or pass the unsharded model.")
+            "parallelize_module plan, every region still reused), or pass the unsharded model."
+        )
     if config.compile.verify:
         raise ConfigError(
             "compile.verify is not supported with fsdp.mode: graph yet: the check reads each "
             "parameter's gradient, and graph-mode FSDP swaps the parameters for gathered "
             "shards inside the call. Fix: run the check once with fsdp.mode: hooks (the "
-            "regions compile the same way), or set compile.verify: false.")
+            "regions compile the same way), or set compile.verify: false."
+        )
 
 
 def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> RegionPlan:
@@ -303,9 +329,14 @@ def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> Reg
     marking swaps on demotion; it is left unmarked instead: compiled inline in the one
     graph, collectives included, with a warning naming it.
     """
-    owning = sorted({r.module_type.__name__ for r in plan for f in r.fqns
-                     if any(p is not None
-                            for p in _compat.param_slots(model.get_submodule(f)).values())})
+    owning = sorted(
+        {
+            r.module_type.__name__
+            for r in plan
+            for f in r.fqns
+            if any(p is not None for p in _compat.param_slots(model.get_submodule(f)).values())
+        }
+    )
     if not owning:
         return plan
     rank_zero_warn(
@@ -313,15 +344,21 @@ def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> Reg
         "which graph-mode FSDP cannot feed to a reused subgraph; they are compiled inline in "
         "the one graph instead (correct, no reuse). Fix: move those parameters into a child "
         "module, or use fsdp.mode: hooks.",
-        RegionCompileWarning, stacklevel=3,
+        RegionCompileWarning,
+        stacklevel=3,
     )
     rc = config.regions
-    return find_regions(model, include=rc.include, exclude=(*(rc.exclude or ()), *owning),
-                        min_repeats=rc.min_repeats)
+    return find_regions(
+        model,
+        include=rc.include,
+        exclude=(*(rc.exclude or ()), *owning),
+        min_repeats=rc.min_repeats,
+    )
 
 
-def shard_graph(model: nn.Module, config: AOTDistConfig, mesh,
-                checkpointed: tuple[str, ...] = ()) -> list[str]:
+def shard_graph(
+    model: nn.Module, config: AOTDistConfig, mesh, checkpointed: tuple[str, ...] = ()
+) -> list[str]:
     """Shards every parameter of ``model`` as a ``Shard(0)`` DTensor for graph-mode FSDP
     (``(Replicate(), Shard(0))`` on a 2-D HSDP mesh: sharded along dim 1, replicated along 0).
 
@@ -349,9 +386,11 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh,
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if mesh.ndim not in (1, 2):
-        raise ConfigError(f"fsdp.mode: graph takes a 1-D or a 2-D (replicate, shard) device "
-                          f"mesh; got {mesh.ndim}-D {mesh}. Fix: pass mesh=init_device_mesh("
-                          "device_type, (replicas, shards)).")
+        raise ConfigError(
+            f"fsdp.mode: graph takes a 1-D or a 2-D (replicate, shard) device "
+            f"mesh; got {mesh.ndim}-D {mesh}. Fix: pass mesh=init_device_mesh("
+            "device_type, (replicas, shards))."
+        )
     fc = config.fsdp
     if fc.reshard_after_forward:  # the gathers' checkpoint: torch's notice is not the user's
         quiet_checkpoint_notice(_recompute_context)
@@ -360,39 +399,53 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh,
     replicate = mesh.get_group(0).group_name if mesh.ndim == 2 else None
     world, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
     replicas = [Replicate()] * (mesh.ndim - 1)
-    float8 = ({id(m): m.config.cast_config_weight.target_dtype for m in float8_linears(model)}
-              if config.float8.enabled and config.float8.fsdp_all_gather else {})
+    float8 = (
+        {id(m): m.config.cast_config_weight.target_dtype for m in float8_linears(model)}
+        if config.float8.enabled and config.float8.fsdp_all_gather
+        else {}
+    )
     done, new_params = [], {}
     for fqn, mod in list(model.named_modules()):
         specs = []
         reshard = fc.reshard_after_forward and not any(
-            fqn == c or fqn.startswith(c + ".") for c in checkpointed)
+            fqn == c or fqn.startswith(c + ".") for c in checkpointed
+        )
         for name, p in list(_compat.param_slots(mod).items()):
             if p is None:
                 continue
             spec = GatherSpec(
-                shape=tuple(p.shape), group=group.group_name, world=world,
-                reshard=reshard, param_dtype=torch_dtype(fc.param_dtype),
-                reduce_dtype=torch_dtype(fc.reduce_dtype), replicate_group=replicate,
+                shape=tuple(p.shape),
+                group=group.group_name,
+                world=world,
+                reshard=reshard,
+                param_dtype=torch_dtype(fc.param_dtype),
+                reduce_dtype=torch_dtype(fc.reduce_dtype),
+                replicate_group=replicate,
                 float8=float8.get(id(mod)) if name == "weight" else None,
             )
             if spec.float8 is not None:  # set before each forward (ShardedCall)
-                mod.register_buffer(FLOAT8_SCALE, torch.ones((), device=p.device),
-                                    persistent=False)
+                mod.register_buffer(FLOAT8_SCALE, torch.ones((), device=p.device), persistent=False)
             specs.append((name, spec))
             if id(p) not in new_params:
                 if p.device.type != mesh.device_type:
                     raise ConfigError(
                         f"parameter {fqn}.{name} is on {p.device}, the mesh on "
-                        f"{mesh.device_type}. Fix: move the model to the mesh's device first.")
+                        f"{mesh.device_type}. Fix: move the model to the mesh's device first."
+                    )
                 if p.ndim == 0:
                     local, placement = p.detach(), Replicate()
                 else:
                     chunk = spec.padded // world
                     lo, hi = min(rank * chunk, p.shape[0]), min((rank + 1) * chunk, p.shape[0])
                     local, placement = p.detach()[lo:hi].clone(), Shard(0)
-                dt = DTensor.from_local(local, mesh, [*replicas, placement], run_check=False,
-                                        shape=p.shape, stride=p.stride())
+                dt = DTensor.from_local(
+                    local,
+                    mesh,
+                    [*replicas, placement],
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
                 new_params[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             _compat.param_slots(mod)[name] = new_params[id(p)]
         if specs:
@@ -402,9 +455,12 @@ def shard_graph(model: nn.Module, config: AOTDistConfig, mesh,
 
 
 def _slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    return [(m, n) for _, m in model.named_modules(remove_duplicate=False)
-            for n, p in _compat.param_slots(m).items()
-            if isinstance(p, torch.distributed.tensor.DTensor)]
+    return [
+        (m, n)
+        for _, m in model.named_modules(remove_duplicate=False)
+        for n, p in _compat.param_slots(m).items()
+        if isinstance(p, torch.distributed.tensor.DTensor)
+    ]
 
 
 @contextlib.contextmanager
@@ -440,8 +496,9 @@ class ShardedCall(_compat.CallWrapper):
     __reduce_ex__ = _compat.unsaved_in_guards  # run state, not in a saved graph's guards
     stays = True
 
-    def __init__(self, model: nn.Module, *, param_dtype: torch.dtype | None = None,
-                 reshard: bool = True):
+    def __init__(
+        self, model: nn.Module, *, param_dtype: torch.dtype | None = None, reshard: bool = True
+    ):
         self._eager = _compat.call_impl(model)
         self._param_dtype = param_dtype
         self._reshard = reshard
@@ -472,11 +529,15 @@ class ShardedCall(_compat.CallWrapper):
         return x
 
 
-def float8_gathered(model: nn.Module, slots: list[tuple[nn.Module, str]] | None = None
-                    ) -> list[tuple[nn.Module, str]]:
+def float8_gathered(
+    model: nn.Module, slots: list[tuple[nn.Module, str]] | None = None
+) -> list[tuple[nn.Module, str]]:
     """The ``(module, name)`` of every weight graph-mode FSDP gathers in float8."""
-    return [(m, n) for m, n in (_slots(model) if slots is None else slots)
-            if type(m)._aotdist_gather[n].float8 is not None]
+    return [
+        (m, n)
+        for m, n in (_slots(model) if slots is None else slots)
+        if type(m)._aotdist_gather[n].float8 is not None
+    ]
 
 
 @torch.no_grad()
@@ -489,8 +550,12 @@ def refresh_float8_scales(slots: list[tuple[nn.Module, str]]) -> None:
 
     specs = [type(m)._aotdist_gather[n] for m, n in slots]
     shards = [_compat.param_slots(m)[n].to_local() for m, n in slots]
-    amax = torch.stack([t.detach().abs().max().float() if t.numel() else t.new_zeros((),
-                        dtype=torch.float32) for t in shards])
+    amax = torch.stack(
+        [
+            t.detach().abs().max().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+            for t in shards
+        ]
+    )
     amax = _all_reduce(amax, specs[0].group, "max")  # one shard group, one float8 dtype
     for (m, _), scale in zip(slots, amax_to_scale(amax, specs[0].float8), strict=True):
         getattr(m, FLOAT8_SCALE).copy_(scale)
@@ -498,6 +563,11 @@ def refresh_float8_scales(slots: list[tuple[nn.Module, str]]) -> None:
 
 def sharded_call(model: nn.Module, config: AOTDistConfig) -> None:
     """Wraps ``model``'s call (compiled or not) in :class:`ShardedCall`."""
-    _compat.wrap_compiled_call(model, ShardedCall(
-        model, param_dtype=torch_dtype(config.fsdp.param_dtype),
-        reshard=config.fsdp.reshard_after_forward))
+    _compat.wrap_compiled_call(
+        model,
+        ShardedCall(
+            model,
+            param_dtype=torch_dtype(config.fsdp.param_dtype),
+            reshard=config.fsdp.reshard_after_forward,
+        ),
+    )

@@ -17,8 +17,15 @@ from aotdist.config import FSDPConfig, torch_dtype
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan
 
-__all__ = ["check_not_sharded", "default_mesh", "fsdp_modules", "fsdp_params", "is_fsdp_module",
-           "require_process_group", "shard"]
+__all__ = [
+    "check_not_sharded",
+    "default_mesh",
+    "fsdp_modules",
+    "fsdp_params",
+    "is_fsdp_module",
+    "require_process_group",
+    "shard",
+]
 
 
 def is_fsdp_module(module: nn.Module) -> bool:
@@ -113,8 +120,11 @@ def default_mesh(model: nn.Module, *, replicate_degree: int = 1):
             f"{world} (rank {dist.get_rank()}). Fix: a divisor of {world}, or 1 to shard "
             "over every rank."
         )
-    return init_device_mesh(_device_type(model), (replicate_degree, world // replicate_degree),
-                            mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(
+        _device_type(model),
+        (replicate_degree, world // replicate_degree),
+        mesh_dim_names=("replicate", "shard"),
+    )
 
 
 def fsdp_mesh(model: nn.Module, mesh, config: FSDPConfig):
@@ -131,18 +141,21 @@ def fsdp_mesh(model: nn.Module, mesh, config: FSDPConfig):
         raise ConfigError(
             f"fsdp.replicate_degree: {degree} asks for a ({degree}, shard) HSDP mesh, but "
             f"parallelize(mesh=...) got a mesh of shape {tuple(mesh.shape)}. Fix: drop "
-            "fsdp.replicate_degree (the mesh decides), or drop mesh=...")
+            "fsdp.replicate_degree (the mesh decides), or drop mesh=..."
+        )
     if mesh.ndim > 2:
         raise ConfigError(
             f"FSDP takes a 1-D mesh or a 2-D (replicate, shard) HSDP mesh; got the "
             f"{mesh.ndim}-D mesh {mesh.mesh_dim_names or tuple(mesh.shape)}. Fix: pass the "
             "data-parallel part, e.g. mesh[('dp_replicate', 'dp_shard')] (tensor-parallel "
-            "dims stay with your parallelize_module plan).")
+            "dims stay with your parallelize_module plan)."
+        )
     if config.mode == "hooks" and mesh.ndim == 2 and not mesh.mesh_dim_names:
         raise ConfigError(
             f"a 2-D mesh {tuple(mesh.shape)} is HSDP for FSDP2, which needs its dims named. "
             "Fix: init_device_mesh(device_type, (replicas, shards), mesh_dim_names="
-            "('replicate', 'shard')), or set fsdp.replicate_degree and drop mesh=...")
+            "('replicate', 'shard')), or set fsdp.replicate_degree and drop mesh=..."
+        )
     return mesh
 
 
@@ -161,8 +174,7 @@ def shard(model: nn.Module, plan: RegionPlan, config: FSDPConfig, mesh) -> list[
     mp = MixedPrecisionPolicy(
         param_dtype=torch_dtype(config.param_dtype), reduce_dtype=torch_dtype(config.reduce_dtype)
     )
-    kwargs = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward,
-              "mp_policy": mp}
+    kwargs = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward, "mp_policy": mp}
     done = []
     # Deepest first: a region nested in another (Siglip's MLP in its encoder layer) must be
     # a unit before its parent, whose fully_shard would otherwise take its parameters as
@@ -191,7 +203,10 @@ def fsdp_params(model: nn.Module) -> dict[str, dict]:
             continue
         for p in _compat.fsdp_params_of(m) or []:  # None: internals missing, none reported
             fqn = ".".join(x for x in (fqn_of.get(id(p["module"]), "?"), p["param_name"]) if x)
-            found[fqn] = {"unsharded": p["unsharded"], "sharded_shape": p["sharded_shape"],
-                          "unsharded_shape": p["unsharded_shape"],
-                          "storage_nbytes_now": p["unsharded"].untyped_storage().nbytes()}
+            found[fqn] = {
+                "unsharded": p["unsharded"],
+                "sharded_shape": p["sharded_shape"],
+                "unsharded_shape": p["unsharded_shape"],
+                "storage_nbytes_now": p["unsharded"].untyped_storage().nbytes(),
+            }
     return found

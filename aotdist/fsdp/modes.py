@@ -41,8 +41,9 @@ class Sharding(ABC):
         return plan
 
     @abstractmethod
-    def shard(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig,
-              mesh: Any) -> list[str]:
+    def shard(
+        self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig, mesh: Any
+    ) -> list[str]:
         """Shards the marked model; the FQNs of the modules sharded."""
 
     def backend(self, config: AOTDistConfig, mesh: Any) -> tuple[Any, dict | None]:
@@ -63,12 +64,16 @@ class NoSharding(Sharding):
 
     def mesh(self, model: nn.Module, mesh: Any, config: AOTDistConfig) -> Any:
         if mesh is not None:
-            rank_zero_warn("parallelize(mesh=...) has no effect with fsdp.enabled: false.",
-                           ConfigWarning, stacklevel=4)
+            rank_zero_warn(
+                "parallelize(mesh=...) has no effect with fsdp.enabled: false.",
+                ConfigWarning,
+                stacklevel=4,
+            )
         return None
 
-    def shard(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig,
-              mesh: Any) -> list[str]:
+    def shard(
+        self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig, mesh: Any
+    ) -> list[str]:
         return []
 
 
@@ -82,8 +87,9 @@ class HooksSharding(Sharding):
     def mesh(self, model: nn.Module, mesh: Any, config: AOTDistConfig) -> Any:
         return fsdp_mesh(model, mesh, config.fsdp)
 
-    def shard(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig,
-              mesh: Any) -> list[str]:
+    def shard(
+        self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig, mesh: Any
+    ) -> list[str]:
         return shard(model, plan, config.fsdp, mesh)
 
 
@@ -102,17 +108,22 @@ class GraphSharding(Sharding):
     def plan(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> RegionPlan:
         return graph_plan(model, plan, config)  # drops (with a warning) what it cannot feed
 
-    def shard(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig,
-              mesh: Any) -> list[str]:
+    def shard(
+        self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig, mesh: Any
+    ) -> list[str]:
         checkpointed = tuple(f for r in plan for f in r.fqns) if config.ac.enabled else ()
         return shard_graph(model, config, mesh, checkpointed)
 
     def backend(self, config: AOTDistConfig, mesh: Any) -> tuple[Any, dict | None]:
         from aotdist.backends.named import graph_fsdp_backend
 
-        return graph_fsdp_backend(config.compile.backend, config.compile.options,
-                                  bucket_mb=config.fsdp.bucket_mb, overlap=config.fsdp.overlap,
-                                  device_type=mesh.device_type)
+        return graph_fsdp_backend(
+            config.compile.backend,
+            config.compile.options,
+            bucket_mb=config.fsdp.bucket_mb,
+            overlap=config.fsdp.overlap,
+            device_type=mesh.device_type,
+        )
 
     def finish(self, model: nn.Module, config: AOTDistConfig) -> None:
         sharded_call(model, config)  # outermost, eager: local shards for each forward

@@ -45,8 +45,9 @@ def _check_first_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if not _REPLACED or optimizer in _CHECKED:
         return
     _CHECKED.add(optimizer)
-    held = sum(1 for group in optimizer.param_groups for p in group["params"]
-               if _REPLACED.get(id(p)) is p)
+    held = sum(
+        1 for group in optimizer.param_groups for p in group["params"] if _REPLACED.get(id(p)) is p
+    )
     if held:
         raise OrderingError(
             f"this {type(optimizer).__name__} holds {held} parameter(s) that "
@@ -54,4 +55,5 @@ def _check_first_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             "new parameter objects), so its steps would train nothing the model uses. Fix: "
             "build the optimizer after aotdist.parallelize(model, ...), from "
             "model.parameters() (Lightning: in configure_optimizers; Accelerate: "
-            "aotdist.callbacks.prepare rebinds the optimizers it is given).")
+            "aotdist.callbacks.prepare rebinds the optimizers it is given)."
+        )

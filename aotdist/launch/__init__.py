@@ -17,5 +17,10 @@ from aotdist.errors import DistributedTestError, DistributedTimeoutError
 from aotdist.launch.runner import free_port, run_distributed
 from aotdist.launch.teardown import exit_without_teardown
 
-__all__ = ["DistributedTestError", "DistributedTimeoutError", "exit_without_teardown",
-           "free_port", "run_distributed"]
+__all__ = [
+    "DistributedTestError",
+    "DistributedTimeoutError",
+    "exit_without_teardown",
+    "free_port",
+    "run_distributed",
+]

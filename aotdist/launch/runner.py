@@ -359,7 +359,8 @@ class _Run:
                 raise DistributedTestError(
                     f"rank {rank} of {self.world_size} returned a result from {self.name} but "
                     f"then {_exit_text(proc.exitcode)} while shutting down",
-                    rank=rank, exit_code=proc.exitcode,
+                    rank=rank,
+                    exit_code=proc.exitcode,
                 )
 
 

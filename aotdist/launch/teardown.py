@@ -47,8 +47,10 @@ def exit_without_teardown(code: int = 0) -> NoReturn:
             exit_without_teardown()
     """
     if not isinstance(code, int) or isinstance(code, bool):
-        raise TypeError(f"exit_without_teardown(code=...) takes an int exit status; got "
-                        f"{code!r} ({type(code).__name__}). Fix: pass 0 for success.")
+        raise TypeError(
+            f"exit_without_teardown(code=...) takes an int exit status; got "
+            f"{code!r} ({type(code).__name__}). Fix: pass 0 for success."
+        )
     me = threading.current_thread()
     if me is threading.main_thread() and hasattr(threading, "_shutdown"):
         # What interpreter exit runs first: threading's exit hooks (concurrent.futures

@@ -12,8 +12,14 @@ from aotdist.launch import (
     run_distributed,
 )
 
-__all__ = ["DistributedTestError", "DistributedTimeoutError", "fake_world", "free_port",
-           "one_rank_group", "run_distributed"]
+__all__ = [
+    "DistributedTestError",
+    "DistributedTimeoutError",
+    "fake_world",
+    "free_port",
+    "one_rank_group",
+    "run_distributed",
+]
 
 
 @contextlib.contextmanager

@@ -74,8 +74,9 @@ class GPTBlock(nn.Module):
 class TinyGPT(nn.Module):
     """GPT-style decoder; blocks live in an ``nn.ModuleList``."""
 
-    def __init__(self, *, vocab: int = 64, dim: int = 32, depth: int = 4, heads: int = 2,
-                 seq_len: int = 16):
+    def __init__(
+        self, *, vocab: int = 64, dim: int = 32, depth: int = 4, heads: int = 2, seq_len: int = 16
+    ):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(1, seq_len, dim) * 0.02)
@@ -110,8 +111,16 @@ class EncoderBlock(nn.Module):
 class TinyViT(nn.Module):
     """ViT-style encoder; blocks live in an ``nn.Sequential`` (as in torchvision's ViT)."""
 
-    def __init__(self, *, image_size: int = 16, patch: int = 4, dim: int = 32, depth: int = 4,
-                 heads: int = 2, num_classes: int = 10):
+    def __init__(
+        self,
+        *,
+        image_size: int = 16,
+        patch: int = 4,
+        dim: int = 32,
+        depth: int = 4,
+        heads: int = 2,
+        num_classes: int = 10,
+    ):
         super().__init__()
         self.patch = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
         self.cls = nn.Parameter(torch.zeros(1, 1, dim))
@@ -153,11 +162,18 @@ class BasicBlock(nn.Module):
 class TinyResNet(nn.Module):
     """ResNet-style net: stages of different widths, so one class gives several regions."""
 
-    def __init__(self, *, widths: tuple[int, ...] = (8, 16, 32), blocks_per_stage: int = 3,
-                 num_classes: int = 10, image_size: int = 16):
+    def __init__(
+        self,
+        *,
+        widths: tuple[int, ...] = (8, 16, 32),
+        blocks_per_stage: int = 3,
+        num_classes: int = 10,
+        image_size: int = 16,
+    ):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(widths[0]), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()
+        )
         stages = []
         cin = widths[0]
         for i, w in enumerate(widths):

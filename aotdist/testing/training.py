@@ -14,12 +14,20 @@ from torch import nn
 
 from aotdist.testing.models import build_model, example_inputs
 
-__all__ = ["accumulate_grads", "accumulated_reference", "lm_loss", "rank_batches", "rank_step",
-           "record_logs", "train_steps"]
+__all__ = [
+    "accumulate_grads",
+    "accumulated_reference",
+    "lm_loss",
+    "rank_batches",
+    "rank_step",
+    "record_logs",
+    "train_steps",
+]
 
 
-def rank_batches(model: nn.Module, *, world_size: int, steps: int, batch_per_rank: int = 2,
-                 seed: int = 1) -> Iterator[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+def rank_batches(
+    model: nn.Module, *, world_size: int, steps: int, batch_per_rank: int = 2, seed: int = 1
+) -> Iterator[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
     """``steps`` global batches for ``model``, each split into ``world_size`` rank slices.
 
     Yields:
@@ -36,8 +44,12 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
 
 
-def rank_step(model: nn.Module, opt: torch.optim.Optimizer, *batch: torch.Tensor,
-              loss_fn: Callable[..., torch.Tensor] = lm_loss) -> float:
+def rank_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    *batch: torch.Tensor,
+    loss_fn: Callable[..., torch.Tensor] = lm_loss,
+) -> float:
     """One data-parallel training step on this rank's slice: ``loss_fn(model, *batch)``,
     backward, the optimizer step, the Float8 scales of FSDP2's float8 all-gather (a no-op
     without), and the loss averaged over the ranks (an all-reduce: every rank calls it)."""
@@ -54,8 +66,12 @@ def rank_step(model: nn.Module, opt: torch.optim.Optimizer, *batch: torch.Tensor
     return loss.item()
 
 
-def accumulate_grads(model: nn.Module, slices: Sequence[Sequence[torch.Tensor]], *,
-                     loss_fn: Callable[..., torch.Tensor] = lm_loss) -> float:
+def accumulate_grads(
+    model: nn.Module,
+    slices: Sequence[Sequence[torch.Tensor]],
+    *,
+    loss_fn: Callable[..., torch.Tensor] = lm_loss,
+) -> float:
     """What data-parallel ranks that average their gradients compute, in one process:
     backward of ``loss_fn(model, *slice) / len(slices)`` for each rank's slice, the
     gradients accumulating. Returns the summed (so averaged) loss; the caller steps."""
@@ -67,8 +83,9 @@ def accumulate_grads(model: nn.Module, slices: Sequence[Sequence[torch.Tensor]],
     return total
 
 
-def train_steps(model: nn.Module, *, steps: int, lr: float = 0.5, batch: int = 2,
-                seed: int = 1) -> list[float]:
+def train_steps(
+    model: nn.Module, *, steps: int, lr: float = 0.5, batch: int = 2, seed: int = 1
+) -> list[float]:
     """``steps`` SGD steps of ``model`` in this process on seeded batches; the losses."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
@@ -81,9 +98,16 @@ def train_steps(model: nn.Module, *, steps: int, lr: float = 0.5, batch: int = 2
     return losses
 
 
-def accumulated_reference(config: dict, *, world_size: int, depth: int, steps: int,
-                          batch_per_rank: int = 2, lr: float = 0.5,
-                          device: torch.device | str | None = None):
+def accumulated_reference(
+    config: dict,
+    *,
+    world_size: int,
+    depth: int,
+    steps: int,
+    batch_per_rank: int = 2,
+    lr: float = 0.5,
+    device: torch.device | str | None = None,
+):
     """What ``world_size`` FSDP ranks compute, in one eager process.
 
     The same TinyGPT (seed 0) and Float8 conversion as the ranks, trained with SGD on the
@@ -113,9 +137,12 @@ def accumulated_reference(config: dict, *, world_size: int, depth: int, steps: i
     model = model.to(device or "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    for xs, ys in rank_batches(model, world_size=world_size, steps=steps,
-                               batch_per_rank=batch_per_rank):
-        slices = [(x.to(device or "cpu"), y.to(device or "cpu")) for x, y in zip(xs, ys, strict=True)]
+    for xs, ys in rank_batches(
+        model, world_size=world_size, steps=steps, batch_per_rank=batch_per_rank
+    ):
+        slices = [
+            (x.to(device or "cpu"), y.to(device or "cpu")) for x, y in zip(xs, ys, strict=True)
+        ]
         losses.append(accumulate_grads(model, slices))
         opt.step()
         opt.zero_grad()
@@ -132,7 +159,9 @@ class _Records(logging.Handler):
 
 
 @contextlib.contextmanager
-def record_logs(name: str = "aotdist", level: int = logging.DEBUG) -> Iterator[list[logging.LogRecord]]:
+def record_logs(
+    name: str = "aotdist", level: int = logging.DEBUG
+) -> Iterator[list[logging.LogRecord]]:
     """Records what logger ``name`` (and its children) logs at ``level`` and above.
 
     The logger's level is set for the duration and put back afterwards.

@@ -44,9 +44,17 @@ pytestmark = [pytest.mark.inductor, pytest.mark.slow]  # a 90 s spawn on 2 cores
 STEPS = 2
 
 
-def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0.0,
-           other_batch: bool = False, shared_reason: bool = False,
-           validate_first: bool = False, validate_after: bool = False) -> dict:
+def _train(
+    rank: int,
+    world_size: int,
+    config: dict,
+    *,
+    rank0_delay_s: float = 0.0,
+    other_batch: bool = False,
+    shared_reason: bool = False,
+    validate_first: bool = False,
+    validate_after: bool = False,
+) -> dict:
     import time
 
     import torch.distributed as dist
@@ -93,10 +101,12 @@ def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0
 
                     shared = {**config, "cache": {**config["cache"], "mode": "shared"}}
                     tracked["shared_reason"] = precompile.unavailable_reason(
-                        model, aotdist.config.as_config(shared))
+                        model, aotdist.config.as_config(shared)
+                    )
                 saved = aotdist.cache.save(model)
-                first = {k: counters["inductor"][k] for k in
-                         ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+                first = {
+                    k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")
+                }
             dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
             losses.append(loss.item())
         if other_batch:  # a batch of 3: the saved frame graphs' guards do not cover it
@@ -105,50 +115,79 @@ def _train(rank: int, world_size: int, config: dict, *, rank0_delay_s: float = 0
                 F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
             tracked["other_batch_misses"] = m.precompile_misses
         if validate_after:  # after the save, as an eval loop after training; the callbacks
-            validate()      # then save again (the eval call's kernels and saved graphs)
+            validate()  # then save again (the eval call's kernels and saved graphs)
             tracked["saved_again"] = aotdist.cache.save(model)
-            tracked["fx_after"] = {k: counters["inductor"][k] for k in
-                                   ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+            tracked["fx_after"] = {
+                k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")
+            }
     state = vars(model).get(aotdist.cache.STATE_ATTR)
     sharing = state["sharing"] if state else None
-    return {"losses": losses, "first": first, "saved": saved, **tracked, **validation,
-            "precompile_reason": state["load"].precompile_reason if state else "",
-            "load": state["load"].status if state else "off",
-            "shared_loaded": sharing.loaded if sharing else 0,
-            "share_misses": sharing.misses if sharing else [],
-            "warnings": [str(w.message) for w in caught
-                         if issubclass(w.category, aotdist.cache.CacheWarning)]}
+    return {
+        "losses": losses,
+        "first": first,
+        "saved": saved,
+        **tracked,
+        **validation,
+        "precompile_reason": state["load"].precompile_reason if state else "",
+        "load": state["load"].status if state else "off",
+        "shared_loaded": sharing.loaded if sharing else 0,
+        "share_misses": sharing.misses if sharing else [],
+        "warnings": [
+            str(w.message) for w in caught if issubclass(w.category, aotdist.cache.CacheWarning)
+        ],
+    }
 
 
 def _phases(rank: int, world_size: int, root: str) -> dict:
     fsdp = {"fsdp": {"enabled": True}}
-    cache = {**fsdp, "compile": {"backend": "inductor"},
-             "cache": {"mode": "shared", "dir": os.path.join(root, "bundle")}}
+    cache = {
+        **fsdp,
+        "compile": {"backend": "inductor"},
+        "cache": {"mode": "shared", "dir": os.path.join(root, "bundle")},
+    }
     out = {}
-    for phase, config in (("cold", cache), ("warm", cache), ("warm_other_batch", cache),
-                          ("eager", {**fsdp, "compile": {"enabled": False}})):
+    for phase, config in (
+        ("cold", cache),
+        ("warm", cache),
+        ("warm_other_batch", cache),
+        ("eager", {**fsdp, "compile": {"enabled": False}}),
+    ):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
-        out[phase] = _train(rank, world_size, config, other_batch=phase == "warm_other_batch",
-                            validate_first=phase in ("cold", "warm"))
+        out[phase] = _train(
+            rank,
+            world_size,
+            config,
+            other_batch=phase == "warm_other_batch",
+            validate_first=phase in ("cold", "warm"),
+        )
     # graph-mode FSDP, cache.mode: local (the bench GPT's 1-row "pos" is sharded unevenly)
-    graph = {"fsdp": {"enabled": True, "mode": "graph"}, "compile": {"backend": "inductor"},
-             "cache": {"mode": "local", "dir": os.path.join(root, "graph")}}
+    graph = {
+        "fsdp": {"enabled": True, "mode": "graph"},
+        "compile": {"backend": "inductor"},
+        "cache": {"mode": "local", "dir": os.path.join(root, "graph")},
+    }
     for phase in ("graph_cold", "graph_warm"):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
-        out[phase] = _train(rank, world_size, graph, shared_reason=phase == "graph_cold",
-                            validate_first=True)
+        out[phase] = _train(
+            rank, world_size, graph, shared_reason=phase == "graph_cold", validate_first=True
+        )
     # cache.mode: local, no FSDP: each rank its own bundle (artifacts.rank<r>.aotc)
     compile_ = {"compile": {"backend": "inductor"}}
     local = {**compile_, "cache": {"mode": "local", "dir": os.path.join(root, "local")}}
     other = {**local, "ac": {"enabled": True}}  # another config: another key
-    for phase, config in (("local_cold", local), ("local_warm", local),
-                          ("local_mismatch", other if rank == 1 else local)):
+    for phase, config in (
+        ("local_cold", local),
+        ("local_warm", local),
+        ("local_mismatch", other if rank == 1 else local),
+    ):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, phase, f"rank{rank}")
         out[phase] = _train(rank, world_size, config, validate_after=phase != "local_mismatch")
     # shared mode, rank 0 late: rank 1 waits share_timeout_s at its first graph, then
     # compiles it itself and says so
-    late = {**compile_, "cache": {"mode": "shared", "dir": os.path.join(root, "late"),
-                                  "share_timeout_s": 1}}
+    late = {
+        **compile_,
+        "cache": {"mode": "shared", "dir": os.path.join(root, "late"), "share_timeout_s": 1},
+    }
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "late", f"rank{rank}")
     out["shared_timeout"] = _train(rank, world_size, late, rank0_delay_s=6.0)
     return out
@@ -206,16 +245,20 @@ def test_an_eval_loop_after_the_save_is_saved_again_and_warm_starts_untraced(pha
             assert warm["fx_after"]["fxgraph_cache_hit"] > 0, warm
 
 
-@pytest.mark.skipif(_compat.precompile_unavailable() is not None,
-                    reason=str(_compat.precompile_unavailable()))
+@pytest.mark.skipif(
+    _compat.precompile_unavailable() is not None, reason=str(_compat.precompile_unavailable())
+)
 def test_a_batch_the_saved_frame_graphs_do_not_cover_compiles_with_one_warning(phases):
     for rank in (0, 1):
         run = phases[rank]["warm_other_batch"]
         assert run["precompiled"] and run["losses"] == phases[rank]["warm"]["losses"], run
         misses = run["other_batch_misses"]  # one per block call of that step
         assert len(misses) == 2 and len(set(misses)) == 1 and misses[0], misses
-    warned = [w for w in phases[0]["warm_other_batch"]["warnings"]
-              if "region 'GPTBlock''s saved graph does not cover this call" in w]
+    warned = [
+        w
+        for w in phases[0]["warm_other_batch"]["warnings"]
+        if "region 'GPTBlock''s saved graph does not cover this call" in w
+    ]
     assert len(warned) == 1, phases[0]["warm_other_batch"]["warnings"]
 
 
@@ -246,8 +289,9 @@ def test_graph_mode_fsdp_warm_restart_runs_its_saved_graph(phases):
     if _compat.precompile_unavailable() is None:
         assert why and "shards pos (first dim 1, 2 ranks) unevenly" in why, why
     eager = phases[0]["eager"]["losses"]  # hooks mode, eager: the same training
-    torch.testing.assert_close(torch.tensor(phases[0]["graph_cold"]["losses"]),
-                               torch.tensor(eager), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(phases[0]["graph_cold"]["losses"]), torch.tensor(eager), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_local_mode_each_rank_its_own_bundle(phases):
@@ -279,13 +323,15 @@ def test_shared_mode_rank_waits_share_timeout_then_compiles_itself(phases):
     assert rank0["load"] == rank1["load"] == "missing"
     why = "rank 0 did not reach graph 0 within 1s"
     assert rank1["share_misses"] and why in rank1["share_misses"][0], rank1["share_misses"]
-    assert any("rank 1 compiles graph 0 itself" in w and why in w for w in rank1["warnings"]), \
+    assert any("rank 1 compiles graph 0 itself" in w and why in w for w in rank1["warnings"]), (
         rank1["warnings"]
+    )
     # rank 0 saved the whole-model graph (CPU: it fits every rank), with the sharing's
     # process group store left out of its guards
     assert not any("could not be saved" in w for w in rank0["warnings"]), rank0["warnings"]
-    assert rank0["precompile_reason"] == ("" if _compat.precompile_unavailable() is None
-                                          else _compat.precompile_unavailable()), rank0
+    assert rank0["precompile_reason"] == (
+        "" if _compat.precompile_unavailable() is None else _compat.precompile_unavailable()
+    ), rank0
     assert rank1["first"]["fxgraph_cache_miss"] > 0  # it compiled instead of waiting on
     assert rank0["warnings"] == [] and rank0["share_misses"] == []
     assert rank1["losses"] == rank0["losses"]  # all_reduced: the run went on

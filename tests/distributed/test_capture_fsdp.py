@@ -19,10 +19,16 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # a 30+ s spawn on 2 
 WORLD = 2
 CONFIGS = {
     "fsdp": {"fsdp": {"enabled": True}, "compile": {"enabled": False}},
-    "fsdp+float8": {"fsdp": {"enabled": True}, "compile": {"enabled": False},
-                    "float8": {"enabled": True, "exclude": ["head"]}},
-    "fsdp+float8ag": {"fsdp": {"enabled": True}, "compile": {"enabled": False},
-                      "float8": {"enabled": True, "exclude": ["head"], "fsdp_all_gather": True}},
+    "fsdp+float8": {
+        "fsdp": {"enabled": True},
+        "compile": {"enabled": False},
+        "float8": {"enabled": True, "exclude": ["head"]},
+    },
+    "fsdp+float8ag": {
+        "fsdp": {"enabled": True},
+        "compile": {"enabled": False},
+        "float8": {"enabled": True, "exclude": ["head"], "fsdp_all_gather": True},
+    },
 }
 
 
@@ -40,9 +46,18 @@ def _capture_all(rank: int, world_size: int, out_dir: str) -> dict:
         d["summary"] = cap.summary()
         results[name] = d
     # The CLI's per-rank body (``aotdist inspect --nproc 2 --out DIR``).
-    results["cli"] = inspect_rank(rank, world_size, {
-        "model": "gpt", "depth": 2, "fsdp": True, "float8": False, "out": out_dir,
-        "backend": "aot_eager"})
+    results["cli"] = inspect_rank(
+        rank,
+        world_size,
+        {
+            "model": "gpt",
+            "depth": 2,
+            "fsdp": True,
+            "float8": False,
+            "out": out_dir,
+            "backend": "aot_eager",
+        },
+    )
     return results
 
 
@@ -76,7 +91,7 @@ def test_fsdp_inputs_report_sharded_and_unsharded_sizes(ranks):
         assert reported[name]["storage_nbytes_now"] == 0  # resharded between steps
     inputs = d["regions"]["GPTBlock"]["forward"][0]["inputs"]
     params = {i["name"] for i in inputs if i["kind"] == "parameter"}
-    assert params == {n[len("blocks.0."):] for n in block0}
+    assert params == {n[len("blocks.0.") :] for n in block0}
 
 
 def test_float8_subclass_inputs_only_with_float8_all_gather(ranks):

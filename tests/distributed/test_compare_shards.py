@@ -31,8 +31,9 @@ def _compare(rank: int, world_size: int):
         raise AssertionError("compare_grads gathered a sharded gradient")
 
     DTensor.full_tensor = no_gather
-    same = compare_grads({n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()},
-                         reference, rtol=1e-4)
+    same = compare_grads(
+        {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}, reference, rtol=1e-4
+    )
     differ = compare_grads(grads, reference, rtol=1e-4)
     # aotdist check under FSDP: a sharded model against an unsharded reference
     whole = {**full, "unused": None}

@@ -63,8 +63,15 @@ class Net(nn.Module):
 def _llama():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.AutoConfig.for_model(
-        "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=128, use_cache=False)
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        use_cache=False,
+    )
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
@@ -74,17 +81,20 @@ def _train(rank, world_size, which):
     reference = copy.deepcopy(model)
     if which == "toy":
         batch = torch.randn(2 * world_size, 16)
-        inputs = {"x": batch[rank * 2:(rank + 1) * 2]}
+        inputs = {"x": batch[rank * 2 : (rank + 1) * 2]}
         loss_of = lambda m, **kw: m(**kw).square().mean()  # noqa: E731
     else:
         batch = torch.randint(0, 128, (2 * world_size, 12))
-        inputs = {"input_ids": batch[rank * 2:(rank + 1) * 2],
-                  "labels": batch[rank * 2:(rank + 1) * 2]}
+        inputs = {
+            "input_ids": batch[rank * 2 : (rank + 1) * 2],
+            "labels": batch[rank * 2 : (rank + 1) * 2],
+        }
         loss_of = lambda m, **kw: m(**kw).loss  # noqa: E731
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        aotdist.parallelize(model, config={"fsdp": {"enabled": True},
-                                           "compile": {"backend": "aot_eager"}})
+        aotdist.parallelize(
+            model, config={"fsdp": {"enabled": True}, "compile": {"backend": "aot_eager"}}
+        )
         with metrics.track(model) as m:
             loss = loss_of(model, **inputs)
             loss.backward()
@@ -94,16 +104,19 @@ def _train(rank, world_size, which):
     for r in range(world_size):  # the eager reference sees every rank's slice
         ref_inputs = {k: v.clone() for k, v in inputs.items()}
         for k in ref_inputs:
-            ref_inputs[k] = batch[r * 2:(r + 1) * 2]
+            ref_inputs[k] = batch[r * 2 : (r + 1) * 2]
         ref_losses.append(loss_of(reference, **ref_inputs))
     ref_total = torch.stack(ref_losses).sum()
     return {
         "regions": {n: (s.instances, s.call_sites) for n, s in m.regions.items()},
         "subgraphs": max((s.subgraphs for s in m.regions.values()), default=0),
-        "frames": m.frames_compiled, "eager": dict(m.eager), "mode": str(m.mode),
+        "frames": m.frames_compiled,
+        "eager": dict(m.eager),
+        "mode": str(m.mode),
         "loss_diff": (total - ref_total.detach()).abs().item(),
-        "warnings": [str(w.message) for w in caught
-                     if issubclass(w.category, aotdist.RegionCompileWarning)],
+        "warnings": [
+            str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
+        ],
     }
 
 

@@ -54,8 +54,9 @@ def _train(rank: int, world_size: int, policy: dict, *, use_aotdist: bool, reduc
     torch.manual_seed(0)
     model = build_model("gpt", depth=DEPTH)
     if use_aotdist:
-        aotdist.parallelize(model, config={"fsdp": {"enabled": True, **policy},
-                                    "compile": {"backend": "aot_eager"}})
+        aotdist.parallelize(
+            model, config={"fsdp": {"enabled": True, **policy}, "compile": {"backend": "aot_eager"}}
+        )
     else:
         mp = MixedPrecisionPolicy(**{k: getattr(torch, v) for k, v in policy.items()})
         for block in model.blocks:
@@ -63,8 +64,8 @@ def _train(rank: int, world_size: int, policy: dict, *, use_aotdist: bool, reduc
         fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     seen = []
     model.blocks[0].mlp.fc.register_forward_hook(
-        lambda m, args, out: seen.append((str(args[0].dtype), str(m.weight.dtype),
-                                          str(out.dtype))))
+        lambda m, args, out: seen.append((str(args[0].dtype), str(m.weight.dtype), str(out.dtype)))
+    )
     initial = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     reduced.clear()
@@ -77,23 +78,33 @@ def _train(rank: int, world_size: int, policy: dict, *, use_aotdist: bool, reduc
         opt.zero_grad()
         losses.append(loss.item())
     params = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "params": params,
-            "trained": sorted(k for k in params if not torch.equal(params[k], initial[k])), "seen": sorted(set(seen)),
-            "reduced": sorted(set(reduced)), "grads": grads,
-            "master": sorted({str(p.dtype) for p in model.parameters()}),
-            "compiled": aotdist.parallelize_info(model) is not None}
+    return {
+        "losses": losses,
+        "params": params,
+        "trained": sorted(k for k in params if not torch.equal(params[k], initial[k])),
+        "seen": sorted(set(seen)),
+        "reduced": sorted(set(reduced)),
+        "grads": grads,
+        "master": sorted({str(p.dtype) for p in model.parameters()}),
+        "compiled": aotdist.parallelize_info(model) is not None,
+    }
 
 
 def _rank_zero_warning() -> dict:
     """A real user-facing warning (no repeated regions to compile) on every rank."""
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    with warnings.catch_warnings(record=True) as caught, \
-            record_logs("aotdist", logging.DEBUG) as logs:
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        record_logs("aotdist", logging.DEBUG) as logs,
+    ):
         warnings.simplefilter("always")
         aotdist.compile_regions(net, backend="eager")
-    return {"warned": [str(w.message) for w in caught
-                       if issubclass(w.category, aotdist.RegionCompileWarning)],
-            "logged": [(r.name, r.levelname, r.getMessage()) for r in logs]}
+    return {
+        "warned": [
+            str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
+        ],
+        "logged": [(r.name, r.levelname, r.getMessage()) for r in logs],
+    }
 
 
 def _run(rank: int, world_size: int) -> dict:
@@ -101,8 +112,10 @@ def _run(rank: int, world_size: int) -> dict:
     _spy_reduce_scatter(reduced)
     out = {"warning": _rank_zero_warning()}
     for name, policy in POLICIES.items():
-        out[name] = {"aotdist": _train(rank, world_size, policy, use_aotdist=True, reduced=reduced),
-                     "fsdp2": _train(rank, world_size, policy, use_aotdist=False, reduced=reduced)}
+        out[name] = {
+            "aotdist": _train(rank, world_size, policy, use_aotdist=True, reduced=reduced),
+            "fsdp2": _train(rank, world_size, policy, use_aotdist=False, reduced=reduced),
+        }
     return out
 
 
@@ -141,9 +154,15 @@ def test_matches_fsdp2_eager_with_the_same_policy(ranks, name):
     # aot_eager runs the same bf16 ops as FSDP2's eager forward (bitwise equal on torch
     # 2.15 here); the tolerance only allows fp32 reduction-order noise, far below bf16's
     # 2**-8 rounding, so a region computing in another dtype fails
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6
+    )
     for key, value in ref["params"].items():
-        torch.testing.assert_close(got["params"][key], value, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, k=key: f"{name}: {k}: {m}")
+        torch.testing.assert_close(
+            got["params"][key],
+            value,
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, k=key: f"{name}: {k}: {m}",
+        )
     assert got["trained"] == sorted(ref["params"]), "some parameters never trained: vacuous"

@@ -33,22 +33,35 @@ VOCAB = 63  # not divisible by 2 or 4: uneven Shard(0) of tok.weight, head.weigh
 GRAPH = {"enabled": True, "mode": "graph"}
 CONFIGS = {
     "graph": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"}},
-    "graph+noreshard": {"fsdp": {**GRAPH, "reshard_after_forward": False},
-                        "compile": {"backend": "aot_eager"}},
-    "graph+ac+adamw+accum+clip": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"},
-                                  "ac": {"enabled": True}},
+    "graph+noreshard": {
+        "fsdp": {**GRAPH, "reshard_after_forward": False},
+        "compile": {"backend": "aot_eager"},
+    },
+    "graph+ac+adamw+accum+clip": {
+        "fsdp": GRAPH,
+        "compile": {"backend": "aot_eager"},
+        "ac": {"enabled": True},
+    },
     "graph+eager": {"fsdp": GRAPH, "compile": {"enabled": False}},
-    "graph+float8": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"},
-                     "float8": {"enabled": True}},
+    "graph+float8": {
+        "fsdp": GRAPH,
+        "compile": {"backend": "aot_eager"},
+        "float8": {"enabled": True},
+    },
     # weights cast to float8 before the in-graph all-gather, gathered as float8 bytes
-    "graph+float8ag": {"fsdp": GRAPH, "compile": {"backend": "aot_eager"},
-                       "float8": {"enabled": True, "fsdp_all_gather": True}},
+    "graph+float8ag": {
+        "fsdp": GRAPH,
+        "compile": {"backend": "aot_eager"},
+        "float8": {"enabled": True, "fsdp_all_gather": True},
+    },
     # fsdp.bucket_mb: the default (2000 MiB) merges each graph's collectives into one;
     # off: one collective per parameter; a cap (~20 KiB) below one block's parameters
     # (~50 KiB): a few buckets per graph
     "graph+nobucket": {"fsdp": {**GRAPH, "bucket_mb": None}, "compile": {"backend": "aot_eager"}},
-    "graph+smallbucket": {"fsdp": {**GRAPH, "bucket_mb": 0.02},
-                          "compile": {"backend": "aot_eager"}},
+    "graph+smallbucket": {
+        "fsdp": {**GRAPH, "bucket_mb": 0.02},
+        "compile": {"backend": "aot_eager"},
+    },
 }
 TRAIN = {  # optimizer, micro-batches per rank, clip_grad_norm_ max norm
     "graph": ("sgd", 1, None),
@@ -122,9 +135,14 @@ class _SavedTensors:
         return t
 
     def to_dict(self) -> dict:
-        return {"count": self.count, "bytes": self.bytes, "gathered": self.gathered,
-                "gathered_bytes": self.gathered_bytes, "regather": self.regather,
-                "names": self.names}
+        return {
+            "count": self.count,
+            "bytes": self.bytes,
+            "gathered": self.gathered,
+            "gathered_bytes": self.gathered_bytes,
+            "regather": self.regather,
+            "names": self.names,
+        }
 
     regather = 0
 
@@ -232,8 +250,9 @@ def _train_steps(rank: int, world_size: int, name: str, *, config: dict | None =
                 loss.backward()
                 total += loss.detach()
             if clip is not None:
-                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor()
-                             .item())
+                norms.append(
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor().item()
+                )
             opt.step()
             opt.zero_grad()
         windows.append(m.to_dict())
@@ -245,9 +264,18 @@ def _train_steps(rank: int, world_size: int, name: str, *, config: dict | None =
     types = {type(p).__name__ for p in model.parameters()}
     float8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     grad_types = {type(p.grad).__name__ for p in model.parameters() if p.grad is not None}
-    return {"losses": losses, "params": params if rank == 0 else None, "first": windows[0],
-            "later": windows[1:], "saved": saved, "norms": norms, "param_types": types,
-            "keys": list(model.state_dict()), "grad_types": grad_types, "float8": float8}
+    return {
+        "losses": losses,
+        "params": params if rank == 0 else None,
+        "first": windows[0],
+        "later": windows[1:],
+        "saved": saved,
+        "norms": norms,
+        "param_types": types,
+        "keys": list(model.state_dict()),
+        "grad_types": grad_types,
+        "float8": float8,
+    }
 
 
 def _train_configs(rank: int, world_size: int, names: list[str]):
@@ -285,16 +313,15 @@ def test_matches_single_process_eager(two_ranks, name):
     got = rank0[name]
     ref_losses, ref_params, ref_norms = _reference(name, 2)
     assert rank1[name]["losses"] == got["losses"]
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses),
-                               **_tol(name))
-    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms),
-                               **_tol(name))
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), **_tol(name))
+    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **_tol(name))
     assert got["keys"] == list(ref_params)  # the plain model's keys
     assert got["param_types"] == {"DTensor"} and got["grad_types"] in (set(), {"DTensor"})
     initial = _model().state_dict()
     for key, ref in ref_params.items():
-        torch.testing.assert_close(got["params"][key], ref, **_tol(name),
-                                   msg=lambda m, k=key: f"{name}: {k} differs: {m}")
+        torch.testing.assert_close(
+            got["params"][key], ref, **_tol(name), msg=lambda m, k=key: f"{name}: {k} differs: {m}"
+        )
         assert not torch.equal(ref, initial[key]), f"{key} never trained: vacuous test"
 
 
@@ -395,10 +422,14 @@ def _float8_saved(rank: int, world_size: int):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = build_model("gpt", depth=2, dim=48)
-        aotdist.parallelize(model, config={
-            "fsdp": {**GRAPH, "reshard_after_forward": reshard},
-            "compile": {"backend": "aot_eager"},
-            "float8": {"enabled": True, "fsdp_all_gather": True}})
+        aotdist.parallelize(
+            model,
+            config={
+                "fsdp": {**GRAPH, "reshard_after_forward": reshard},
+                "compile": {"backend": "aot_eager"},
+                "float8": {"enabled": True, "fsdp_all_gather": True},
+            },
+        )
         (x,), y = example_inputs(model, 1)
         lm_loss(model, x, y).backward()  # the compile
         seen = set()
@@ -411,20 +442,28 @@ def _float8_saved(rank: int, world_size: int):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = lm_loss(model, x, y)
         loss.backward()
-        weights = {tuple(m.weight.shape) for m in model.modules()
-                   if type(m).__name__ == "Float8Linear"}
+        weights = {
+            tuple(m.weight.shape) for m in model.modules() if type(m).__name__ == "Float8Linear"
+        }
         out[reshard] = (seen, weights | {w[::-1] for w in weights})
     for all_gather in (False, True):  # aotdist.capture: what each graph gathers, in bf16
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = build_model("gpt", depth=2, dim=48)
-        aotdist.parallelize(model, config={
-            "fsdp": {**GRAPH, "param_dtype": "bfloat16"}, "compile": {"enabled": False},
-            "float8": {"enabled": True, "fsdp_all_gather": all_gather}})
+        aotdist.parallelize(
+            model,
+            config={
+                "fsdp": {**GRAPH, "param_dtype": "bfloat16"},
+                "compile": {"enabled": False},
+                "float8": {"enabled": True, "fsdp_all_gather": all_gather},
+            },
+        )
         (x,), _ = example_inputs(model, 1)
         cap = aotdist.capture(model, x, loss_fn=lambda o: o.float().mean())
-        graphs = [*cap.graphs, *(g for r in cap.regions.values()
-                                 for g in (*r.forward, *r.backward))]
+        graphs = [
+            *cap.graphs,
+            *(g for r in cap.regions.values() for g in (*r.forward, *r.backward)),
+        ]
         out[f"capture {all_gather}"] = (sum(g.gathered_bytes for g in graphs), cap.summary())
     return out
 
@@ -453,10 +492,15 @@ def _float8_cached(rank: int, world_size: int, root: str, phase: str):
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, f"inductor-{phase}-{rank}")
     model = _model()
-    aotdist.parallelize(model, config={
-        "fsdp": GRAPH, "compile": {"backend": "inductor"},
-        "float8": {"enabled": True, "fsdp_all_gather": True},
-        "cache": {"mode": "local", "dir": os.path.join(root, "bundle")}})
+    aotdist.parallelize(
+        model,
+        config={
+            "fsdp": GRAPH,
+            "compile": {"backend": "inductor"},
+            "float8": {"enabled": True, "fsdp_all_gather": True},
+            "cache": {"mode": "local", "dir": os.path.join(root, "bundle")},
+        },
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for step, (xs, ys) in enumerate(list(_batches(model, world_size))[:3]):
@@ -500,8 +544,9 @@ def _inductor(rank: int, world_size: int):
 def test_inductor_matches_eager():
     rank0, _ = run_distributed(_inductor, 2, timeout=580)
     ref_losses, ref_params, _ = _reference("graph", 2)
-    torch.testing.assert_close(torch.tensor(rank0["losses"]), torch.tensor(ref_losses),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(rank0["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-4
+    )
     for key, ref in ref_params.items():
         torch.testing.assert_close(rank0["params"][key], ref, rtol=1e-4, atol=1e-4)
     assert rank0["first"]["regions"]["GPTBlock"]["subgraphs"] == 1
@@ -565,7 +610,9 @@ def _overlap_on_cpu(rank: int, world_size: int):
         warnings.simplefilter("always")
         out = _train(rank, world_size, "graph", config=OVERLAP)
     out["scheduled"] = len(ran)
-    out["warned"] = [str(w.message) for w in caught if issubclass(w.category, aotdist.ConfigWarning)]
+    out["warned"] = [
+        str(w.message) for w in caught if issubclass(w.category, aotdist.ConfigWarning)
+    ]
     return out
 
 
@@ -596,8 +643,10 @@ def _run_overlap_emulation():
     except DistributedTestError as exc:
         if not _native_crash(exc):
             raise
-        warnings.warn("overlap emulation: a native crash or hang, retrying once: "
-                      + str(exc).splitlines()[0], stacklevel=2)
+        warnings.warn(
+            "overlap emulation: a native crash or hang, retrying once: " + str(exc).splitlines()[0],
+            stacklevel=2,
+        )
     return run_distributed(_overlap_on_cpu, 2, timeout=240)
 
 
@@ -607,8 +656,9 @@ def test_only_native_crashes_are_retried(monkeypatch):
 
     segfault = DistributedTestError(f"rank 1 of 2 {_exit_text(-11)} without reporting a result")
     hang = DistributedTimeoutError("timed out after 240 s", [0, 1])
-    raised = DistributedTestError("rank 0 of 2 failed in _overlap_on_cpu:\nAssertionError: nan",
-                                  rank=0)
+    raised = DistributedTestError(
+        "rank 0 of 2 failed in _overlap_on_cpu:\nAssertionError: nan", rank=0
+    )
 
     def runner(*outcomes):
         calls = []
@@ -650,8 +700,9 @@ def test_overlap_scheduler_matches_eager():
     rank0, _ = _run_overlap_emulation()
     assert rank0["scheduled"] > 0, "the overlap scheduler never ran"
     ref_losses, ref_params, _ = _reference("graph", 2)
-    torch.testing.assert_close(torch.tensor(rank0["losses"]), torch.tensor(ref_losses),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(rank0["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-4
+    )
     for key, ref in ref_params.items():
         torch.testing.assert_close(rank0["params"][key], ref, rtol=1e-4, atol=1e-4)
     assert any("fsdp.overlap" in w and "unbucketed" in w for w in rank0["warned"]), rank0["warned"]
@@ -681,14 +732,18 @@ MODES = {
 
 
 def _full(sd) -> dict:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in sd.items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in sd.items()
+    }
 
 
 def _sgd_steps(model, rank, world_size, steps):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    return [rank_step(model, opt, xs[rank], ys[rank])
-            for xs, ys in list(_batches(model, world_size))[:steps]]
+    return [
+        rank_step(model, opt, xs[rank], ys[rank])
+        for xs, ys in list(_batches(model, world_size))[:steps]
+    ]
 
 
 def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: str):
@@ -703,8 +758,11 @@ def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: st
         model = _model()
         aotdist.parallelize(model, config={**cfg, "fsdp": {**cfg["fsdp"], **MP}})
         losses = _sgd_steps(model, rank, world_size, 3)
-        out["mp"][mode] = {"losses": losses, "params": _full(model.state_dict()),
-                           "grad_dtype": str(next(model.parameters()).dtype)}
+        out["mp"][mode] = {
+            "losses": losses,
+            "params": _full(model.state_dict()),
+            "grad_dtype": str(next(model.parameters()).dtype),
+        }
     for src, dst in (("graph", "hooks"), ("hooks", "graph")):  # train, save, load elsewhere
         torch._dynamo.reset()
         model = _model()
@@ -721,7 +779,8 @@ def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: st
         loaded = _full(other_sd)
         saved = _full(sd)
         out["dcp"][f"{src}->{dst}"] = {
-            "keys": list(sd), "exact": all(torch.equal(loaded[k], saved[k]) for k in saved),
+            "keys": list(sd),
+            "exact": all(torch.equal(loaded[k], saved[k]) for k in saved),
             "params": saved if rank == 0 else None,
             "trains": len(_sgd_steps(other, rank, world_size, 1)) == 1,  # usable after load
         }
@@ -741,8 +800,7 @@ def _modes_and_checkpoints(rank: int, world_size: int, ckpt: str, plain_ckpt: st
     torch._dynamo.reset()  # capture of a graph-mode model: collectives per graph
     model = _model()
     aotdist.parallelize(model, config={"fsdp": GRAPH, "compile": {"enabled": False}})
-    cap = aotdist.capture(model, x, backend="aot_eager",
-                          loss_fn=lambda o: o.float().mean())
+    cap = aotdist.capture(model, x, backend="aot_eager", loss_fn=lambda o: o.float().mean())
     out["capture"] = {g.name: g.collectives for g in cap.graphs}
     out["capture_summary"] = cap.summary()
     # a single-process eager checkpoint into graph mode
@@ -811,11 +869,15 @@ def _graph_break_region(rank: int, world_size: int, block=BreakingBlock):
     ref(x).square().mean().backward()  # every rank the same input: the averaged gradient
     grads_ok = all(
         torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
-        for p, q in zip(model.parameters(), ref.parameters(), strict=True))
-    return {"warnings": [str(w.message) for w in caught
-                         if issubclass(w.category, aotdist.RegionCompileWarning)],
-            "logged": [r.getMessage() for r in logs if "RegionCompileWarning" in r.getMessage()],
-            "grads_ok": grads_ok}
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+    return {
+        "warnings": [
+            str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
+        ],
+        "logged": [r.getMessage() for r in logs if "RegionCompileWarning" in r.getMessage()],
+        "grads_ok": grads_ok,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -837,8 +899,9 @@ def test_mixed_precision_matches_fsdp2_policy(modes):
     graph, hooks = rank0["mp"]["graph"], rank0["mp"]["hooks"]
     assert graph["grad_dtype"] == "torch.float32"  # parameters stay fp32, compute in bf16
     # both compute in bfloat16 (3 mantissa-byte bits): close to each other, not to fp32
-    torch.testing.assert_close(torch.tensor(graph["losses"]), torch.tensor(hooks["losses"]),
-                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        torch.tensor(graph["losses"]), torch.tensor(hooks["losses"]), rtol=2e-2, atol=2e-2
+    )
     for key, ref in hooks["params"].items():
         torch.testing.assert_close(graph["params"][key], ref, rtol=2e-2, atol=2e-2)
     ref_losses, _, _ = _reference("graph", 2)
@@ -881,8 +944,10 @@ def test_restore_and_graph_break_fallback(modes):
         # the warnings are rank 0's alone; rank 1 logs them at DEBUG (aotdist.log)
         brk, scaled = res["breaking"], res["scaled"]
         assert brk["grads_ok"] and scaled["grads_ok"]
-        for out, name, says in ((brk, "BreakingBlock", "cannot be a reusable subgraph"),
-                                (scaled, "ScaledBlock", "hold parameters on the region module")):
+        for out, name, says in (
+            (brk, "BreakingBlock", "cannot be a reusable subgraph"),
+            (scaled, "ScaledBlock", "hold parameters on the region module"),
+        ):
             seen = out["warnings"] if rank == 0 else out["logged"]
             assert any(name in w and says in w for w in seen), (rank, out)
             assert (out["warnings"] if rank == 1 else out["logged"]) == [], (rank, out)
@@ -898,14 +963,20 @@ def test_capture_shows_collectives(modes):
     assert "collectives" in rank0["capture_summary"]
 
 
-HOOKS_FLOAT8AG = {"fsdp": {"enabled": True}, "compile": {"backend": "aot_eager"},
-                  "float8": {"enabled": True, "fsdp_all_gather": True}}
+HOOKS_FLOAT8AG = {
+    "fsdp": {"enabled": True},
+    "compile": {"backend": "aot_eager"},
+    "float8": {"enabled": True, "fsdp_all_gather": True},
+}
 
 
 def _four(rank: int, world_size: int):
     out = {}
-    for name, config in (("graph", CONFIGS["graph"]), ("graph+float8ag", CONFIGS["graph+float8ag"]),
-                         ("hooks+float8ag", HOOKS_FLOAT8AG)):
+    for name, config in (
+        ("graph", CONFIGS["graph"]),
+        ("graph+float8ag", CONFIGS["graph+float8ag"]),
+        ("hooks+float8ag", HOOKS_FLOAT8AG),
+    ):
         torch._dynamo.reset()
         model = _model()
         aotdist.parallelize(model, config=config)
@@ -930,8 +1001,7 @@ def test_four_ranks_match_eager(four_ranks):
         opt.step()
         opt.zero_grad()
     losses, params, _ = four_ranks[0]["graph"]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
     for key, ref in model.state_dict().items():
         torch.testing.assert_close(params[key], ref, rtol=1e-5, atol=1e-5)
 
@@ -942,8 +1012,9 @@ def test_four_ranks_float8_all_gather_matches_hooks_mode(four_ranks):
     graph_losses, graph_params, graph_m = four_ranks[0]["graph+float8ag"]
     hooks_losses, hooks_params, _ = four_ranks[0]["hooks+float8ag"]
     assert graph_m["regions"]["GPTBlock"]["subgraphs"] == 1, graph_m["regions"]
-    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(hooks_losses),
-                               **_tol("float8"))
+    torch.testing.assert_close(
+        torch.tensor(graph_losses), torch.tensor(hooks_losses), **_tol("float8")
+    )
     initial = _model().state_dict()
     for key, ref in hooks_params.items():
         torch.testing.assert_close(graph_params[key], ref, **_tol("float8"))

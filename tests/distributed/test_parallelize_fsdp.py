@@ -45,13 +45,17 @@ CONFIGS = {
     "fsdp+compile": {"fsdp": {"enabled": True}, "compile": {"backend": "aot_eager"}},
     "fsdp+compile+noreshard+ac": {
         "fsdp": {"enabled": True, "reshard_after_forward": False},
-        "compile": {"backend": "aot_eager"}, "ac": {"enabled": True},
+        "compile": {"backend": "aot_eager"},
+        "ac": {"enabled": True},
     },
     "fsdp+float8+compile": {
-        "fsdp": {"enabled": True}, "compile": {"backend": "aot_eager"}, "float8": FLOAT8,
+        "fsdp": {"enabled": True},
+        "compile": {"backend": "aot_eager"},
+        "float8": FLOAT8,
     },
     "fsdp+float8ag+compile": {
-        "fsdp": {"enabled": True}, "compile": {"backend": "aot_eager"},
+        "fsdp": {"enabled": True},
+        "compile": {"backend": "aot_eager"},
         "float8": {**FLOAT8, "fsdp_all_gather": True},
     },
 }
@@ -88,15 +92,18 @@ def _train_configs(rank: int, world_size: int, names: list[str], ckpt_dir: str):
         aotdist.parallelize(model, config=CONFIGS[name])
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         gathers.clear()
-        batches = list(rank_batches(model, world_size=world_size, steps=STEPS,
-                                    batch_per_rank=BATCH_PER_RANK))
+        batches = list(
+            rank_batches(model, world_size=world_size, steps=STEPS, batch_per_rank=BATCH_PER_RANK)
+        )
         with metrics.track(model) as first:
             losses = [rank_step(model, opt, batches[0][0][rank], batches[0][1][rank])]
         with metrics.track(model) as later:
             losses += [rank_step(model, opt, xs[rank], ys[rank]) for xs, ys in batches[1:]]
         sd = get_model_state_dict(model)
-        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                for k, v in sd.items()}
+        full = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in sd.items()
+        }
         path = os.path.join(ckpt_dir, name)
         dcp.save(sd, checkpoint_id=path)
         # load into a freshly parallelized model with other weights, on the same ranks
@@ -105,8 +112,9 @@ def _train_configs(rank: int, world_size: int, names: list[str], ckpt_dir: str):
         aotdist.parallelize(other, config=CONFIGS[name])
         other_sd = get_model_state_dict(other)
         dcp.load(other_sd, checkpoint_id=path)
-        reloaded = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
-                    for k, v in other_sd.items()}
+        reloaded = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in other_sd.items()
+        }
         results[name] = {
             "losses": losses,
             "params": full if rank == 0 else None,
@@ -124,8 +132,9 @@ def _train_configs(rank: int, world_size: int, names: list[str], ckpt_dir: str):
 
 def _reference(config: dict, world_size: int):
     """Single process, eager, same model/seed/conversion, gradient accumulation over ranks."""
-    return accumulated_reference(config, world_size=world_size, depth=DEPTH, steps=STEPS,
-                                 batch_per_rank=BATCH_PER_RANK)
+    return accumulated_reference(
+        config, world_size=world_size, depth=DEPTH, steps=STEPS, batch_per_rank=BATCH_PER_RANK
+    )
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +160,9 @@ def test_matches_single_process_eager(two_ranks, name):
     assert got["keys"] == ref_keys
     moved = 0
     for key, ref in ref_params.items():
-        torch.testing.assert_close(got["params"][key], ref, **_tol(name),
-                                   msg=lambda m, k=key: f"{name}: {k} differs: {m}")
+        torch.testing.assert_close(
+            got["params"][key], ref, **_tol(name), msg=lambda m, k=key: f"{name}: {k} differs: {m}"
+        )
         moved += not torch.equal(ref, _initial_params()[key])
     assert moved == len(ref_params), "some parameters never trained: the test is vacuous"
 
@@ -280,8 +290,11 @@ def _four_ranks(rank: int, world_size: int, ckpt_dir: str):
     for name, (config, dims) in FOUR_RANK_RUNS.items():
         torch._dynamo.reset()
         torch.manual_seed(0)
-        mesh = None if dims is None else init_device_mesh(
-            "cpu", (2, 2), mesh_dim_names=None if dims[0] is None else dims)
+        mesh = (
+            None
+            if dims is None
+            else init_device_mesh("cpu", (2, 2), mesh_dim_names=None if dims[0] is None else dims)
+        )
         model = build_model("gpt", depth=DEPTH)
         aotdist.parallelize(model, config=config, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -298,7 +311,8 @@ def _four_ranks(rank: int, world_size: int, ckpt_dir: str):
         weight = model.blocks[0].mlp.fc.weight
         used = aotdist.parallelize_info(model).mesh
         out[name] = {
-            "losses": losses, "grads": grads,
+            "losses": losses,
+            "grads": grads,
             "params": {k: v.full_tensor() for k, v in model.state_dict().items()},
             "placements": [type(p).__name__ for p in weight.placements],
             "mesh": tuple(weight.device_mesh.shape),
@@ -306,9 +320,11 @@ def _four_ranks(rank: int, world_size: int, ckpt_dir: str):
             "subgraphs": m.regions["GPTBlock"].subgraphs,
             "recompiles": m.recompiles,
             "graphs": list(coll.graphs.values()),
-            "groups": ({"shard": used.get_group(1).group_name,
-                        "replicate": used.get_group(0).group_name} if used.ndim == 2
-                       else {"shard": used.get_group().group_name}),
+            "groups": (
+                {"shard": used.get_group(1).group_name, "replicate": used.get_group(0).group_name}
+                if used.ndim == 2
+                else {"shard": used.get_group().group_name}
+            ),
         }
         if name in ("hsdp", "graph_hsdp"):
             dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(ckpt_dir, name))
@@ -321,10 +337,11 @@ def _four_ranks(rank: int, world_size: int, ckpt_dir: str):
         out[f"{name}_into_fsdp"] = {k: v.full_tensor() for k, v in sd.items()}
     errors = {}
     for name, config, mesh in (
-            ("indivisible", {**HSDP, "fsdp": {"enabled": True, "replicate_degree": 3}}, None),
-            ("mesh_mismatch", HSDP, init_device_mesh("cpu", (4,))),
-            ("unnamed_2d", CONFIGS["fsdp+compile"], init_device_mesh("cpu", (2, 2))),
-            ("3d", CONFIGS["fsdp+compile"], init_device_mesh("cpu", (1, 2, 2)))):
+        ("indivisible", {**HSDP, "fsdp": {"enabled": True, "replicate_degree": 3}}, None),
+        ("mesh_mismatch", HSDP, init_device_mesh("cpu", (4,))),
+        ("unnamed_2d", CONFIGS["fsdp+compile"], init_device_mesh("cpu", (2, 2))),
+        ("3d", CONFIGS["fsdp+compile"], init_device_mesh("cpu", (1, 2, 2))),
+    ):
         try:
             aotdist.parallelize(build_model("gpt", depth=DEPTH), config=config, mesh=mesh)
             errors[name] = None
@@ -349,12 +366,22 @@ def _adamw_reference(world_size: int):
 
 
 def _assert_same_run(got: dict, want_losses, want_grads, *, atol: float, what: str) -> None:
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses),
-                               rtol=0, atol=atol, msg=lambda m: f"{what} losses: {m}")
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]),
+        torch.tensor(want_losses),
+        rtol=0,
+        atol=atol,
+        msg=lambda m: f"{what} losses: {m}",
+    )
     for step, (g, w) in enumerate(zip(got["grads"], want_grads, strict=True)):
         for key, ref in w.items():
-            torch.testing.assert_close(g[key], ref, rtol=0, atol=atol,
-                                       msg=lambda m, k=key, s=step: f"{what} {k} step {s}: {m}")
+            torch.testing.assert_close(
+                g[key],
+                ref,
+                rtol=0,
+                atol=atol,
+                msg=lambda m, k=key, s=step: f"{what} {k} step {s}: {m}",
+            )
 
 
 def test_four_ranks_fsdp_and_hsdp_in_both_modes_match_eager(tmp_path):
@@ -369,10 +396,15 @@ def test_four_ranks_fsdp_and_hsdp_in_both_modes_match_eager(tmp_path):
         for key, ref in ref_params.items():
             torch.testing.assert_close(run["params"][key], ref, rtol=0, atol=1e-3)
         assert (run["call_sites"], run["subgraphs"], run["recompiles"]) == (DEPTH, 1, []), run
-    for flat, hsdp in (("fsdp", "hsdp"), ("fsdp", "hsdp_mesh"), ("graph_fsdp", "graph_hsdp"),
-                       ("graph_fsdp", "graph_hsdp_mesh")):  # HSDP computes what FSDP does
-        _assert_same_run(out[hsdp], out[flat]["losses"], out[flat]["grads"], atol=1e-6,
-                         what=f"{hsdp} vs {flat}")
+    for flat, hsdp in (
+        ("fsdp", "hsdp"),
+        ("fsdp", "hsdp_mesh"),
+        ("graph_fsdp", "graph_hsdp"),
+        ("graph_fsdp", "graph_hsdp_mesh"),
+    ):  # HSDP computes what FSDP does
+        _assert_same_run(
+            out[hsdp], out[flat]["losses"], out[flat]["grads"], atol=1e-6, what=f"{hsdp} vs {flat}"
+        )
         assert out[hsdp]["placements"] == ["Replicate", "Shard"], out[hsdp]["placements"]
         assert out[hsdp]["mesh"] == (2, 2)
     assert out["fsdp"]["placements"] == out["graph_fsdp"]["placements"] == ["Shard"]
@@ -383,8 +415,10 @@ def test_four_ranks_fsdp_and_hsdp_in_both_modes_match_eager(tmp_path):
     for name in ("graph_fsdp", "graph_hsdp", "graph_hsdp_mesh"):
         groups, graphs = out[name]["groups"], out[name]["graphs"]
         seen = {c for g in graphs for c in g["collectives"]}
-        want = {("all_gather_into_tensor", groups["shard"]),
-                ("reduce_scatter_tensor", groups["shard"])}
+        want = {
+            ("all_gather_into_tensor", groups["shard"]),
+            ("reduce_scatter_tensor", groups["shard"]),
+        }
         if "replicate" in groups:
             want.add(("all_reduce", groups["replicate"]))
         assert seen == want, (name, seen, groups)
@@ -433,7 +467,6 @@ def _ordering_errors(rank: int, world_size: int):
     m = build_model("gpt", depth=2)
     fully_shard(m)
     attempt("fsdp2_then_parallelize", lambda: aotdist.parallelize(m, config=fsdp))
-
 
     # compile first, shard after: refused at the first call, before a silent eager run
     m = build_model("gpt", depth=2)
@@ -495,8 +528,9 @@ def _inductor_everything(rank: int, world_size: int, config: dict):
     aotdist.parallelize(model, config=config)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with metrics.track(model) as t:
-        batches = rank_batches(model, world_size=world_size, steps=STEPS,
-                               batch_per_rank=BATCH_PER_RANK)
+        batches = rank_batches(
+            model, world_size=world_size, steps=STEPS, batch_per_rank=BATCH_PER_RANK
+        )
         losses = [rank_step(model, opt, xs[rank], ys[rank]) for xs, ys in batches]
     params = {k: v.full_tensor() for k, v in model.state_dict().items()}
     return losses, params, t.to_dict()
@@ -512,8 +546,12 @@ def test_inductor_fsdp_float8_all_gather_ac():
     checked at atol 2e-3 and parallelize must warn. A wrong block's weights or a wrong
     gradient (the failures this test exists for) are orders of magnitude larger.
     """
-    config = {"fsdp": {"enabled": True}, "compile": {"backend": "inductor"},
-              "float8": {**FLOAT8, "fsdp_all_gather": True}, "ac": {"enabled": True}}
+    config = {
+        "fsdp": {"enabled": True},
+        "compile": {"backend": "inductor"},
+        "float8": {**FLOAT8, "fsdp_all_gather": True},
+        "ac": {"enabled": True},
+    }
     with pytest.warns(RegionCompileWarning, match="fsdp_all_gather"):
         warn_unverified_combination(as_config(config))
     (losses, params, m), _ = run_distributed(_inductor_everything, 2, config, timeout=540)
@@ -565,8 +603,9 @@ def _nested_regions(rank: int, world_size: int):
     model = _Nested()
     eager = copy.deepcopy(model)
     plan = aotdist.find_regions(model)
-    aotdist.parallelize(model, config={"fsdp": {"enabled": True},
-                                       "compile": {"backend": "aot_eager"}})
+    aotdist.parallelize(
+        model, config={"fsdp": {"enabled": True}, "compile": {"backend": "aot_eager"}}
+    )
     x = torch.randn(4, 8)
     with metrics.track(model) as m:
         loss = model(x).square().mean()

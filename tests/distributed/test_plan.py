@@ -35,17 +35,32 @@ class _Counted:
                 import torch.distributed as dist
 
                 name = func.name().replace("_", "")
-                kind = next((k for k in ("allgather", "reducescatter", "allreduce")
-                             if func.name().startswith("c10d::") and k in name), None)
+                kind = next(
+                    (
+                        k
+                        for k in ("allgather", "reducescatter", "allreduce")
+                        if func.name().startswith("c10d::") and k in name
+                    ),
+                    None,
+                )
                 if kind is not None:
                     leaves = torch.utils._pytree.tree_leaves(args)
-                    big = max(t.numel() * t.element_size() for t in leaves
-                              if isinstance(t, torch.Tensor))
-                    group = next(dist.ProcessGroup.unbox(a) if isinstance(a, torch.ScriptObject)
-                                 else a for a in leaves
-                                 if isinstance(a, (torch.ScriptObject, dist.ProcessGroup)))
-                    key = ({"allgather": "all_gather", "reducescatter": "reduce_scatter",
-                            "allreduce": "all_reduce"}[kind], names[group.group_name])
+                    big = max(
+                        t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)
+                    )
+                    group = next(
+                        dist.ProcessGroup.unbox(a) if isinstance(a, torch.ScriptObject) else a
+                        for a in leaves
+                        if isinstance(a, (torch.ScriptObject, dist.ProcessGroup))
+                    )
+                    key = (
+                        {
+                            "allgather": "all_gather",
+                            "reducescatter": "reduce_scatter",
+                            "allreduce": "all_reduce",
+                        }[kind],
+                        names[group.group_name],
+                    )
                     n, b = counted.get(key, (0, 0))
                     counted[key] = (n + 1, b + big)
                 return func(*args, **(kwargs or {}))
@@ -63,8 +78,14 @@ def _count_as_run(gm, names: dict[str, str], counted: dict) -> None:
             continue
         for node in module.graph.nodes:
             name = str(node.target) if node.op == "call_function" else ""
-            kind = next((k for k in ("all_gather", "reduce_scatter", "all_reduce")
-                         if f"_c10d_functional.{k}" in name), None)
+            kind = next(
+                (
+                    k
+                    for k in ("all_gather", "reduce_scatter", "all_reduce")
+                    if f"_c10d_functional.{k}" in name
+                ),
+                None,
+            )
             if kind is not None:
                 node.target = _counting(node.target, kind, names, counted)
         module.recompile()
@@ -81,8 +102,14 @@ def _eager_scales_counted(names: dict[str, str], counted: dict):
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             space, _, op = func.name().partition("::")
-            kind = next((k for k in ("all_gather", "reduce_scatter", "all_reduce")
-                         if space == "_c10d_functional" and op.startswith(k)), None)
+            kind = next(
+                (
+                    k
+                    for k in ("all_gather", "reduce_scatter", "all_reduce")
+                    if space == "_c10d_functional" and op.startswith(k)
+                ),
+                None,
+            )
             if kind is None:
                 return func(*args, **(kwargs or {}))
             return _counting(func, kind, names, counted)(*args, **(kwargs or {}))
@@ -108,6 +135,7 @@ def _counting(op, kind: str, names: dict[str, str], counted: dict):
         n, b = counted.get(key, (0, 0))
         counted[key] = (n + 1, b + unsharded.numel() * unsharded.element_size())
         return result
+
     return run
 
 
@@ -121,12 +149,22 @@ CASES = {  # id: (ranks, mesh, fsdp config, ac[, more config])
     "graph-hsdp-2x2": (4, (2, 2), {"mode": "graph"}, False),
     "hooks-hsdp-2x2": (4, (2, 2), {"mode": "hooks"}, False),
     # torchao's weights all-gathered in float8 by FSDP2: 1 byte per element
-    "hooks-bf16-float8-gather": (2, (2,), {"mode": "hooks", "param_dtype": "bfloat16"}, False,
-                                 {"float8": {"enabled": True, "fsdp_all_gather": True}}),
+    "hooks-bf16-float8-gather": (
+        2,
+        (2,),
+        {"mode": "hooks", "param_dtype": "bfloat16"},
+        False,
+        {"float8": {"enabled": True, "fsdp_all_gather": True}},
+    ),
     # graph mode casts them to float8 in the graph and gathers the bytes; the amaxes are
     # all-reduced eagerly before each forward (counted as they run too)
-    "graph-bf16-float8-gather": (2, (2,), {"mode": "graph", "param_dtype": "bfloat16"}, False,
-                                 {"float8": {"enabled": True, "fsdp_all_gather": True}}),
+    "graph-bf16-float8-gather": (
+        2,
+        (2,),
+        {"mode": "graph", "param_dtype": "bfloat16"},
+        False,
+        {"float8": {"enabled": True, "fsdp_all_gather": True}},
+    ),
 }
 
 
@@ -152,8 +190,9 @@ def _real(rank: int, world_size: int, case: str) -> dict:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
     model, (x,) = _build()
     aotdist.parallelize(model, config=config, mesh=mesh)
-    out = Plan(world=world_size, mesh=shape, mesh_dims=dims, fsdp_mode=fsdp["mode"],
-               optimizer="adamw")
+    out = Plan(
+        world=world_size, mesh=shape, mesh_dims=dims, fsdp_mode=fsdp["mode"], optimizer="adamw"
+    )
     _memory(out, model, "adamw")
     names = {mesh.get_group(d).group_name: d for d in dims}
     counted: dict = {}  # graph mode: the compiled graphs' collectives, counted as they run
@@ -164,8 +203,10 @@ def _real(rank: int, world_size: int, case: str) -> dict:
     with graphs_observed(count):
         model(x).float().mean().backward()  # the compile
     counted.clear()  # the steady step's
-    with _eager_scales_counted(names, counted), \
-            SavedBytes(exclude=[*model.parameters(), *model.buffers()]) as saved:
+    with (
+        _eager_scales_counted(names, counted),
+        SavedBytes(exclude=[*model.parameters(), *model.buffers()]) as saved,
+    ):
         loss = model(x).float().mean()
     loss.backward()
     if fsdp["mode"] == "graph":
@@ -177,8 +218,7 @@ def _real(rank: int, world_size: int, case: str) -> dict:
         with counter.mode:
             eager(x).float().mean().backward()
         collectives = sorted((k, d, n, b) for (k, d), (n, b) in counter.counted.items())
-    return {"params": out.param_bytes, "saved": saved.activation_bytes,
-            "collectives": collectives}
+    return {"params": out.param_bytes, "saved": saved.activation_bytes, "collectives": collectives}
 
 
 @pytest.mark.slow
@@ -191,10 +231,14 @@ def test_the_plan_is_what_the_ranks_run(case):
     simulated = plan(_build, world=world, mesh=shape, config=_config(case))
     real = run_distributed(_real, world, case, timeout=300)[0]
     assert simulated.param_bytes == real["params"]
-    assert sorted((c.kind, c.dim, c.count, c.bytes)
-                  for c in simulated.collectives) == real["collectives"]
+    assert (
+        sorted((c.kind, c.dim, c.count, c.bytes) for c in simulated.collectives)
+        == real["collectives"]
+    )
     assert simulated.activation_bytes == pytest.approx(real["saved"], rel=0.05), (
-        simulated.activation_bytes, real["saved"])
+        simulated.activation_bytes,
+        real["saved"],
+    )
 
 
 def test_checkpointed_regions_in_graph_mode_gather_no_more_than_without_checkpointing():
@@ -252,8 +296,9 @@ def test_float8_all_gather_gathers_the_float8_weights_in_one_byte(capsys):
     from aotdist.cli import main
 
     def gathered(*argv):
-        code = main(["plan", "--depth", "2", "--world", "4", "--param-dtype", "bfloat16",
-                     "--json", *argv])
+        code = main(
+            ["plan", "--depth", "2", "--world", "4", "--param-dtype", "bfloat16", "--json", *argv]
+        )
         out, err = capsys.readouterr()
         if code != 0:
             return code, err
@@ -263,7 +308,10 @@ def test_float8_all_gather_gathers_the_float8_weights_in_one_byte(capsys):
         bf16 = gathered("--fsdp-mode", mode, "--float8")[1]
         float8 = gathered("--fsdp-mode", mode, "--float8-all-gather")[1]
         assert float8["count"] == bf16["count"] and float8["bytes"] < 0.6 * bf16["bytes"], (
-            mode, bf16, float8)
+            mode,
+            bf16,
+            float8,
+        )
 
 
 def test_a_transformers_config_json_is_planned_as_its_sizes(tmp_path, capsys):
@@ -274,15 +322,27 @@ def test_a_transformers_config_json_is_planned_as_its_sizes(tmp_path, capsys):
 
     from aotdist.cli import main
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, vocab_size=256,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     config.save_pretrained(tmp_path)
-    assert main(["plan", "--hf", str(tmp_path / "config.json"), "--world", "4", "--seq", "8",
-                 "--json"]) == 0
+    assert (
+        main(
+            ["plan", "--hf", str(tmp_path / "config.json"), "--world", "4", "--seq", "8", "--json"]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
-    per_rank = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config)
-                   .parameters()) * 4 / 4
+    per_rank = (
+        sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+        * 4
+        / 4
+    )
     assert out["param_bytes"] == pytest.approx(per_rank, rel=0.02)
     assert out["regions"]["LlamaDecoderLayer"] == {"call_sites": 2, "subgraphs": 1}
 
@@ -290,8 +350,10 @@ def test_a_transformers_config_json_is_planned_as_its_sizes(tmp_path, capsys):
 def test_a_job_over_the_gpu_s_memory_exits_1_with_the_fix(capsys):
     from aotdist.cli import main
 
-    assert main(["plan", "--depth", "2", "--world", "4", "--mesh", "2x2",
-                 "--gpu-memory", "0.0001"]) == 1
+    assert (
+        main(["plan", "--depth", "2", "--world", "4", "--mesh", "2x2", "--gpu-memory", "0.0001"])
+        == 1
+    )
     out, err = capsys.readouterr()
     assert "peak (est.)" in out  # the plan is still printed
     assert "does not fit" in err and "Fix: shard over more ranks (a shard group of 4" in err

@@ -239,8 +239,9 @@ def test_a_rank_that_crashes_in_teardown_after_reporting_fails_the_run():
         assert info.value.exit_code == (3 if how == "exit" else -11)
         assert code in str(info.value), (how, str(info.value))
     # Opt-in, for a known torch teardown crash: ranks leave with os._exit(0) after reporting.
-    assert run_distributed(_crash_in_teardown_on_rank1, 2, "exit", skip_teardown=True,
-                           timeout=60) == [0, 1]
+    assert run_distributed(
+        _crash_in_teardown_on_rank1, 2, "exit", skip_teardown=True, timeout=60
+    ) == [0, 1]
     assert multiprocessing.active_children() == []
 
 

@@ -34,8 +34,9 @@ print("trained", flush=True)
 
 
 def _run(code: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_a_gloo_process_with_collectives_in_flight_exits_zero(tmp_path: Path):

@@ -37,18 +37,30 @@ def _llama():
 
     torch.manual_seed(0)
     cfg = transformers.AutoConfig.for_model(
-        "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=128, use_cache=False)
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=DEPTH,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        use_cache=False,
+    )
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
 
 
 def _tp_plan():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()}
+    return {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
 
 
 def _apply_tp(model, mesh, *, slice_per_layer: bool = False):
@@ -82,8 +94,9 @@ def _result(model, losses, tracker, caught) -> dict:
         "mesh": weight.device_mesh.mesh_dim_names or tuple(weight.device_mesh.shape),
         "placements": [type(p).__name__ for p in weight.placements],
         "regions": tracker.regions["LlamaDecoderLayer"].__dict__ if tracker else None,
-        "warnings": [str(w.message) for w in caught
-                     if issubclass(w.category, aotdist.RegionCompileWarning)],
+        "warnings": [
+            str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
+        ],
     }
 
 
@@ -168,12 +181,19 @@ def _lightning(rank: int) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = pl.Trainer(
-            accelerator="cpu", devices=4, max_steps=STEPS, logger=False,
+            accelerator="cpu",
+            devices=4,
+            max_steps=STEPS,
+            logger=False,
             strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
-            callbacks=[RegionalCompile(AOT)], enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            callbacks=[RegionalCompile(AOT)],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
             use_distributed_sampler=False,
-            default_root_dir=tempfile.mkdtemp(dir=_SCRATCH.name))
+            default_root_dir=tempfile.mkdtemp(dir=_SCRATCH.name),
+        )
         dp_rank = rank // 2  # Lightning's mesh: (data_parallel, tensor_parallel), row-major
         loader = torch.utils.data.DataLoader(DataParallelSlices(dp_rank), batch_size=None)
         trainer.fit(module, loader)
@@ -194,11 +214,14 @@ def _refused(rank: int) -> dict:
     model = _llama()
     _apply_tp(model, mesh)
     try:
-        aotdist.parallelize(model, config={**AOT, "fsdp": {"enabled": True, "mode": "graph"}},
-                            mesh=mesh["dp"])
+        aotdist.parallelize(
+            model, config={**AOT, "fsdp": {"enabled": True, "mode": "graph"}}, mesh=mesh["dp"]
+        )
     except aotdist.ConfigError as exc:
-        return {"graph": str(exc), "untouched": not any(
-            "Region" in type(m).__name__ for m in model.modules())}
+        return {
+            "graph": str(exc),
+            "untouched": not any("Region" in type(m).__name__ for m in model.modules()),
+        }
     return {"graph": None}
 
 
@@ -236,13 +259,15 @@ def reference():
     return _reference()
 
 
-@pytest.mark.parametrize("name", ["script", "per_layer_mesh", "accelerate_tp",
-                                  "accelerate_hsdp", "lightning_tp"])
+@pytest.mark.parametrize(
+    "name", ["script", "per_layer_mesh", "accelerate_tp", "accelerate_hsdp", "lightning_tp"]
+)
 def test_matches_single_process_eager(runs, reference, name):
     ref_losses, ref_params = reference
     run = runs[name]
-    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6
+    )
     for key, ref in ref_params.items():
         torch.testing.assert_close(run["params"][key], ref, rtol=1e-5, atol=1e-6)
 
@@ -279,13 +304,17 @@ def test_lightning_tensor_parallel(runs):
     run = runs["lightning_tp"]
     assert run["mesh"] == ("data_parallel", "tensor_parallel"), run["mesh"]
     assert len(run["placements"]) == 2 and run["placements"][-1] == "Shard", run["placements"]
-    assert [f.split("model.")[-1] for f in run["plan"]] == [
-        f"layers.{i}" for i in range(DEPTH)], run["plan"]
+    assert [f.split("model.")[-1] for f in run["plan"]] == [f"layers.{i}" for i in range(DEPTH)], (
+        run["plan"]
+    )
     assert run["warnings"] == [], run["warnings"]
 
 
 def test_graph_mode_refuses_tensor_parallel_before_changing_the_model(runs):
     refused = runs["refused"]
-    assert refused["graph"] is not None and "does not compose with tensor parallelism" in \
-        refused["graph"] and "fsdp.mode: hooks" in refused["graph"], refused
+    assert (
+        refused["graph"] is not None
+        and "does not compose with tensor parallelism" in refused["graph"]
+        and "fsdp.mode: hooks" in refused["graph"]
+    ), refused
     assert refused["untouched"], refused

@@ -33,8 +33,10 @@ def _train(rank: int, world_size: int):
     model = aotdist.parallelize(build_model("gpt", depth=DEPTH), config=CONFIG)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with record_logs() as logs:
-        losses = [rank_step(model, opt, xs[rank], ys[rank])
-                  for xs, ys in rank_batches(model, world_size=world_size, steps=STEPS)]
+        losses = [
+            rank_step(model, opt, xs[rank], ys[rank])
+            for xs, ys in rank_batches(model, world_size=world_size, steps=STEPS)
+        ]
     return losses, [r.getMessage() for r in logs if "first-step check" in r.getMessage()]
 
 
@@ -42,8 +44,9 @@ def test_training_with_the_check_matches_eager_on_two_ranks():
     results = run_distributed(_train, 2, timeout=300)
     ref_losses, _, _ = accumulated_reference(CONFIG, world_size=2, depth=DEPTH, steps=STEPS)
     for losses, checks in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5
+        )
         assert len(checks) == 1 and "passed" in checks[0], checks
 
 
@@ -52,8 +55,9 @@ def _wrong_region(rank: int, world_size: int):
 
     batchnorm._reproduced = lambda cls: True  # the isinstance swap aotdist once had
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 1),
-                          *[ConvNormBlock(4, BatchNormRelu) for _ in range(3)], nn.Flatten())
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 1), *[ConvNormBlock(4, BatchNormRelu) for _ in range(3)], nn.Flatten()
+    )
     aotdist.parallelize(model, config=CONFIG)
     x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(rank))
     try:

@@ -35,10 +35,16 @@ FLOAT8 = {"enabled": True, "exclude": ["head"]}
 
 CONFIGS = {
     "fsdp+inductor": {"fsdp": {"enabled": True}, "compile": {"backend": "inductor"}},
-    "fsdp+inductor+ac": {"fsdp": {"enabled": True}, "compile": {"backend": "inductor"},
-                         "ac": {"enabled": True}},
-    "fsdp+float8ag+inductor": {"fsdp": {"enabled": True}, "compile": {"backend": "inductor"},
-                               "float8": {**FLOAT8, "fsdp_all_gather": True}},
+    "fsdp+inductor+ac": {
+        "fsdp": {"enabled": True},
+        "compile": {"backend": "inductor"},
+        "ac": {"enabled": True},
+    },
+    "fsdp+float8ag+inductor": {
+        "fsdp": {"enabled": True},
+        "compile": {"backend": "inductor"},
+        "float8": {**FLOAT8, "fsdp_all_gather": True},
+    },
 }
 
 
@@ -51,8 +57,10 @@ def _world_size() -> int:
 
 def _needs_hopper() -> None:
     if torch.cuda.get_device_capability(0) < (9, 0):
-        pytest.skip(f"Float8 training needs a Hopper GPU (capability >= 9.0); "
-                    f"{torch.cuda.get_device_name(0)} has {torch.cuda.get_device_capability(0)}")
+        pytest.skip(
+            f"Float8 training needs a Hopper GPU (capability >= 9.0); "
+            f"{torch.cuda.get_device_name(0)} has {torch.cuda.get_device_capability(0)}"
+        )
 
 
 def _nccl_train(rank: int, world_size: int, config: dict):
@@ -62,22 +70,31 @@ def _nccl_train(rank: int, world_size: int, config: dict):
     model = build_model("gpt", depth=DEPTH).to(device)
     aotdist.parallelize(model, config=config)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    batches = rank_batches(model, world_size=world_size, steps=STEPS,
-                           batch_per_rank=BATCH_PER_RANK)
+    batches = rank_batches(model, world_size=world_size, steps=STEPS, batch_per_rank=BATCH_PER_RANK)
     with warnings.catch_warnings(), metrics.track(model) as t:
         warnings.simplefilter("ignore")
-        losses = [rank_step(model, opt, xs[rank].to(device), ys[rank].to(device))
-                  for xs, ys in batches]
+        losses = [
+            rank_step(model, opt, xs[rank].to(device), ys[rank].to(device)) for xs, ys in batches
+        ]
     params = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
-    return {"losses": losses, "params": params if rank == 0 else None, "metrics": t.to_dict(),
-            "weight_type": type(model.blocks[0].mlp.fc.weight.to_local()).__name__}
+    return {
+        "losses": losses,
+        "params": params if rank == 0 else None,
+        "metrics": t.to_dict(),
+        "weight_type": type(model.blocks[0].mlp.fc.weight.to_local()).__name__,
+    }
 
 
 def _reference(config: dict, world_size: int):
     """Single process on cuda:0, eager, same model, seed and Float8 conversion."""
-    losses, params, _ = accumulated_reference(config, world_size=world_size, depth=DEPTH,
-                                              steps=STEPS, batch_per_rank=BATCH_PER_RANK,
-                                              device=torch.device("cuda", 0))
+    losses, params, _ = accumulated_reference(
+        config,
+        world_size=world_size,
+        depth=DEPTH,
+        steps=STEPS,
+        batch_per_rank=BATCH_PER_RANK,
+        device=torch.device("cuda", 0),
+    )
     return losses, params
 
 
@@ -100,8 +117,9 @@ def test_nccl_parallelize_matches_eager_on_every_gpu(name):
         # up to 1.5e-3 on CPU ranks; the CPU test checks the same bound.
         tol = {"rtol": 1e-3, "atol": 2e-3}
     for key, ref in ref_params.items():
-        torch.testing.assert_close(rank0["params"][key], ref, **tol,
-                                   msg=lambda m, k=key: f"{name}: {k} differs: {m}")
+        torch.testing.assert_close(
+            rank0["params"][key], ref, **tol, msg=lambda m, k=key: f"{name}: {k} differs: {m}"
+        )
     m = rank0["metrics"]
     assert m["backend_seconds"] > 0, m  # Inductor really compiled (Triton on CUDA)
     assert m["regions"]["GPTBlock"]["call_sites"] == DEPTH, m
@@ -112,8 +130,10 @@ def test_nccl_parallelize_matches_eager_on_every_gpu(name):
         assert "Float8" in rank0["weight_type"], rank0["weight_type"]
 
 
-GRAPH_OVERLAP = {"fsdp": {"enabled": True, "mode": "graph", "overlap": True},
-                 "compile": {"backend": "inductor"}}
+GRAPH_OVERLAP = {
+    "fsdp": {"enabled": True, "mode": "graph", "overlap": True},
+    "compile": {"backend": "inductor"},
+}
 
 
 def _inductor_value(key: str):
@@ -138,8 +158,10 @@ def _nccl_graph_train(rank: int, world_size: int, config: dict):
 
     seen, bucketed = [], []
     keys = list(overlap_options())
-    schedule, bucket = (scheduling.schedule_overlap_bucketing_from_inductor_configs,
-                        bucketing.bucket_collectives)
+    schedule, bucket = (
+        scheduling.schedule_overlap_bucketing_from_inductor_configs,
+        bucketing.bucket_collectives,
+    )
 
     def recording(gm, *args, **kwargs):
         seen.append({k: _inductor_value(k) for k in keys})
@@ -158,9 +180,11 @@ def _nccl_graph_train(rank: int, world_size: int, config: dict):
     finally:
         scheduling.schedule_overlap_bucketing_from_inductor_configs = schedule
         bucketing.bucket_collectives = bucket
-    out.update(seen=seen, bucketed=len(bucketed),
-               warned=[str(w.message) for w in caught
-                       if issubclass(w.category, aotdist.ConfigWarning)])
+    out.update(
+        seen=seen,
+        bucketed=len(bucketed),
+        warned=[str(w.message) for w in caught if issubclass(w.category, aotdist.ConfigWarning)],
+    )
     return out
 
 
@@ -172,8 +196,9 @@ def test_nccl_graph_mode_overlap_matches_eager():
     (first seen on one H100: losses 30x off)."""
     world_size = _world_size()
     try:
-        results = run_distributed(_nccl_graph_train, world_size, GRAPH_OVERLAP,
-                                  backend="nccl", timeout=540)
+        results = run_distributed(
+            _nccl_graph_train, world_size, GRAPH_OVERLAP, backend="nccl", timeout=540
+        )
     except Exception as exc:  # world size 1: NCCL may refuse a one-rank communicator
         if world_size == 1 and "nccl" in str(exc).lower():
             pytest.skip(f"NCCL does not run a one-rank group here: {exc}")
@@ -184,8 +209,12 @@ def test_nccl_graph_mode_overlap_matches_eager():
     tol = {"rtol": 1e-3, "atol": 1e-4}
     torch.testing.assert_close(torch.tensor(rank0["losses"]), torch.tensor(ref_losses), **tol)
     for key, ref in ref_params.items():
-        torch.testing.assert_close(rank0["params"][key], ref, **tol,
-                                   msg=lambda m, k=key: f"graph+overlap: {k} differs: {m}")
+        torch.testing.assert_close(
+            rank0["params"][key],
+            ref,
+            **tol,
+            msg=lambda m, k=key: f"graph+overlap: {k} differs: {m}",
+        )
     m = rank0["metrics"]
     assert m["mode"] == "graph" and m["backend_seconds"] > 0, m
     assert m["graphs"] == 1 and m["recompiles"] == [], m
@@ -217,8 +246,16 @@ def test_bench_reports_cuda_max_memory_allocated_per_strategy(tmp_path):
 
     strategies = ("eager", "aotdist")  # one fresh process each: 4 did not fit 150 s on an H200
     cases = [Case("gpt", 2, s) for s in strategies]
-    report = run_bench(cases, backend="inductor", steps=2, warmup=1, device="cuda",
-                       out=tmp_path, timeout=540, progress=lambda line: None)
+    report = run_bench(
+        cases,
+        backend="inductor",
+        steps=2,
+        warmup=1,
+        device="cuda",
+        out=tmp_path,
+        timeout=540,
+        progress=lambda line: None,
+    )
     results = {r["strategy"]: r for r in report["results"]}
     assert set(results) == set(strategies)
     for name, r in results.items():

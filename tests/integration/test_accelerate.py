@@ -166,38 +166,68 @@ def _run(cmd: list[str], cwd: Path) -> list[float]:
 
 def _launch(*args: str) -> list[str]:
     accelerate = str(Path(sys.executable).with_name("accelerate"))
-    return [accelerate, "launch", "--config_file",
-            str(ROOT / "configs/accelerate/cpu_2proc.yaml"),
-            str(ROOT / "recipes/train_accelerate.py"), "--batch-size", "4", *args]
+    return [
+        accelerate,
+        "launch",
+        "--config_file",
+        str(ROOT / "configs/accelerate/cpu_2proc.yaml"),
+        str(ROOT / "recipes/train_accelerate.py"),
+        "--batch-size",
+        "4",
+        *args,
+    ]
 
 
 @pytest.fixture(scope="module")
 def eager_losses():
     """One process, eager, the global batch (2 processes x 4) at once."""
-    cmd = [sys.executable, str(ROOT / "recipes/train_accelerate.py"), "--aotdist-config", "none",
-           "--batch-size", "8", "--steps", "4"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes/train_accelerate.py"),
+        "--aotdist-config",
+        "none",
+        "--batch-size",
+        "8",
+        "--steps",
+        "4",
+    ]
     return _run(cmd, ROOT)
 
 
 @pytest.mark.slow  # > 30 s on a 2-core CPU machine
 @pytest.mark.parametrize("config", ["regional_compile", "fsdp2", "fsdp_graph"])
 def test_recipe_under_accelerate_launch_matches_eager(config, eager_losses):
-    losses = _run(_launch("--aotdist-config", f"configs/aotdist/{config}.yaml",
-                          "--backend", "aot_eager", "--steps", "4"), ROOT)
+    losses = _run(
+        _launch(
+            "--aotdist-config",
+            f"configs/aotdist/{config}.yaml",
+            "--backend",
+            "aot_eager",
+            "--steps",
+            "4",
+        ),
+        ROOT,
+    )
     assert len(losses) == 4
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-4, atol=1e-5
+    )
 
 
 @pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_fsdp2_save_state_resume_and_plain_keys(tmp_path, eager_losses):
     common = ("--aotdist-config", "configs/aotdist/fsdp2.yaml", "--backend", "aot_eager")
     first = _run(_launch(*common, "--steps", "2", "--save-dir", str(tmp_path / "ckpt")), ROOT)
-    resumed = _run(_launch(*common, "--steps", "2", "--resume-from", str(tmp_path / "ckpt"),
-                           "--skip-batches", "2"), ROOT)
+    resumed = _run(
+        _launch(
+            *common, "--steps", "2", "--resume-from", str(tmp_path / "ckpt"), "--skip-batches", "2"
+        ),
+        ROOT,
+    )
     # AdamW: the resumed steps match only if weights *and* optimizer state came back
-    torch.testing.assert_close(torch.tensor(first + resumed), torch.tensor(eager_losses),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(first + resumed), torch.tensor(eager_losses), rtol=1e-4, atol=1e-5
+    )
     from safetensors.torch import load_file
 
     sys.path.insert(0, str(ROOT / "recipes"))
@@ -216,9 +246,11 @@ def test_prepare_refuses_a_foreign_optimizer_before_touching_the_model():
     from accelerate.utils import DistributedType
     from aotdist.callbacks import prepare
 
-    accelerator = SimpleNamespace(state=SimpleNamespace(dynamo_plugin=None),
-                                  distributed_type=DistributedType.NO,
-                                  device=torch.device("cpu"))
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(dynamo_plugin=None),
+        distributed_type=DistributedType.NO,
+        device=torch.device("cpu"),
+    )
     model = build_model("gpt", depth=2)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(ConfigError, match="not the model's"):
@@ -256,7 +288,8 @@ def _fsdp_prepare_configs(rank: int, world_size: int):
     model, optimizer = prepare(accelerator, model, optimizer, config=fsdp)
     seen = []
     model.blocks[0].register_forward_pre_hook(
-        lambda m, args: seen.append((str(args[0].dtype), str(m.ln1.weight.dtype))))
+        lambda m, args: seen.append((str(args[0].dtype), str(m.ln1.weight.dtype)))
+    )
     x, y = batches[0]
     losses = []
     for _ in range(3):  # one batch, again and again: the loss must go down
@@ -266,9 +299,13 @@ def _fsdp_prepare_configs(rank: int, world_size: int):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    out["bf16"] = {"losses": losses, "logits": str(logits.dtype), "seen": seen,
-                   "master": sorted({str(p.dtype) for p in model.parameters()}),
-                   "policy": str(aotdist.parallelize_info(model).config.fsdp.param_dtype)}
+    out["bf16"] = {
+        "losses": losses,
+        "logits": str(logits.dtype),
+        "seen": seen,
+        "master": sorted({str(p.dtype) for p in model.parameters()}),
+        "policy": str(aotdist.parallelize_info(model).config.fsdp.param_dtype),
+    }
 
     # Gradient accumulation: 4 micro-batches, 2 real steps, same result as by hand.
     def run(accumulate: bool):
@@ -297,6 +334,7 @@ def _fsdp_prepare_configs(rank: int, world_size: int):
                     optimizer.step()
                     optimizer.zero_grad()
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         return len(steps), {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
 
     out["accumulate"] = {"prepare": run(True), "by_hand": run(False)}
@@ -316,8 +354,11 @@ def _fsdp_prepare_configs(rank: int, world_size: int):
         optimizer.zero_grad()
         losses.append(loss.item())
     info = aotdist.parallelize_info(model)
-    out["float8"] = {"layers": len(info.float8_fqns), "losses": losses,
-                     "weight": type(model.blocks[0].mlp.fc.weight.to_local()).__name__}
+    out["float8"] = {
+        "layers": len(info.float8_fqns),
+        "losses": losses,
+        "weight": type(model.blocks[0].mlp.fc.weight.to_local()).__name__,
+    }
     return out
 
 
@@ -345,9 +386,12 @@ def test_prepare_refuses_fsdp_param_dtype_that_conflicts_with_accelerate_mixed_p
     from accelerate.utils import DistributedType
     from aotdist.callbacks import prepare
 
-    accelerator = SimpleNamespace(state=SimpleNamespace(dynamo_plugin=None),
-                                  distributed_type=DistributedType.NO, mixed_precision="bf16",
-                                  device=torch.device("cpu"))
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(dynamo_plugin=None),
+        distributed_type=DistributedType.NO,
+        mixed_precision="bf16",
+        device=torch.device("cpu"),
+    )
     model = build_model("gpt", depth=2)
     config = {"fsdp": {"enabled": True, "param_dtype": "float16"}, **AOT}
     with pytest.raises(ConfigError, match="mixed_precision is bf16.*fsdp.param_dtype: float16"):
@@ -370,18 +414,43 @@ def test_recipe_as_two_nodes_with_hsdp_matches_eager(tmp_path, eager_losses):
     eager process on the global batch (4 processes x 2)."""
     port = _free_port()
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
-         "--rdzv-endpoint", f"localhost:{port}", "--nproc-per-node", "2",
-         str(ROOT / "recipes/train_accelerate.py"), "--aotdist-config",
-         "configs/aotdist/hsdp.yaml", "--backend", "aot_eager", "--batch-size", "2",
-         "--steps", "4"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for n in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--rdzv-endpoint",
+                f"localhost:{port}",
+                "--nproc-per-node",
+                "2",
+                str(ROOT / "recipes/train_accelerate.py"),
+                "--aotdist-config",
+                "configs/aotdist/hsdp.yaml",
+                "--backend",
+                "aot_eager",
+                "--batch-size",
+                "2",
+                "--steps",
+                "4",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
     outs = [node.communicate(timeout=480) for node in nodes]
     for node, (out, err) in zip(nodes, outs, strict=True):
         assert node.returncode == 0, out[-3000:] + err[-3000:]
     rows = [json.loads(line) for line in outs[0][0].splitlines() if line.startswith('{"step"')]
     assert not any(line.startswith('{"step"') for line in outs[1][0].splitlines())
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]),
-                               torch.tensor(eager_losses), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in rows]), torch.tensor(eager_losses), rtol=1e-4, atol=1e-5
+    )

@@ -29,8 +29,10 @@ def _fsdp2_accelerator():
 
     AcceleratorState._reset_state()  # one process, several Accelerators
     plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["GPTBlock"])
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["GPTBlock"],
+    )
     return Accelerator(cpu=True, fsdp_plugin=plugin), plugin
 
 
@@ -87,13 +89,19 @@ def _orders(rank: int, world_size: int) -> dict:
             out[order] = {"error": str(exc), "units": units}
             continue
         out[order] = {
-            "fsdp2": fsdp2, "units": units,
+            "fsdp2": fsdp2,
+            "units": units,
             "losses": losses,
-            "params": {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                       for k, v in model.state_dict().items()},
+            "params": {
+                k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                for k, v in model.state_dict().items()
+            },
             "compiled": STATE_ATTR in vars(accelerator.unwrap_model(model)),
-            "call_sites": (hook.metrics.regions["GPTBlock"].call_sites
-                           if hook.metrics and "GPTBlock" in hook.metrics.regions else None),
+            "call_sites": (
+                hook.metrics.regions["GPTBlock"].call_sites
+                if hook.metrics and "GPTBlock" in hook.metrics.regions
+                else None
+            ),
             "frames": hook.metrics.frames_compiled if hook.metrics else None,
         }
     return out
@@ -114,11 +122,13 @@ def test_hook_after_accelerate_fsdp2_compiles_inside_its_units_like_eager(orders
     assert got["units"].count("FSDPGPTBlock") == DEPTH and "FSDPTinyGPT" in got["units"]
     assert got["compiled"] and got["frames"], got
     assert got["call_sites"] == DEPTH, got["call_sites"]
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(eager["losses"]),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=1e-6
+    )
     for key, value in eager["params"].items():
-        torch.testing.assert_close(got["params"][key], value, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            got["params"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
+        )
     assert orders[1]["prepare_then_hook"]["losses"] == got["losses"]
 
 
@@ -126,7 +136,8 @@ def test_hook_before_accelerate_fsdp2_is_refused_naming_the_fix(orders):
     for rank in (0, 1):
         got = orders[rank]["hook_then_prepare"]
         assert "error" in got, got.get("losses")
-        assert got["error"].startswith("RegionalCompileHook was attached to the model before "
-                                       "it was sharded with FSDP2"), got["error"]
+        assert got["error"].startswith(
+            "RegionalCompileHook was attached to the model before it was sharded with FSDP2"
+        ), got["error"]
         assert "Fix: attach it after accelerator.prepare" in got["error"]
         assert got["units"].count("FSDPGPTBlock") == DEPTH  # Accelerate did shard it

@@ -25,7 +25,9 @@ def _train(model, batches, loss_fn=None):
         aotdist.compile_regions(model, backend="aot_eager")
         with metrics.track(model) as tracked:
             assert_training_parity(model, ref, batches, loss_fn=loss_fn)
-    warned = [str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)]
+    warned = [
+        str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
+    ]
     return tracked, warned
 
 
@@ -39,8 +41,15 @@ def test_a_diffusers_dit_trains_as_eager_with_its_blocks_named():
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
     model = diffusers.DiTTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-        num_layers=3, sample_size=8, patch_size=2, num_embeds_ada_norm=10).train()
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        num_layers=3,
+        sample_size=8,
+        patch_size=2,
+        num_embeds_ada_norm=10,
+    ).train()
     g = torch.Generator().manual_seed(1)
 
     def batch():
@@ -55,12 +64,17 @@ def _lora_llama(layers: int = 4):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=layers, num_attention_heads=2,
-                                   num_key_value_heads=2, use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
     base = transformers.LlamaForCausalLM(cfg)
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                           lora_dropout=0.0)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     model = peft.get_peft_model(base, lora).train()
     for name, p in model.named_parameters():  # adapters start at zero: make them count
         if "lora_B" in name:
@@ -81,8 +95,7 @@ def test_lora_on_a_frozen_llama_trains_as_eager_and_names_the_inlined_first_laye
     tracked, warned = _train(model, _token_batches())
     st = tracked.regions["LlamaDecoderLayer"]
     # torch 2.14+ inlines a subgraph called once (the first layer's); 2.11 keeps it apart
-    assert (st.instances, st.call_sites, st.subgraphs) in ((4, 3, 1), (4, 4, 2)), \
-        tracked.summary()
+    assert (st.instances, st.call_sites, st.subgraphs) in ((4, 3, 1), (4, 4, 2)), tracked.summary()
     assert tracked.num_graph_breaks == 0, tracked.summary()
     split = [w for w in warned if "'LlamaDecoderLayer'" in w]
     assert split and "requires_grad" in split[0], warned

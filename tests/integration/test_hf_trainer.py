@@ -35,9 +35,15 @@ def _fresh_accelerate_state():
 
 def _model():
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=3, num_attention_heads=2,
-                                   num_key_value_heads=2, use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -48,16 +54,27 @@ def _data(n: int = 2 * STEPS):
 
 
 def _args(out, **kwargs):
-    base = dict(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2,
-                learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True,
-                save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0,
-                disable_tqdm=True)
+    base = dict(
+        output_dir=str(out),
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     return transformers.TrainingArguments(**{**base, **kwargs})
 
 
 def _train(out, callbacks, **kwargs):
-    trainer = transformers.Trainer(model=_model(), args=_args(out, **kwargs),
-                                   train_dataset=_data(), callbacks=callbacks)
+    trainer = transformers.Trainer(
+        model=_model(), args=_args(out, **kwargs), train_dataset=_data(), callbacks=callbacks
+    )
     trainer.train()
     return trainer
 
@@ -81,8 +98,11 @@ def test_trainer_trains_as_eager_and_logs_aotdist_metrics(tmp_path):
 def test_a_checkpoint_resumes_with_the_same_losses(tmp_path):
     def run(out, resume=None):
         trainer = transformers.Trainer(
-            model=_model(), args=_args(out, save_strategy="steps", save_steps=2),
-            train_dataset=_data(), callbacks=[TrainerRegionalCompile(backend="aot_eager")])
+            model=_model(),
+            args=_args(out, save_strategy="steps", save_steps=2),
+            train_dataset=_data(),
+            callbacks=[TrainerRegionalCompile(backend="aot_eager")],
+        )
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
@@ -93,16 +113,32 @@ def test_a_checkpoint_resumes_with_the_same_losses(tmp_path):
 
 def test_torch_compile_true_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="torch_compile=False"):
-        transformers.Trainer(model=_model(), args=_args(tmp_path, torch_compile=True),
-                             train_dataset=_data(),
-                             callbacks=[TrainerRegionalCompile(backend="aot_eager")])
+        transformers.Trainer(
+            model=_model(),
+            args=_args(tmp_path, torch_compile=True),
+            train_dataset=_data(),
+            callbacks=[TrainerRegionalCompile(backend="aot_eager")],
+        )
 
 
 def _recipe(*args: str) -> dict:
     recipe = Path(__file__).parents[2] / "recipes" / "train_hf_lora.py"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           "2", str(recipe), "--steps", "4", *args],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            str(recipe),
+            "--steps",
+            "4",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -114,6 +150,8 @@ def test_the_lora_recipe_under_ddp_on_two_processes_matches_eager():
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-6, abs=1e-6)
     stats = compiled["aotdist"]
     # the first layer inline (torch 2.14+), or its own subgraph (2.11)
-    layer = (stats["aotdist/LlamaDecoderLayer/call_sites"],
-             stats["aotdist/LlamaDecoderLayer/subgraphs"])
+    layer = (
+        stats["aotdist/LlamaDecoderLayer/call_sites"],
+        stats["aotdist/LlamaDecoderLayer/subgraphs"],
+    )
     assert layer in ((3, 1), (4, 2)), stats

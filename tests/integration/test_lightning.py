@@ -77,7 +77,10 @@ class GPTModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        if self.short_seq_from_epoch is not None and self.current_epoch >= self.short_seq_from_epoch:
+        if (
+            self.short_seq_from_epoch is not None
+            and self.current_epoch >= self.short_seq_from_epoch
+        ):
             x, y = x[:, :8], y[:, :8]  # a new shape: makes Dynamo recompile
         loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
         self.losses.append(loss.detach().item())
@@ -144,8 +147,11 @@ class ParallelizedByUser(GPTModule):
 
     def configure_model(self):
         if aotdist.parallelize_info(self.model) is None:
-            aotdist.parallelize(self.model, config={**AOT, "fsdp": {"enabled": True}},
-                                mesh=self.device_mesh["data_parallel"])
+            aotdist.parallelize(
+                self.model,
+                config={**AOT, "fsdp": {"enabled": True}},
+                mesh=self.device_mesh["data_parallel"],
+            )
 
 
 def _loader(batch_size: int = 4, samples: int = 16, seed: int = 1):
@@ -156,15 +162,35 @@ def _loader(batch_size: int = 4, samples: int = 16, seed: int = 1):
     return torch.utils.data.DataLoader(data, batch_size=batch_size)
 
 
-def _fit(module, callbacks, *, strategy="auto", devices=1, max_steps=4, max_epochs=-1,
-         ckpt_path=None, default_root_dir=None, batch_size=4, samples=16, loggers=None,
-         precision="32-true"):
+def _fit(
+    module,
+    callbacks,
+    *,
+    strategy="auto",
+    devices=1,
+    max_steps=4,
+    max_epochs=-1,
+    ckpt_path=None,
+    default_root_dir=None,
+    batch_size=4,
+    samples=16,
+    loggers=None,
+    precision="32-true",
+):
     logger = MemoryLogger()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps,
-        max_epochs=max_epochs, logger=loggers or logger, callbacks=callbacks,
-        enable_checkpointing=default_root_dir is not None, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, precision=precision,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        max_epochs=max_epochs,
+        logger=loggers or logger,
+        callbacks=callbacks,
+        enable_checkpointing=default_root_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        precision=precision,
         # never the repository: Lightning writes lightning_logs/ there by default
         default_root_dir=default_root_dir or tempfile.mkdtemp(dir=_SCRATCH.name),
     )
@@ -173,8 +199,10 @@ def _fit(module, callbacks, *, strategy="auto", devices=1, max_steps=4, max_epoc
 
 
 def _params(module) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in module.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in module.state_dict().items()
+    }
 
 
 def _assert_same_params(a: dict, b: dict, **tol):
@@ -206,9 +234,13 @@ def test_single_process_matches_eager_and_logs_metrics():
     # validate / test after fit: the compiled model, not applied again, eager numbers
     for run, key in ((trainer.validate, "val_loss"), (trainer.test, "test_loss")):
         got = run(module, _loader(4, 8), verbose=False)[0][key]
-        want = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
-                          enable_model_summary=False, default_root_dir=tempfile.mkdtemp(
-                              dir=_SCRATCH.name))
+        want = pl.Trainer(
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tempfile.mkdtemp(dir=_SCRATCH.name),
+        )
         expected = getattr(want, run.__name__)(ref, _loader(4, 8), verbose=False)[0][key]
         assert got == pytest.approx(expected, rel=1e-5), run.__name__
     assert trainer.callbacks[0].applied is cb.applied and cb.applied.target is module.model
@@ -218,8 +250,11 @@ def test_recompile_after_first_epoch_warns():
     module = GPTModule(short_seq_from_epoch=1)
     with pytest.warns(UserWarning, match=r"recompile\(s\) in epoch 1"):
         _, logger = _fit(module, [RegionalCompile(AOT)], max_steps=8, max_epochs=2)
-    epochs = [row["aotdist/recompiles_epoch"] for _, row in logger.rows
-              if "aotdist/recompiles_epoch" in row]
+    epochs = [
+        row["aotdist/recompiles_epoch"]
+        for _, row in logger.rows
+        if "aotdist/recompiles_epoch" in row
+    ]
     assert epochs[0] == 0 and epochs[1] >= 1
 
 
@@ -229,15 +264,22 @@ def test_resume_and_cross_loading_checkpoints(tmp_path):
     epoch = {"samples": 8}  # 2 steps per epoch: checkpoints land on epoch boundaries
 
     def first_two_steps(callbacks, where):
-        trainer, _ = _fit(GPTModule(), callbacks, max_steps=2, default_root_dir=tmp_path / where,
-                          **epoch)
+        trainer, _ = _fit(
+            GPTModule(), callbacks, max_steps=2, default_root_dir=tmp_path / where, **epoch
+        )
         return trainer.checkpoint_callback.best_model_path
 
     def resume(callbacks, ckpt, where):
         torch._dynamo.reset()
         module = GPTModule()
-        _fit(module, callbacks, max_steps=4, ckpt_path=ckpt, default_root_dir=tmp_path / where,
-             **epoch)
+        _fit(
+            module,
+            callbacks,
+            max_steps=4,
+            ckpt_path=ckpt,
+            default_root_dir=tmp_path / where,
+            **epoch,
+        )
         return module
 
     compiled_ckpt = first_two_steps([RegionalCompile(AOT)], "a")
@@ -253,7 +295,9 @@ def test_resume_and_cross_loading_checkpoints(tmp_path):
     plain = GPTModule()
     assert list(saved["state_dict"]) == list(plain.state_dict())
     plain.load_state_dict(saved["state_dict"])
-    assert list(torch.load(eager_ckpt, weights_only=False)["state_dict"]) == list(saved["state_dict"])
+    assert list(torch.load(eager_ckpt, weights_only=False)["state_dict"]) == list(
+        saved["state_dict"]
+    )
     assert any("RegionalCompile" in key for key in saved["callbacks"])
     # an uncompiled run resumed from the compiled run's checkpoint: same trajectory too
     plain_resumed = resume([], compiled_ckpt, "f")
@@ -328,8 +372,7 @@ def _ddp_runs(rank: int, world_size: int):
         torch._dynamo.reset()
         module = GPTModule()
         _, logger = _fit(module, callbacks, strategy="ddp", devices=world_size, batch_size=2)
-        out[name] = {"losses": module.losses, "params": _params(module),
-                     "logged": logger.merged()}
+        out[name] = {"losses": module.losses, "params": _params(module), "logged": logger.merged()}
     return out
 
 
@@ -356,26 +399,40 @@ def _model_parallel_runs(rank: int, world_size: int):
         "eager_float8": (ShardedByUser(float8=True), []),
         "aotdist_float8": (GPTModule(), [RegionalCompile({**AOT, "float8": FLOAT8})]),
         "user_parallelize": (ParallelizedByUser(), [RegionalCompile(AOT)]),
-        "aotdist_graph": (GPTModule(), [RegionalCompile(
-            {**AOT, "fsdp": {"enabled": True, "mode": "graph"}})]),
+        "aotdist_graph": (
+            GPTModule(),
+            [RegionalCompile({**AOT, "fsdp": {"enabled": True, "mode": "graph"}})],
+        ),
         "aotdist_bf16": (BF16Probe(), [RegionalCompile(AOT)]),
-        "aotdist_hsdp": (GPTModule(), [RegionalCompile(
-            {**AOT, "fsdp": {"enabled": True, "replicate_degree": world_size}})]),
+        "aotdist_hsdp": (
+            GPTModule(),
+            [RegionalCompile({**AOT, "fsdp": {"enabled": True, "replicate_degree": world_size}})],
+        ),
     }
     out = {}
     for name, (module, callbacks) in runs.items():
         torch._dynamo.reset()
-        trainer, logger = _fit(module, callbacks, strategy=strategy(), devices=world_size,
-                               batch_size=2,
-                               precision="bf16-mixed" if name.endswith("bf16") else "32-true")
+        trainer, logger = _fit(
+            module,
+            callbacks,
+            strategy=strategy(),
+            devices=world_size,
+            batch_size=2,
+            precision="bf16-mixed" if name.endswith("bf16") else "32-true",
+        )
         cb = next((c for c in trainer.callbacks if isinstance(c, RegionalCompile)), None)
         out[name] = {
-            "losses": module.losses, "params": _params(module), "logged": logger.merged(),
+            "losses": module.losses,
+            "params": _params(module),
+            "logged": logger.merged(),
             "how": cb.applied.how if cb else None,
             "weight": type(module.model.blocks[0].mlp.fc.weight.to_local()).__name__,
             "sharded": type(module.model.blocks[0]).__mro__[1].__name__,
-            "placements": [type(p).__name__ for p in module.model.blocks[0].mlp.fc.weight.placements]
-            if hasattr(module.model.blocks[0].mlp.fc.weight, "placements") else None,
+            "placements": [
+                type(p).__name__ for p in module.model.blocks[0].mlp.fc.weight.placements
+            ]
+            if hasattr(module.model.blocks[0].mlp.fc.weight, "placements")
+            else None,
             "seen": sorted(set(getattr(module, "seen", []))),
         }
     return out
@@ -384,13 +441,16 @@ def _model_parallel_runs(rank: int, world_size: int):
 @pytest.mark.slow  # > 30 s on a 2-core CPU machine
 def test_model_parallel_fsdp2_with_and_without_float8():
     rank0 = run_distributed(_model_parallel_runs, 2, timeout=420)[0]
-    for eager, compiled, tol in (("eager", "aotdist", {"rtol": 1e-5, "atol": 1e-6}),
-                                 ("eager_float8", "aotdist_float8", {"rtol": 1e-4, "atol": 1e-5}),
-                                 ("eager", "user_parallelize", {"rtol": 1e-5, "atol": 1e-6}),
-                                 ("eager", "aotdist_graph", {"rtol": 1e-5, "atol": 1e-6}),
-                                 ("eager", "aotdist_hsdp", {"rtol": 1e-5, "atol": 1e-6})):
-        torch.testing.assert_close(torch.tensor(rank0[compiled]["losses"]),
-                                   torch.tensor(rank0[eager]["losses"]), **tol)
+    for eager, compiled, tol in (
+        ("eager", "aotdist", {"rtol": 1e-5, "atol": 1e-6}),
+        ("eager_float8", "aotdist_float8", {"rtol": 1e-4, "atol": 1e-5}),
+        ("eager", "user_parallelize", {"rtol": 1e-5, "atol": 1e-6}),
+        ("eager", "aotdist_graph", {"rtol": 1e-5, "atol": 1e-6}),
+        ("eager", "aotdist_hsdp", {"rtol": 1e-5, "atol": 1e-6}),
+    ):
+        torch.testing.assert_close(
+            torch.tensor(rank0[compiled]["losses"]), torch.tensor(rank0[eager]["losses"]), **tol
+        )
         _assert_same_params(rank0[compiled]["params"], rank0[eager]["params"], **tol)
         assert rank0[compiled]["logged"]["aotdist/GPTBlock/call_sites"] == DEPTH
         assert rank0[compiled]["logged"]["aotdist/GPTBlock/subgraphs"] == 1
@@ -409,8 +469,9 @@ def test_model_parallel_fsdp2_with_and_without_float8():
     assert bf16["seen"] == ["torch.bfloat16"], bf16["seen"]
     assert bf16["logged"]["aotdist/GPTBlock/call_sites"] == DEPTH
     assert bf16["losses"] != rank0["aotdist"]["losses"]  # bf16 rounding, really
-    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(rank0["eager"]["losses"]),
-                               rtol=2e-2, atol=0)  # same training, to bf16 accuracy
+    torch.testing.assert_close(
+        torch.tensor(bf16["losses"]), torch.tensor(rank0["eager"]["losses"]), rtol=2e-2, atol=0
+    )  # same training, to bf16 accuracy
 
 
 # ---- LightningCLI configs and the recipe -------------------------------------------------
@@ -423,12 +484,17 @@ def test_shipped_lightning_configs_parse(path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "recipes"))
     import train_lightning
 
-    assert path.read_text().startswith(f"# python recipes/train_lightning.py fit --config "
-                                       f"configs/lightning/{path.name}")
-    cli = train_lightning.CLI(train_lightning.ViTClassifier, train_lightning.FakeImages,
-                              trainer_defaults=train_lightning.trainer_defaults(), run=False,
-                              args=["--config", str(path), "--trainer.accelerator", "cpu"],
-                              save_config_callback=None)
+    assert path.read_text().startswith(
+        f"# python recipes/train_lightning.py fit --config configs/lightning/{path.name}"
+    )
+    cli = train_lightning.CLI(
+        train_lightning.ViTClassifier,
+        train_lightning.FakeImages,
+        trainer_defaults=train_lightning.trainer_defaults(),
+        run=False,
+        args=["--config", str(path), "--trainer.accelerator", "cpu"],
+        save_config_callback=None,
+    )
     callbacks = [c for c in cli.trainer.callbacks if isinstance(c, RegionalCompile)]
     assert len(callbacks) == 1
     assert callbacks[0].config.compile.backend == "inductor"
@@ -437,14 +503,29 @@ def test_shipped_lightning_configs_parse(path, monkeypatch):
 @pytest.mark.slow  # > 30 s on a 2-core CPU machine
 @pytest.mark.inductor
 def test_recipe_runs_end_to_end(tmp_path):
-    cmd = [sys.executable, str(ROOT / "recipes" / "train_lightning.py"), "fit",
-           "--config", str(ROOT / "configs" / "lightning" / "cpu_fsdp2.yaml"),
-           "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
-           "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
-           "--model.num_layers", "2", "--data.train_size", "32", "--data.val_size", "16"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes" / "train_lightning.py"),
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "lightning" / "cpu_fsdp2.yaml"),
+        "--trainer.max_steps",
+        "2",
+        "--trainer.limit_val_batches",
+        "1",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--model.num_layers",
+        "2",
+        "--data.train_size",
+        "32",
+        "--data.val_size",
+        "16",
+    ]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env,
-                          cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "aotdist: parallelize on 'model'" in proc.stdout + proc.stderr
     assert "`Trainer.fit` stopped: `max_steps=2` reached" in proc.stdout + proc.stderr
@@ -464,8 +545,10 @@ def test_cache_saves_the_training_and_eval_graphs_whichever_comes_first(tmp_path
 
     if _compat.precompile_unavailable() is not None:
         pytest.skip(_compat.precompile_unavailable())
-    config = {"compile": {"backend": "inductor"},
-              "cache": {"mode": "local", "dir": str(tmp_path / "bundle")}}
+    config = {
+        "compile": {"backend": "inductor"},
+        "cache": {"mode": "local", "dir": str(tmp_path / "bundle")},
+    }
     runs, cold_val = [], None
     for phase in ("cold", "warm"):
         torch._dynamo.reset()
@@ -473,11 +556,18 @@ def test_cache_saves_the_training_and_eval_graphs_whichever_comes_first(tmp_path
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer = pl.Trainer(
-                accelerator="cpu", devices=1, max_steps=2, logger=False,
-                callbacks=[RegionalCompile(config)], enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False,
-                num_sanity_val_steps=sanity, val_check_interval=None if sanity else 1,
-                default_root_dir=tempfile.mkdtemp(dir=_SCRATCH.name))
+                accelerator="cpu",
+                devices=1,
+                max_steps=2,
+                logger=False,
+                callbacks=[RegionalCompile(config)],
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=sanity,
+                val_check_interval=None if sanity else 1,
+                default_root_dir=tempfile.mkdtemp(dir=_SCRATCH.name),
+            )
             trainer.fit(module, _loader(), _loader())
         load = vars(module.model)[aotdist.cache.STATE_ATTR]["load"]
         runs.append((phase, load, module.losses, [str(w.message) for w in caught]))
@@ -499,9 +589,14 @@ def test_recipe_defaults_add_the_callback_once(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "recipes"))
     import train_lightning
 
-    cli = train_lightning.CLI(train_lightning.ViTClassifier, train_lightning.FakeImages,
-                              trainer_defaults=train_lightning.trainer_defaults(), run=False,
-                              args=[], save_config_callback=None)
+    cli = train_lightning.CLI(
+        train_lightning.ViTClassifier,
+        train_lightning.FakeImages,
+        trainer_defaults=train_lightning.trainer_defaults(),
+        run=False,
+        args=[],
+        save_config_callback=None,
+    )
     assert sum(isinstance(c, RegionalCompile) for c in cli.trainer.callbacks) == 1
     assert type(cli.trainer.strategy).__name__ == "ModelParallelStrategy"
 
@@ -514,11 +609,14 @@ def test_ddp_spawn_two_processes():
     module = GPTModule()
     _fit(module, [RegionalCompile(AOT)], strategy="ddp_spawn", devices=2, batch_size=2)
     _assert_same_params(_params(module), _params(ref), rtol=1e-5, atol=1e-6)
-    assert not torch.equal(_params(module)["model.blocks.0.mlp.fc.weight"],
-                           _params(GPTModule())["model.blocks.0.mlp.fc.weight"])
+    assert not torch.equal(
+        _params(module)["model.blocks.0.mlp.fc.weight"],
+        _params(GPTModule())["model.blocks.0.mlp.fc.weight"],
+    )
 
 
 # ---- a transformers decoder under ModelParallelStrategy ----------------------------------
+
 
 class LlamaModule(pl.LightningModule):
     """A tiny transformers Llama (random weights, 3 decoder layers); records its losses.
@@ -529,8 +627,15 @@ class LlamaModule(pl.LightningModule):
         transformers = pytest.importorskip("transformers")
         torch.manual_seed(0)
         cfg = transformers.AutoConfig.for_model(
-            "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH,
-            num_attention_heads=4, num_key_value_heads=2, vocab_size=128, use_cache=False)
+            "llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=DEPTH,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            use_cache=False,
+        )
         self.model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
         self.shard_by_hand = shard_by_hand
         self.losses: list[float] = []
@@ -560,24 +665,40 @@ def _llama_model_parallel_runs(rank: int, world_size: int):
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randint(0, 128, (8 * world_size, 12), generator=g))
     out = {}
-    for name, module, callbacks in (("eager", LlamaModule(shard_by_hand=True), []),
-                                    ("aotdist", LlamaModule(), [RegionalCompile(AOT)])):
+    for name, module, callbacks in (
+        ("eager", LlamaModule(shard_by_hand=True), []),
+        ("aotdist", LlamaModule(), [RegionalCompile(AOT)]),
+    ):
         logger = MemoryLogger()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer = pl.Trainer(
-                accelerator="cpu", devices=world_size, max_steps=3, logger=logger,
-                strategy=ModelParallelStrategy(data_parallel_size=world_size,
-                                               tensor_parallel_size=1),
-                callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, num_sanity_val_steps=0,
-                default_root_dir=tempfile.mkdtemp(dir=_SCRATCH.name))
+                accelerator="cpu",
+                devices=world_size,
+                max_steps=3,
+                logger=logger,
+                strategy=ModelParallelStrategy(
+                    data_parallel_size=world_size, tensor_parallel_size=1
+                ),
+                callbacks=callbacks,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                default_root_dir=tempfile.mkdtemp(dir=_SCRATCH.name),
+            )
             trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
-        out[name] = {"losses": module.losses, "params": _params(module),
-                     "logged": logger.merged(),
-                     "sharded": type(module.model.model.layers[0]).__mro__[1].__name__,
-                     "warnings": [str(w.message) for w in caught
-                                  if issubclass(w.category, aotdist.RegionCompileWarning)]}
+        out[name] = {
+            "losses": module.losses,
+            "params": _params(module),
+            "logged": logger.merged(),
+            "sharded": type(module.model.model.layers[0]).__mro__[1].__name__,
+            "warnings": [
+                str(w.message)
+                for w in caught
+                if issubclass(w.category, aotdist.RegionCompileWarning)
+            ],
+        }
     return out
 
 
@@ -595,6 +716,7 @@ def test_model_parallel_transformers_decoder_runs_every_layer_compiled():
     assert logged["aotdist/graphs"] >= 1, logged
     assert not compiled["warnings"], compiled["warnings"]
     assert len(compiled["losses"]) == 3
-    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=1e-6
+    )
     _assert_same_params(compiled["params"], eager["params"], rtol=1e-5, atol=1e-6)

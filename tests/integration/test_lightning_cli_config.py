@@ -24,7 +24,8 @@ class Tiny(LightningModule):
 
 def _cli(tmp_path, config: str) -> LightningCLI:
     path = tmp_path / "my.yaml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         trainer:
           accelerator: cpu
           logger: false
@@ -33,27 +34,35 @@ def _cli(tmp_path, config: str) -> LightningCLI:
               init_args:
                 config: {config}
                 backend: aot_eager
-    """))
-    return LightningCLI(Tiny, run=False, args=["--config", str(path)],
-                        save_config_callback=None)
+    """)
+    )
+    return LightningCLI(Tiny, run=False, args=["--config", str(path)], save_config_callback=None)
 
 
-@pytest.mark.parametrize("config, message", [
-    ("{ac: {enabeld: true}}", "invalid aotdist config: ac.enabeld: unknown key (did you "
-     "mean 'enabled'?); known keys of ac: ['enabled']"),
-    ("{regions: {min_repeats: two}}", "invalid aotdist config: regions.min_repeats: "
-     "expected an integer, got 'two'"),
-    ("{compile: {backend: indcutor}}", "unknown backend 'indcutor' (did you mean "
-     "'inductor'?)"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            "{ac: {enabeld: true}}",
+            "invalid aotdist config: ac.enabeld: unknown key (did you "
+            "mean 'enabled'?); known keys of ac: ['enabled']",
+        ),
+        (
+            "{regions: {min_repeats: two}}",
+            "invalid aotdist config: regions.min_repeats: expected an integer, got 'two'",
+        ),
+        ("{compile: {backend: indcutor}}", "unknown backend 'indcutor' (did you mean 'inductor'?)"),
+    ],
+)
 def test_a_typo_in_the_callback_config_is_a_parser_error_led_by_aotdist_s_message(
-        tmp_path, capsys, config, message):
+    tmp_path, capsys, config, message
+):
     with pytest.raises(SystemExit) as exit_:
         _cli(tmp_path, config)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    errors = err[err.index("error: "):]
+    errors = err[err.index("error: ") :]
     assert message in errors
     assert errors.index(message) < errors.index("Not a valid subclass of Callback")
 

@@ -36,11 +36,30 @@ def test_a_rank_dying_on_one_node_ends_the_job_on_both(tmp_path):
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
-         "--rdzv-endpoint", f"localhost:{port}", "--nproc-per-node", "2", str(script)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for n in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--rdzv-endpoint",
+                f"localhost:{port}",
+                "--nproc-per-node",
+                "2",
+                str(script),
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
     try:
         outs = [node.communicate(timeout=240)[0] for node in nodes]
     finally:

@@ -43,8 +43,12 @@ def test_prepare_without_a_launcher_says_what_parallelize_says(plain_python, fsd
     model = build_model("gpt", depth=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError) as err:
-        prepare(accelerator, model, optimizer,
-                config={"fsdp": fsdp, "compile": {"backend": "aot_eager"}})
+        prepare(
+            accelerator,
+            model,
+            optimizer,
+            config={"fsdp": fsdp, "compile": {"backend": "aot_eager"}},
+        )
     assert str(err.value) == _parallelize_message()
     assert str(err.value).startswith("fsdp.enabled needs an initialized process group")
     assert not dist.is_initialized()

@@ -32,10 +32,20 @@ from aotdist.testing.distributed import fake_world, one_rank_group
 
 pytest.importorskip("torchvision")
 ROOT = Path(__file__).resolve().parents[2]
-AOTDIST_WARNINGS = tuple(c for c in vars(aotdist.errors).values() if isinstance(c, type)
-                         and issubclass(c, Warning) and c.__module__ == "aotdist.errors")
-TINY_VIT = {"image_size": 32, "patch_size": 8, "num_layers": 2, "num_heads": 2,
-            "hidden_dim": 32, "mlp_dim": 64, "num_classes": 10}
+AOTDIST_WARNINGS = tuple(
+    c
+    for c in vars(aotdist.errors).values()
+    if isinstance(c, type) and issubclass(c, Warning) and c.__module__ == "aotdist.errors"
+)
+TINY_VIT = {
+    "image_size": 32,
+    "patch_size": 8,
+    "num_layers": 2,
+    "num_heads": 2,
+    "hidden_dim": 32,
+    "mlp_dim": 64,
+    "num_classes": 10,
+}
 
 
 @contextlib.contextmanager
@@ -43,8 +53,11 @@ def _no_aotdist_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield
-    ours = [f"{w.category.__name__}: {w.message}" for w in caught
-            if issubclass(w.category, AOTDIST_WARNINGS)]
+    ours = [
+        f"{w.category.__name__}: {w.message}"
+        for w in caught
+        if issubclass(w.category, AOTDIST_WARNINGS)
+    ]
     assert ours == [], "\n".join(ours)
 
 
@@ -78,17 +91,34 @@ def test_accelerate_recipe_with_each_shipped_aotdist_config(config):
 
     path = ROOT / "configs" / "aotdist" / config
     fsdp = yaml.safe_load(path.read_text()).get("fsdp") or {}
-    world = (fake_world(fsdp.get("replicate_degree", 1)) if fsdp.get("replicate_degree", 1) > 1
-             else one_rank_group() if fsdp.get("enabled") else contextlib.nullcontext())
+    world = (
+        fake_world(fsdp.get("replicate_degree", 1))
+        if fsdp.get("replicate_degree", 1) > 1
+        else one_rank_group()
+        if fsdp.get("enabled")
+        else contextlib.nullcontext()
+    )
     AcceleratorState._reset_state(reset_partial_state=True)
     with world, _no_aotdist_warning():
-        losses = _recipe("train_accelerate").main([
-            "--aotdist-config", str(path), "--backend", "aot_eager", "--steps", "1",
-            "--num-layers", "2", "--batch-size", "2"])
+        losses = _recipe("train_accelerate").main(
+            [
+                "--aotdist-config",
+                str(path),
+                "--backend",
+                "aot_eager",
+                "--steps",
+                "1",
+                "--num-layers",
+                "2",
+                "--batch-size",
+                "2",
+            ]
+        )
     assert len(losses) == 1
 
 
 # ---- recipes/train_lightning.py with its defaults and each configs/lightning/*.yaml ------
+
 
 def _lightning_args(tmp_path: Path, config: str | None) -> list[str]:
     """The recipe's ``fit`` arguments: the shipped config with aot_eager, one rank, one step
@@ -100,20 +130,39 @@ def _lightning_args(tmp_path: Path, config: str | None) -> list[str]:
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict) and "data_parallel_size" in strategy.get("init_args", {}):
         strategy["init_args"]["data_parallel_size"] = 1
-    trainer.update(accelerator="cpu", devices=1, precision="32-true", max_steps=1,
-                   limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.update(
+        accelerator="cpu",
+        devices=1,
+        precision="32-true",
+        max_steps=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
     if strategy is None:  # the recipe's default: FSDP2 (ModelParallelStrategy) over the devices
         trainer["strategy"] = {
             "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-            "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1}}
+            "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1},
+        }
     if config is None:  # and its RegionalCompile()
-        trainer["callbacks"] = [{"class_path": "aotdist.callbacks.RegionalCompile",
-                                 "init_args": {"backend": "aot_eager"}}]
+        trainer["callbacks"] = [
+            {
+                "class_path": "aotdist.callbacks.RegionalCompile",
+                "init_args": {"backend": "aot_eager"},
+            }
+        ]
     cfg["model"] = dict(TINY_VIT)
-    cfg["data"] = {"image_size": 32, "num_classes": 10, "train_size": 4, "val_size": 4,
-                   "batch_size": 2}
+    cfg["data"] = {
+        "image_size": 32,
+        "num_classes": 10,
+        "train_size": 4,
+        "val_size": 4,
+        "batch_size": 2,
+    }
     (tmp_path / "shipped.yaml").write_text(yaml.safe_dump(cfg))
     return ["fit", "--config", str(tmp_path / "shipped.yaml")]
 
@@ -137,17 +186,29 @@ def test_lightning_recipe_with_each_shipped_config(config, tmp_path, monkeypatch
 
 # ---- the README's accelerate launch command ---------------------------------------------
 
+
 @pytest.mark.slow  # two processes through accelerate launch, ~30 s on a 2-core CPU machine
 @pytest.mark.timeout(480)
 def test_readme_accelerate_launch_recipe_warns_nothing_of_aotdist():
     accelerate = str(Path(sys.executable).with_name("accelerate"))
-    cmd = [accelerate, "launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
-           "recipes/train_accelerate.py", "--aotdist-config", "configs/aotdist/fsdp2.yaml",
-           "--backend", "aot_eager", "--steps", "2", "--num-layers", "2"]
+    cmd = [
+        accelerate,
+        "launch",
+        "--config_file",
+        "configs/accelerate/cpu_2proc.yaml",
+        "recipes/train_accelerate.py",
+        "--aotdist-config",
+        "configs/aotdist/fsdp2.yaml",
+        "--backend",
+        "aot_eager",
+        "--steps",
+        "2",
+        "--num-layers",
+        "2",
+    ]
     with tempfile.TemporaryDirectory() as home:  # Accelerate's default config: none of ours
         env = dict(os.environ, HF_HOME=home)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=450, env=env,
-                              cwd=ROOT)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=450, env=env, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert '{"step": 2' in proc.stdout, out[-3000:]

@@ -16,8 +16,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 pytest.importorskip("transformers")
 
 # Every region of these stays one reused subgraph on every supported torch.
-REUSED = ("llama", "mistral", "qwen3", "gemma2", "phi3", "gpt2", "mixtral", "qwen3_moe",
-          "deepseek_v3", "bert", "t5", "whisper", "convnext_tiny", "vit", "resnet18")
+REUSED = (
+    "llama",
+    "mistral",
+    "qwen3",
+    "gemma2",
+    "phi3",
+    "gpt2",
+    "mixtral",
+    "qwen3_moe",
+    "deepseek_v3",
+    "bert",
+    "t5",
+    "whisper",
+    "convnext_tiny",
+    "vit",
+    "resnet18",
+)
 # These keep some regions and name the rest (inputs of another shape at some call sites,
 # a per-block constant).
 PARTLY = ("jamba", "efficientnet_b0")
@@ -64,8 +79,10 @@ def test_families_under_graph_mode_fsdp_stay_one_reused_subgraph_and_train_like_
     assert result.status == "reused", result.line() + "\n" + result.error
     assert "graph mode" in result.line() and result.fsdp_mode == "graph"
     for region, stats in result.regions.items():
-        assert stats["call_sites"] == stats["instances"] and stats["subgraphs"] == 1, \
-            (region, result.line())
+        assert stats["call_sites"] == stats["instances"] and stats["subgraphs"] == 1, (
+            region,
+            result.line(),
+        )
     assert result.max_grad_diff < 1e-4, result.line()
 
 
@@ -109,8 +126,10 @@ def test_big_bird_s_blocks_are_named_in_its_body_s_own_frame_and_its_unused_pool
     # BigBird switches itself from block-sparse to full attention in its first call (a short
     # sequence; transformers logs it), so step 2 fails that guard and compiles once more:
     # the model's doing (whole-model compile too), named with the guard that failed.
-    assert "self.attention_type == 'block_sparse' (modeling_big_bird.py:" in \
-        result.notes["later steps"], result.notes
+    assert (
+        "self.attention_type == 'block_sparse' (modeling_big_bird.py:"
+        in result.notes["later steps"]
+    ), result.notes
 
 
 # Built since their tiny configs keep MLA's, partial rotary's and Mamba-2's sizes
@@ -118,13 +137,25 @@ def test_big_bird_s_blocks_are_named_in_its_body_s_own_frame_and_its_unused_pool
 # (what Zamba-2 and xLSTM derive from them), fill what a default config leaves out (Dots1's
 # shared experts, LFM2-MoE's layer kinds) and read per-layer sizes (Gemma 4): each trains
 # with eager's result, its regions reused or named.
-MORE = {"gptj": "reused", "codegen": "reused", "minicpm3": "reused", "glm4_moe_lite": "reused",
-        "mamba2": "reused", "bamba": "reused", "falcon": "reused", "deepseek_v2": "reused",
-        "zamba2": "partly reused", "dots1": "reused", "lfm2_moe": "reused",
-        "falcon_h1": "reused", "gemma4_text": "reused",
-        # multimodal: their text and vision towers are nested configs, shrunk too; Emu3's
-        # text config holds the attention dropout
-        "gemma3": "reused", "emu3": "reused"}
+MORE = {
+    "gptj": "reused",
+    "codegen": "reused",
+    "minicpm3": "reused",
+    "glm4_moe_lite": "reused",
+    "mamba2": "reused",
+    "bamba": "reused",
+    "falcon": "reused",
+    "deepseek_v2": "reused",
+    "zamba2": "partly reused",
+    "dots1": "reused",
+    "lfm2_moe": "reused",
+    "falcon_h1": "reused",
+    "gemma4_text": "reused",
+    # multimodal: their text and vision towers are nested configs, shrunk too; Emu3's
+    # text config holds the attention dropout
+    "gemma3": "reused",
+    "emu3": "reused",
+}
 
 
 @pytest.mark.zoo
@@ -179,6 +210,9 @@ def test_gemma4_s_layers_are_one_subgraph_with_or_without_the_shared_kv_dict_pas
             torch.testing.assert_close(p.grad, q.grad, msg=name)
         stats = m.regions["Gemma4TextDecoderLayer"]
         assert stats.subgraphs + stats.inlined == 1 and not m.reuse, m.summary()
-        refused = [why for why in vars(model)["_aotdist_state"].refusals.values()
-                   if "unsupported input VT types" in why]
+        refused = [
+            why
+            for why in vars(model)["_aotdist_state"].refusals.values()
+            if "unsupported input VT types" in why
+        ]
         assert bool(refused) == (logs_why and not fixed), refused  # torch 2.11 logs none

@@ -24,7 +24,9 @@ def _trains_with_parity(result) -> None:
     assert result.max_grad_diff <= rtol and result.max_buffer_diff <= rtol, result.line()
     assert result.max_loss_diff <= rtol * max(1.0, abs(result.loss_eager)), result.line()
     if result.status in ("partly reused", "demoted"):  # what is not kept is named
-        assert set(result.notes) - {"gradients", "later steps"} <= set(result.regions), result.line()
+        assert set(result.notes) - {"gradients", "later steps"} <= set(result.regions), (
+            result.line()
+        )
 
 
 @pytest.mark.timeout(900)
@@ -44,8 +46,9 @@ def test_timm_regions_nested_in_regions_train_with_parity():
     pytest.importorskip("timm")
     result = check_family("timm:resnext26ts", whole_model=False)
     _trains_with_parity(result)
-    assert "nested" not in str(result.notes) and "repeated_subgraph" not in str(result.notes), \
+    assert "nested" not in str(result.notes) and "repeated_subgraph" not in str(result.notes), (
         result.line()
+    )
     assert any(n.startswith("ConvNormAct") for n in result.regions), result.line()
 
 

@@ -118,18 +118,23 @@ def _compile(model: nn.Module, fix: str, backend: str) -> None:
     import aotdist
 
     if fix == "fsdp":
-        aotdist.parallelize(model, config={"compile": {"backend": backend},
-                                           "fsdp": {"enabled": True}})
+        aotdist.parallelize(
+            model, config={"compile": {"backend": backend}, "fsdp": {"enabled": True}}
+        )
     elif fix == "ac":
-        aotdist.parallelize(model, config={"compile": {"backend": backend},
-                                           "ac": {"enabled": True}})
+        aotdist.parallelize(
+            model, config={"compile": {"backend": backend}, "ac": {"enabled": True}}
+        )
     elif fix == "nested":  # both classes regions, the inner ones inside the outer ones
         from aotdist.regions import Region, RegionPlan
 
         outer = [f"blocks.{i}" for i in range(len(model.blocks))]
-        plan = RegionPlan([Region("Outer", Outer, tuple(outer), "outer"),
-                           Region("ResizingBlock", ResizingBlock,
-                                  tuple(f"{f}.inner" for f in outer), "inner")])
+        plan = RegionPlan(
+            [
+                Region("Outer", Outer, tuple(outer), "outer"),
+                Region("ResizingBlock", ResizingBlock, tuple(f"{f}.inner" for f in outer), "inner"),
+            ]
+        )
         aotdist.compile_regions(model, backend=backend, plan=plan)
     else:
         aotdist.compile_regions(model, backend=backend)
@@ -156,11 +161,15 @@ def run_variant(fix: str, backend: str, **variant) -> dict:
                 worst = max(worst, _compare(model, ref, loss, ref_loss))
                 for o in (opt, ref_opt):
                     o.step(), o.zero_grad()
-    regions = {name: [st.instances, st.call_sites, st.subgraphs]
-               for name, st in tracked.regions.items()}
-    return {"worst": worst, "regions": regions, "demoted": sorted(tracked.demoted),
-            "warnings": sorted({str(w.message)[:300] for w in caught
-                                if "aotdist" in str(w.message)})}
+    regions = {
+        name: [st.instances, st.call_sites, st.subgraphs] for name, st in tracked.regions.items()
+    }
+    return {
+        "worst": worst,
+        "regions": regions,
+        "demoted": sorted(tracked.demoted),
+        "warnings": sorted({str(w.message)[:300] for w in caught if "aotdist" in str(w.message)}),
+    }
 
 
 def variants():

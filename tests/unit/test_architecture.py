@@ -17,9 +17,20 @@ MAX_LINES = 600
 
 # Attributes of torch / Accelerate objects that are private to those libraries.
 PRIVATE_ATTRS = {
-    "_call_impl", "_compiled_call_impl", "_get_fsdp_state", "_fsdp_param_group",
-    "_unsharded_param", "_module_info", "_parameters", "_orig_size", "_old_forward", "_shared_state",
-    "_is_accelerate_prepared", "_get_default_store", "current_tx", "_save_graph",
+    "_call_impl",
+    "_compiled_call_impl",
+    "_get_fsdp_state",
+    "_fsdp_param_group",
+    "_unsharded_param",
+    "_module_info",
+    "_parameters",
+    "_orig_size",
+    "_old_forward",
+    "_shared_state",
+    "_is_accelerate_prepared",
+    "_get_default_store",
+    "current_tx",
+    "_save_graph",
 }
 
 
@@ -85,7 +96,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if node.startswith(dep + "."):
                 continue
             if state.get(dep) == 1:
-                return stack[stack.index(dep):] + [dep]
+                return stack[stack.index(dep) :] + [dep]
             if dep not in state:
                 found = visit(dep)
                 if found:
@@ -115,11 +126,14 @@ def test_no_import_cycles_in_the_package():
 
 
 def test_import_aotdist_is_light():
-    code = ("import sys, json, aotdist; print(json.dumps(sorted(m for m in sys.modules "
-            "if m.split('.')[0] in ('aotdist', 'lightning', 'accelerate', 'torchao', "
-            "'torchvision', 'matplotlib', 'transformers'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
+    code = (
+        "import sys, json, aotdist; print(json.dumps(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('aotdist', 'lightning', 'accelerate', 'torchao', "
+        "'torchvision', 'matplotlib', 'transformers'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert "aotdist" in loaded
     assert not [m for m in loaded if m.startswith("aotdist.testing")], loaded
@@ -127,8 +141,11 @@ def test_import_aotdist_is_light():
 
 
 def test_no_file_outgrew_a_concept():
-    long = {str(p.relative_to(ROOT)): n for p in _files().values()
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in _files().values()
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"files over {MAX_LINES} lines: {long}"
 
 
@@ -151,8 +168,11 @@ def _private_accesses(source: str) -> list[str]:
         where = f"line {getattr(node, 'lineno', '?')}"
         if isinstance(node, ast.Attribute):
             name = _dotted(node)
-            if name and name.startswith("torch.") and any(
-                    p.startswith("_") and not p.startswith("__") for p in name.split(".")):
+            if (
+                name
+                and name.startswith("torch.")
+                and any(p.startswith("_") and not p.startswith("__") for p in name.split("."))
+            ):
                 found.append(f"{where}: {name}")
             elif node.attr in PRIVATE_ATTRS:
                 found.append(f"{where}: .{node.attr}")
@@ -161,26 +181,39 @@ def _private_accesses(source: str) -> list[str]:
             private_mod = any(p.startswith("_") for p in mod.split("."))
             private_name = any(a.name.startswith("_") for a in node.names)
             if mod.split(".")[0] in ("torch", "accelerate", "lightning") and (
-                    private_mod or private_name):
+                private_mod or private_name
+            ):
                 found.append(f"{where}: from {mod} import ...")
         elif isinstance(node, ast.Import):
-            found += [f"{where}: import {a.name}" for a in node.names
-                      if a.name.split(".")[0] == "torch"
-                      and any(p.startswith("_") for p in a.name.split("."))]
-        elif isinstance(node, ast.Call) and _dotted(node.func) in ("getattr", "setattr",
-                                                                    "hasattr", "delattr"):
-            if (len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
-                    and node.args[1].value in PRIVATE_ATTRS):
+            found += [
+                f"{where}: import {a.name}"
+                for a in node.names
+                if a.name.split(".")[0] == "torch"
+                and any(p.startswith("_") for p in a.name.split("."))
+            ]
+        elif isinstance(node, ast.Call) and _dotted(node.func) in (
+            "getattr",
+            "setattr",
+            "hasattr",
+            "delattr",
+        ):
+            if (
+                len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in PRIVATE_ATTRS
+            ):
                 found.append(f"{where}: {_dotted(node.func)}(..., {node.args[1].value!r})")
     # torch._dynamo.utils is one access, not also torch._dynamo
     return [f for f in found if not any(g != f and g.startswith(f + ".") for g in found)]
 
 
 def test_private_access_detector_sees_the_forms_used():
-    code = ("import torch._dynamo\nfrom torch._inductor import config\n"
-            "from torch.utils._pytree import tree_map\nx = torch._dynamo.utils.counters\n"
-            "m._get_fsdp_state()\ny = getattr(m, '_old_forward', None)\n"
-            "'''torch._dynamo in a docstring'''\n")
+    code = (
+        "import torch._dynamo\nfrom torch._inductor import config\n"
+        "from torch.utils._pytree import tree_map\nx = torch._dynamo.utils.counters\n"
+        "m._get_fsdp_state()\ny = getattr(m, '_old_forward', None)\n"
+        "'''torch._dynamo in a docstring'''\n"
+    )
     assert len(_private_accesses(code)) == 6
 
 
@@ -202,15 +235,21 @@ def test_every_subpackage_is_packaged():
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     found = {name for name, path in _files().items() if path.name == "__init__.py"}
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
 
 
 def test_no_data_files_ship_inside_the_package():
     # Benchmark results and other generated files belong in docs/, not in the wheel.
-    shipped = [p for src in SOURCES.values() for p in src.rglob("*")
-               if p.is_file() and p.suffix not in (".py", ".pyc", ".typed")]
+    shipped = [
+        p
+        for src in SOURCES.values()
+        for p in src.rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc", ".typed")
+    ]
     assert shipped == [], f"move these out of the package (e.g. to docs/): {shipped}"
 
 

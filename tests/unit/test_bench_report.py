@@ -21,14 +21,18 @@ def test_default_plan_is_the_main_job():
     cases = plan_cases()
     assert len(cases) == sum(len(sb.depths) * len(sb.strategies) for sb in MAIN_JOB)
     assert {(c.model, c.depth, c.nproc) for c in cases} == {
-        *(("gpt", d, 1) for d in (8, 32, 64)), ("llama", 32, 1), ("dictgpt", 8, 1)}
+        *(("gpt", d, 1) for d in (8, 32, 64)),
+        ("llama", 32, 1),
+        ("dictgpt", 8, 1),
+    }
     gpt = {(c.depth, c.strategy) for c in cases if c.model == "gpt"}
     assert {s for d, s in gpt if d == 32} == {"full", "accelerate", "per_block", "aotdist"}
     assert {s for d, s in gpt if d == 64} == {"accelerate", "per_block", "aotdist"}  # no
     # minutes-long full; every model has aotdist and its peers
-    assert all({"aotdist", "accelerate", "per_block"} <= {c.strategy for c in cases
-                                                          if c.model == m}
-               for m in ("gpt", "llama", "dictgpt"))
+    assert all(
+        {"aotdist", "accelerate", "per_block"} <= {c.strategy for c in cases if c.model == m}
+        for m in ("gpt", "llama", "dictgpt")
+    )
     assert MAIN_SETTINGS.repeats >= 1
     only = plan_cases(strategies=["aotdist"])
     assert {c.strategy for c in only} == {"aotdist"} and len(only) == 5
@@ -38,9 +42,9 @@ def test_quick_plan_is_one_depth_one_repeat():
     cases = plan_cases(quick=True)
     assert cases == [Case("gpt", 2, s) for s in ("full", "accelerate", "per_block", "aotdist")]
     assert QUICK_SETTINGS.repeats == 1 and QUICK_SETTINGS.steps < MAIN_SETTINGS.steps
-    assert plan_cases(depths=[4], quick=True) == [Case("gpt", 4, s) for s in
-                                                  ("eager", "full", "accelerate", "per_block",
-                                                   "aotdist")]
+    assert plan_cases(depths=[4], quick=True) == [
+        Case("gpt", 4, s) for s in ("eager", "full", "accelerate", "per_block", "aotdist")
+    ]
 
 
 def test_interleave_is_round_robin_over_repeats():
@@ -71,16 +75,29 @@ def test_strategy_registry_refuses_duplicates():
 
 
 def _result(strategy, depth, compile_s, step_s, mem, nproc=1, repeat=0, saved=None):
-    return {"strategy": strategy, "model": "gpt", "depth": depth, "nproc": nproc,
-            "compile_s": compile_s, "steady_step_s": step_s, "peak_mem_mib": mem,
-            "repeat": repeat, "saved_activation_bytes": saved}
+    return {
+        "strategy": strategy,
+        "model": "gpt",
+        "depth": depth,
+        "nproc": nproc,
+        "compile_s": compile_s,
+        "steady_step_s": step_s,
+        "peak_mem_mib": mem,
+        "repeat": repeat,
+        "saved_activation_bytes": saved,
+    }
 
 
 def test_ratios_and_targets_come_from_the_results():
-    results = [_result("eager", 2, 0.0, 0.010, 100), _result("eager", 32, 0.0, 0.020, 120),
-               _result("full", 2, 10.0, 0.008, 150), _result("full", 32, 30.0, 0.015, 160),
-               _result("aotdist", 2, 10.0, 0.009, 140), _result("aotdist", 32, 11.0, 0.016, 110),
-               _result("aotdist", 32, 99.0, 0.5, 999, nproc=2)]
+    results = [
+        _result("eager", 2, 0.0, 0.010, 100),
+        _result("eager", 32, 0.0, 0.020, 120),
+        _result("full", 2, 10.0, 0.008, 150),
+        _result("full", 32, 30.0, 0.015, 160),
+        _result("aotdist", 2, 10.0, 0.009, 140),
+        _result("aotdist", 32, 11.0, 0.016, 110),
+        _result("aotdist", 32, 99.0, 0.5, 999, nproc=2),
+    ]
     ratios = compute_ratios(results)
     r = ratios["gpt: compile aotdist/full @depth32"]
     assert (r["numerator"], r["denominator"], r["value"]) == (11.0, 30.0, pytest.approx(11 / 30))
@@ -95,17 +112,20 @@ def test_ratios_and_targets_come_from_the_results():
     assert targets["steady step: aotdist <= 1.0x full", 2]["verdict"] == "missed"  # every depth
     assert targets["compile growth from the smallest depth: aotdist <= 1.1x", 32]["met"]
     assert ("compile growth from the smallest depth: aotdist <= 1.1x", 2) not in targets
-    assert not any(t[0].startswith("cold compile: aotdist <= 1.0x accelerate")
-                   for t in targets)  # not measured
+    assert not any(
+        t[0].startswith("cold compile: aotdist <= 1.0x accelerate") for t in targets
+    )  # not measured
 
 
 def test_each_fsdp_mode_is_compared_with_its_lowered_graph():
     """``aotdist+lowered`` / ``aotdist-graph+lowered``: the default (region bodies only)
     against the whole graph lowered, per mode, on the same ranks."""
-    results = [_result("aotdist", 8, 9.0, 0.040, 68, nproc=2),
-               _result("aotdist+lowered", 8, 8.0, 0.040, 68, nproc=2),
-               _result("aotdist-graph", 8, 16.0, 0.040, 92, nproc=2),
-               _result("aotdist-graph+lowered", 8, 24.0, 0.032, 100, nproc=2)]
+    results = [
+        _result("aotdist", 8, 9.0, 0.040, 68, nproc=2),
+        _result("aotdist+lowered", 8, 8.0, 0.040, 68, nproc=2),
+        _result("aotdist-graph", 8, 16.0, 0.040, 92, nproc=2),
+        _result("aotdist-graph+lowered", 8, 24.0, 0.032, 100, nproc=2),
+    ]
     ratios = compute_ratios(results)
     graph = "gpt fsdp2x2: {} aotdist-graph/aotdist-graph+lowered @depth8"
     assert ratios[graph.format("compile")]["value"] == pytest.approx(16 / 24)
@@ -113,8 +133,9 @@ def test_each_fsdp_mode_is_compared_with_its_lowered_graph():
     assert ratios[graph.format("memory")]["value"] == pytest.approx(0.92)
     hooks = "gpt fsdp2x2: compile aotdist/aotdist+lowered @depth8"
     assert ratios[hooks]["value"] == pytest.approx(9 / 8)
-    assert ratios["gpt fsdp2x2: compile aotdist-graph/aotdist @depth8"]["value"] == \
-        pytest.approx(16 / 9)
+    assert ratios["gpt fsdp2x2: compile aotdist-graph/aotdist @depth8"]["value"] == pytest.approx(
+        16 / 9
+    )
 
 
 def test_fresh_start_ratios_add_the_isa_probes_back_on_both_sides(tmp_path):
@@ -122,10 +143,17 @@ def test_fresh_start_ratios_add_the_isa_probes_back_on_both_sides(tmp_path):
     the warm/cold first-step ratio describes a fresh start, so both sides count them (a
     warm start from the bundle skips them); shared vs independent compiles compares the
     compiles, without the probes each rank runs in both."""
-    cold = {**_result("aotdist+cache", 4, 5.0, 0.01, 80), "first_step_s": 5.0,
-            "isa_probe_s": 10.0, "warm_first_step_s": 1.5}
-    alone = {**_result("aotdist", 4, 8.0, 0.01, 80, nproc=2), "first_step_s": 8.0,
-             "isa_probe_s": 10.0}
+    cold = {
+        **_result("aotdist+cache", 4, 5.0, 0.01, 80),
+        "first_step_s": 5.0,
+        "isa_probe_s": 10.0,
+        "warm_first_step_s": 1.5,
+    }
+    alone = {
+        **_result("aotdist", 4, 8.0, 0.01, 80, nproc=2),
+        "first_step_s": 8.0,
+        "isa_probe_s": 10.0,
+    }
     shared = {**cold, "nproc": 2, "first_step_s": 4.0}
     graph = {**shared, "strategy": "aotdist-graph+cache", "warm_first_step_s": 0.5}
     ratios = compute_ratios([cold, alone, shared, graph])
@@ -137,9 +165,18 @@ def test_fresh_start_ratios_add_the_isa_probes_back_on_both_sides(tmp_path):
     assert (share["numerator"], share["denominator"]) == (4.0, 8.0)
     runs = [_cell_fields(r) for r in _three_repeats()]
     runs[0]["isa_probe_s"] = 9.5
-    write_report(runs, tmp_path, settings={"backend": "inductor", "device": "cpu",
-                                           "steps": 2, "warmup": 1, "repeats": 3,
-                                           "duration_s": 6.0})
+    write_report(
+        runs,
+        tmp_path,
+        settings={
+            "backend": "inductor",
+            "device": "cpu",
+            "steps": 2,
+            "warmup": 1,
+            "repeats": 3,
+            "duration_s": 6.0,
+        },
+    )
     assert "before the cold step (9.50-9.50 s per run here)" in (tmp_path / "bench.md").read_text()
 
 
@@ -148,12 +185,16 @@ def _three_repeats():
     figure of that repeat doubled: the ratios within it do not move)."""
     runs = []
     for rep, load in ((0, 1.0), (1, 2.0), (2, 1.0)):
-        runs += [_result("full", 2, 10.0 * load, 0.010 * load, 100, repeat=rep, saved=1000),
-                 _result("full", 32, 30.0 * load, 0.040 * load, 100, repeat=rep, saved=8000),
-                 _result("aotdist", 2, 9.0 * load, (0.010 + 0.001 * rep) * load, 90,
-                         repeat=rep, saved=1000),
-                 _result("aotdist", 32, (9.0 + 3.0 * rep) * load, 0.030 * load, 90,
-                         repeat=rep, saved=6000)]
+        runs += [
+            _result("full", 2, 10.0 * load, 0.010 * load, 100, repeat=rep, saved=1000),
+            _result("full", 32, 30.0 * load, 0.040 * load, 100, repeat=rep, saved=8000),
+            _result(
+                "aotdist", 2, 9.0 * load, (0.010 + 0.001 * rep) * load, 90, repeat=rep, saved=1000
+            ),
+            _result(
+                "aotdist", 32, (9.0 + 3.0 * rep) * load, 0.030 * load, 90, repeat=rep, saved=6000
+            ),
+        ]
     return runs
 
 
@@ -182,12 +223,16 @@ def test_verdicts_met_missed_and_noisy():
     assert verdict({"min": 1.0, "max": 1.2}, "<", 1.0) == "missed"
     runs = _three_repeats()
     ratios = {**compute_ratios(runs), **time_to_steps(runs)["ratios"]}
-    targets = {(t["target"], t["depth"]): t for t in evaluate_targets(summarize_cells(runs),
-                                                                      ratios)}
+    targets = {
+        (t["target"], t["depth"]): t for t in evaluate_targets(summarize_cells(runs), ratios)
+    }
     t = targets["T(10000): aotdist <= 1.0x full", 32]  # 309/430, 624/860, 315/430
-    assert (t["verdict"], t["met"], t["min"], t["max"]) == ("met", True,
-                                                            pytest.approx(309 / 430),
-                                                            pytest.approx(315 / 430))
+    assert (t["verdict"], t["met"], t["min"], t["max"]) == (
+        "met",
+        True,
+        pytest.approx(309 / 430),
+        pytest.approx(315 / 430),
+    )
     assert targets["steady step: aotdist <= 1.0x full", 2]["verdict"] == "noisy"  # 1.0-1.2
     assert targets["steady step: aotdist <= 1.0x full", 32]["verdict"] == "met"  # 0.75
     growth = targets["compile growth from the smallest depth: aotdist <= 1.1x", 32]
@@ -207,34 +252,58 @@ def test_cells_report_median_and_spread():
 
 
 def _cell_fields(run):
-    split = dict.fromkeys(("dynamo", "aot_autograd", "inductor", "inductor_codegen",
-                           "inductor_kernel_load_wait", "outside_compiler"), 0.5)
-    return {**run, "compile_split_s": {**split, "cpp_compiles": 3}, "frames_compiled": 1,
-            "graph_breaks": 0, "recompiles_after_first_step": 0, "memory_metric": "RSS",
-            "first_step_s": run["compile_s"] + run["steady_step_s"], "regions": {}}
+    split = dict.fromkeys(
+        (
+            "dynamo",
+            "aot_autograd",
+            "inductor",
+            "inductor_codegen",
+            "inductor_kernel_load_wait",
+            "outside_compiler",
+        ),
+        0.5,
+    )
+    return {
+        **run,
+        "compile_split_s": {**split, "cpp_compiles": 3},
+        "frames_compiled": 1,
+        "graph_breaks": 0,
+        "recompiles_after_first_step": 0,
+        "memory_metric": "RSS",
+        "first_step_s": run["compile_s"] + run["steady_step_s"],
+        "regions": {},
+    }
 
 
 def test_report_contents(tmp_path):
     runs = [_cell_fields(r) for r in _three_repeats()]
-    settings = {"backend": "inductor", "device": "cpu", "steps": 20, "warmup": 3,
-                "repeats": 3, "duration_s": 60.0,
-                "load_start": {"loadavg": [0.5, 0.4, 0.3], "cpus": 2},
-                "load_end": {"loadavg": [3.0, 1.0, 0.5], "cpus": 2}}
+    settings = {
+        "backend": "inductor",
+        "device": "cpu",
+        "steps": 20,
+        "warmup": 3,
+        "repeats": 3,
+        "duration_s": 60.0,
+        "load_start": {"loadavg": [0.5, 0.4, 0.3], "cpus": 2},
+        "load_end": {"loadavg": [3.0, 1.0, 0.5], "cpus": 2},
+    }
     report = write_report(runs, tmp_path, settings=settings)
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["settings"]["load_start"]["loadavg"] == [0.5, 0.4, 0.3]
     assert len(saved["runs"]) == 12 and len(saved["results"]) == 4
     assert saved["ratios"] == report["ratios"]
     md = (tmp_path / "bench.md").read_text()
-    assert "Load average (1/5/15 min): 0.50/0.40/0.30 at start, 3.00/1.00/0.50 at end; " \
-           "2 CPUs." in md
+    assert (
+        "Load average (1/5/15 min): 0.50/0.40/0.30 at start, 3.00/1.00/0.50 at end; 2 CPUs." in md
+    )
     assert "The machine was busy" in md  # 3.0 > half of 2 CPUs
     assert "3 repeat(s) per cell, run round robin" in md
     assert "float8 False, cold step + 3 warm-up + 20 timed steps" in md  # no mesh: no HSDP
     assert "| aotdist | 32 | 15.00 [9.00-24.00] | 30.00 [30.00-60.00] | 6 [6-6] |" in md
     assert "| gpt: compile aotdist/full @depth32 | 0.40x [0.30-0.50] | 3 | 15 / 30 |" in md
-    assert ("| gpt | cold T(100): aotdist <= 1.0x the best peer | 2 | 0.92x [0.91-0.93] "
-            "| met |") in md
+    assert (
+        "| gpt | cold T(100): aotdist <= 1.0x the best peer | 2 | 0.92x [0.91-0.93] | met |"
+    ) in md
     assert "| gpt | steady step: aotdist <= 1.0x full | 32 | 0.75x [0.75-0.75] | met |" in md
     quiet = {**settings, "load_end": {"loadavg": [0.2, 0.2, 0.2], "cpus": 2}}
     write_report(runs, tmp_path / "quiet", settings=quiet)
@@ -280,8 +349,14 @@ def test_saved_bytes_counts_a_subclass_by_its_inner_tensors():
 
 def test_graph_mode_fsdp_runs_beside_fsdp2_on_several_ranks():
     two = plan_cases(nprocs=[2], depths=[2])
-    assert {c.strategy for c in two} == {"eager", "full", "accelerate", "per_block", "aotdist",
-                                         "aotdist-graph"}
+    assert {c.strategy for c in two} == {
+        "eager",
+        "full",
+        "accelerate",
+        "per_block",
+        "aotdist",
+        "aotdist-graph",
+    }
     one = plan_cases(nprocs=[1], depths=[2])
     assert "aotdist-graph" not in {c.strategy for c in one}
 
@@ -292,8 +367,10 @@ def test_bench_models_a_transformers_llama_and_blocks_in_a_module_dict():
 
     pytest.importorskip("transformers")
     g = torch.Generator().manual_seed(0)
-    for name, block, container in (("llama", "LlamaDecoderLayer", "ModuleList"),
-                                   ("dictgpt", "GPTBlock", "ModuleDict")):
+    for name, block, container in (
+        ("llama", "LlamaDecoderLayer", "ModuleList"),
+        ("dictgpt", "GPTBlock", "ModuleDict"),
+    ):
         model = build_bench_model(name, depth=3)
         plan = aotdist.find_regions(model)
         assert [(r.name, r.count) for r in plan] == [(block, 3)], (name, plan)
@@ -322,9 +399,20 @@ def test_paired_runs_give_the_steady_step_ratios_per_round(tmp_path):
     side by side in one process), one per interleaved round; the cross-process ones stay
     for every other ratio."""
     runs = [_cell_fields(r) for r in _three_repeats()]
-    paired = [{"model": "gpt", "depth": 32, "nproc": 1, "slices": 3, "steps_per_slice": 20,
-               "slice_step_s": {"full": [0.040, 0.020, 0.030], "aotdist": [0.036, 0.019, 0.033],
-                                "eager": [0.05, 0.05, 0.05]}}]
+    paired = [
+        {
+            "model": "gpt",
+            "depth": 32,
+            "nproc": 1,
+            "slices": 3,
+            "steps_per_slice": 20,
+            "slice_step_s": {
+                "full": [0.040, 0.020, 0.030],
+                "aotdist": [0.036, 0.019, 0.033],
+                "eager": [0.05, 0.05, 0.05],
+            },
+        }
+    ]
     ratios = compute_ratios(runs, paired)
     s = ratios["gpt: step aotdist/full @depth32"]
     assert s["source"] == "paired" and s["repeats"] == 3
@@ -333,15 +421,17 @@ def test_paired_runs_give_the_steady_step_ratios_per_round(tmp_path):
     assert (s["numerator"], s["denominator"]) == pytest.approx((0.033, 0.030))
     # depth 2 had no paired run: its step ratio is still per repeat across processes
     assert "source" not in ratios["gpt: step aotdist/full @depth2"]
-    assert compute_ratios(runs)["gpt: step aotdist/full @depth32"]["value"] == pytest.approx(
-        0.75)
-    targets = {(t["target"], t["depth"]): t
-               for t in evaluate_targets(summarize_cells(runs), ratios)}
+    assert compute_ratios(runs)["gpt: step aotdist/full @depth32"]["value"] == pytest.approx(0.75)
+    targets = {
+        (t["target"], t["depth"]): t for t in evaluate_targets(summarize_cells(runs), ratios)
+    }
     assert targets["steady step: aotdist <= 1.0x full", 32]["verdict"] == "noisy"
     write_report(runs, tmp_path, settings={"repeats": 3}, paired=paired)
     md = (tmp_path / "bench.md").read_text()
-    assert "| gpt | 32 | 3 x 20 | full 30.00 [20.00-40.00], aotdist 33.00 [19.00-36.00], " \
-           "eager 50.00 [50.00-50.00] |" in md
+    assert (
+        "| gpt | 32 | 3 x 20 | full 30.00 [20.00-40.00], aotdist 33.00 [19.00-36.00], "
+        "eager 50.00 [50.00-50.00] |" in md
+    )
     assert "| gpt: step aotdist/full @depth32 (paired) | 0.95x [0.90-1.10] | 3 |" in md
     assert json.loads((tmp_path / "bench.json").read_text())["paired"] == paired
 
@@ -352,7 +442,12 @@ def test_paired_cells_one_per_single_process_depth_with_aotdist_and_a_peer():
     cases = plan_cases() + plan_cases(nprocs=[2], depths=[8])
     cells = _paired_cells(cases)
     assert [(c.model, c.depth, c.nproc) for c in cells] == [
-        ("gpt", 8, 1), ("gpt", 32, 1), ("gpt", 64, 1), ("llama", 32, 1), ("dictgpt", 8, 1)]
+        ("gpt", 8, 1),
+        ("gpt", 32, 1),
+        ("gpt", 64, 1),
+        ("llama", 32, 1),
+        ("dictgpt", 8, 1),
+    ]
     assert cells[0].strategy.split(",") == ["full", "accelerate", "per_block", "aotdist"]
     assert _paired_cells(plan_cases(strategies=["aotdist", "eager"])) == []
     assert _paired_cells([Case("gpt", 4, "aotdist+cache"), Case("gpt", 4, "full")]) == []
@@ -368,19 +463,29 @@ def test_a_failed_paired_run_loses_nothing(tmp_path, monkeypatch):
         if paired_rounds:
             raise BenchError(f"measurement {case.strategy} failed (exit 1)")
         step = {"full": 0.02, "aotdist": 0.03}.get(case.strategy, 0.05)
-        return _cell_fields({"strategy": case.strategy, "model": case.model,
-                             "depth": case.depth, "nproc": 1, "compile_s": 1.0,
-                             "steady_step_s": step, "saved_activation_bytes": 1024,
-                             "peak_mem_mib": 5.0})
+        return _cell_fields(
+            {
+                "strategy": case.strategy,
+                "model": case.model,
+                "depth": case.depth,
+                "nproc": 1,
+                "compile_s": 1.0,
+                "steady_step_s": step,
+                "saved_activation_bytes": 1024,
+                "peak_mem_mib": 5.0,
+            }
+        )
 
     monkeypatch.setattr(bench, "_measure_once", fake_measure_once)
     lines: list[str] = []
     cases = [Case("gpt", 2, s) for s in ("eager", "full", "aotdist")]
-    report = bench.run_bench(cases, backend="aot_eager", repeats=1, out=tmp_path,
-                             progress=lines.append)
+    report = bench.run_bench(
+        cases, backend="aot_eager", repeats=1, out=tmp_path, progress=lines.append
+    )
     assert any("paired run failed" in ln for ln in lines)
     assert report["paired"] == [] and report["settings"]["paired_failures"] == [
-        "depth 2: measurement eager,full,aotdist failed (exit 1)"]
+        "depth 2: measurement eager,full,aotdist failed (exit 1)"
+    ]
     step = report["ratios"]["gpt: step aotdist/full @depth2"]
     assert "source" not in step and step["value"] == pytest.approx(1.5)
     assert "Paired runs that failed" in (tmp_path / "bench.md").read_text()
@@ -400,21 +505,39 @@ def test_paired_runs_start_from_what_the_first_repeat_compiled(tmp_path, monkeyp
             Path(keep_cache).mkdir(parents=True, exist_ok=True)
             (Path(keep_cache) / f"{case.strategy}.bin").write_text(case.strategy)
         if paired_rounds:
-            assert {p.name for p in Path(seed).iterdir()} == {"eager.bin", "full.bin",
-                                                              "aotdist.bin"}
-            return {"model": case.model, "depth": case.depth, "nproc": 1, "slices": 2,
-                    "steps_per_slice": 1, "cache_hits": {"fx_graph": 4, "aot_autograd": 2},
-                    "slice_step_s": {s: [0.01, 0.01] for s in case.strategy.split(",")}}
-        return _cell_fields({"strategy": case.strategy, "model": case.model,
-                             "depth": case.depth, "nproc": case.nproc, "compile_s": 1.0,
-                             "steady_step_s": 0.01, "saved_activation_bytes": 1024,
-                             "peak_mem_mib": 5.0})
+            assert {p.name for p in Path(seed).iterdir()} == {
+                "eager.bin",
+                "full.bin",
+                "aotdist.bin",
+            }
+            return {
+                "model": case.model,
+                "depth": case.depth,
+                "nproc": 1,
+                "slices": 2,
+                "steps_per_slice": 1,
+                "cache_hits": {"fx_graph": 4, "aot_autograd": 2},
+                "slice_step_s": {s: [0.01, 0.01] for s in case.strategy.split(",")},
+            }
+        return _cell_fields(
+            {
+                "strategy": case.strategy,
+                "model": case.model,
+                "depth": case.depth,
+                "nproc": case.nproc,
+                "compile_s": 1.0,
+                "steady_step_s": 0.01,
+                "saved_activation_bytes": 1024,
+                "peak_mem_mib": 5.0,
+            }
+        )
 
     monkeypatch.setattr(bench, "_measure_once", fake_measure_once)
     cases = [Case("gpt", 2, s) for s in ("eager", "full", "aotdist")]
     cases.append(Case("gpt", 2, "aotdist", nproc=2))
-    report = bench.run_bench(cases, backend="aot_eager", repeats=2, out=tmp_path,
-                             progress=lambda line: None)
+    report = bench.run_bench(
+        cases, backend="aot_eager", repeats=2, out=tmp_path, progress=lambda line: None
+    )
     runs = [c for c in calls if not c[3]]
     kept = [(c[0], c[2]) for c in runs if c[2]]
     assert [case for case, _ in kept] == cases[:3]  # repeat 0, single process, paired ones
@@ -431,38 +554,63 @@ def test_targets_of_the_main_job_shape():
     the largest depth that has one, growth is checked at every deeper depth. On a model
     where Accelerate compiled the whole model its step is judged as full's. Graph-mode
     FSDP is held to hooks mode, its step from depth 8."""
-    results = [_result("full", 2, 10.0, 0.010, 100), _result("full", 32, 40.0, 0.040, 100),
-               _result("accelerate", 2, 9.0, 0.012, 80), _result("accelerate", 32, 9.5, 0.05, 80),
-               _result("accelerate", 64, 10.0, 0.1, 80),
-               _result("aotdist", 2, 8.0, 0.010, 90), _result("aotdist", 32, 10.0, 0.039, 70),
-               _result("aotdist", 64, 9.0, 0.08, 85)]
-    whole = [{**_result("accelerate", 8, 20.0, 0.02, 80), "model": "dictgpt",
-              "notes": "no nn.ModuleList of repeated blocks: Accelerate's compile_regions "
-                       "compiles the whole model (same as full)"},
-             {**_result("aotdist", 8, 10.0, 0.019, 80), "model": "dictgpt"}]
-    graph = [_result(s, d, c, t, 100, nproc=2) for s, d, c, t in (
-        ("aotdist", 2, 10.0, 0.010), ("aotdist-graph", 2, 13.0, 0.012),
-        ("aotdist", 8, 10.0, 0.030), ("aotdist-graph", 8, 11.0, 0.025))]
+    results = [
+        _result("full", 2, 10.0, 0.010, 100),
+        _result("full", 32, 40.0, 0.040, 100),
+        _result("accelerate", 2, 9.0, 0.012, 80),
+        _result("accelerate", 32, 9.5, 0.05, 80),
+        _result("accelerate", 64, 10.0, 0.1, 80),
+        _result("aotdist", 2, 8.0, 0.010, 90),
+        _result("aotdist", 32, 10.0, 0.039, 70),
+        _result("aotdist", 64, 9.0, 0.08, 85),
+    ]
+    whole = [
+        {
+            **_result("accelerate", 8, 20.0, 0.02, 80),
+            "model": "dictgpt",
+            "notes": "no nn.ModuleList of repeated blocks: Accelerate's compile_regions "
+            "compiles the whole model (same as full)",
+        },
+        {**_result("aotdist", 8, 10.0, 0.019, 80), "model": "dictgpt"},
+    ]
+    graph = [
+        _result(s, d, c, t, 100, nproc=2)
+        for s, d, c, t in (
+            ("aotdist", 2, 10.0, 0.010),
+            ("aotdist-graph", 2, 13.0, 0.012),
+            ("aotdist", 8, 10.0, 0.030),
+            ("aotdist-graph", 8, 11.0, 0.025),
+        )
+    ]
     runs = results + whole + graph
-    targets = {(t["group"], t["target"], t["depth"]): t
-               for t in evaluate_targets(runs, compute_ratios(runs))}
+    targets = {
+        (t["group"], t["target"], t["depth"]): t
+        for t in evaluate_targets(runs, compute_ratios(runs))
+    }
     growth = "compile growth from the smallest depth: aotdist <= 1.1x"
     assert targets["gpt", growth, 32]["value"] == pytest.approx(1.25)
     assert (targets["gpt", growth, 64]["value"], targets["gpt", growth, 64]["verdict"]) == (
-        pytest.approx(1.125), "missed")
+        pytest.approx(1.125),
+        "missed",
+    )
     assert targets["gpt", "peak memory: aotdist <= accelerate", 64]["verdict"] == "missed"
     assert targets["gpt", "peak memory: aotdist <= accelerate", 32]["verdict"] == "met"
     assert targets["gpt", "steady step: aotdist <= 0.8x accelerate", 64]["verdict"] == "met"
     assert targets["gpt", "steady step: aotdist <= 0.8x accelerate", 32]["verdict"] == "met"
     assert targets["gpt", "steady step: aotdist <= 0.8x accelerate", 2]["verdict"] == "missed"
-    dict_step = targets["dictgpt", "steady step: aotdist <= 1.0x accelerate (a whole-model "
-                        "compile here)", 8]
+    dict_step = targets[
+        "dictgpt", "steady step: aotdist <= 1.0x accelerate (a whole-model compile here)", 8
+    ]
     assert (dict_step["bound"], dict_step["verdict"]) == (1.0, "met")  # 0.95
     assert not any(k[0] == "dictgpt" and "0.8x" in k[1] for k in targets)
-    assert targets["gpt fsdp2x2", "graph-mode FSDP cold compile <= 1.2x hooks mode", 2][
-        "verdict"] == "missed"  # 1.3
-    assert targets["gpt fsdp2x2", "graph-mode FSDP cold compile <= 1.2x hooks mode", 8][
-        "verdict"] == "met"
+    assert (
+        targets["gpt fsdp2x2", "graph-mode FSDP cold compile <= 1.2x hooks mode", 2]["verdict"]
+        == "missed"
+    )  # 1.3
+    assert (
+        targets["gpt fsdp2x2", "graph-mode FSDP cold compile <= 1.2x hooks mode", 8]["verdict"]
+        == "met"
+    )
     step = "graph-mode FSDP steady step <= hooks mode"
     assert targets["gpt fsdp2x2", step, 8]["verdict"] == "met"
     assert ("gpt fsdp2x2", step, 2) not in targets  # from depth 8 on
@@ -475,8 +623,11 @@ def test_a_missing_model_package_is_refused_before_any_run(tmp_path, monkeypatch
     from aotdist.errors import MissingDependencyError
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers" else real(name, *a),
+    )
     ran = []
     monkeypatch.setattr(bench, "_measure_in_fresh_process", lambda *a, **k: ran.append(a))
     with pytest.raises(MissingDependencyError, match=r"pip install 'aotdist\[bench\]'"):

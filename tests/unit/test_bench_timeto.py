@@ -21,17 +21,42 @@ from aotdist.bench.stats import TARGETS, verdict
 from aotdist.bench.strategies import STRATEGIES, Setup, get_strategy
 from aotdist.bench.timeto import crossover_steps, time_to_steps
 
-SPLIT = {**dict.fromkeys(("dynamo", "aot_autograd", "inductor", "inductor_codegen",
-                          "inductor_kernel_load_wait", "outside_compiler"), 0.1),
-         "cpp_compiles": 0}
+SPLIT = {
+    **dict.fromkeys(
+        (
+            "dynamo",
+            "aot_autograd",
+            "inductor",
+            "inductor_codegen",
+            "inductor_kernel_load_wait",
+            "outside_compiler",
+        ),
+        0.1,
+    ),
+    "cpp_compiles": 0,
+}
 
 
 def _run(strategy, depth, cold, step, *, repeat=0, model="gpt", **extra):
-    return {"strategy": strategy, "model": model, "depth": depth, "nproc": 1,
-            "compile_s": cold, "steady_step_s": step, "first_step_s": cold + step,
-            "peak_mem_mib": 10.0, "saved_activation_bytes": 1024, "repeat": repeat,
-            "frames_compiled": 1, "graph_breaks": 0, "recompiles_after_first_step": 0,
-            "memory_metric": "RSS", "regions": {}, "compile_split_s": SPLIT, **extra}
+    return {
+        "strategy": strategy,
+        "model": model,
+        "depth": depth,
+        "nproc": 1,
+        "compile_s": cold,
+        "steady_step_s": step,
+        "first_step_s": cold + step,
+        "peak_mem_mib": 10.0,
+        "saved_activation_bytes": 1024,
+        "repeat": repeat,
+        "frames_compiled": 1,
+        "graph_breaks": 0,
+        "recompiles_after_first_step": 0,
+        "memory_metric": "RSS",
+        "regions": {},
+        "compile_split_s": SPLIT,
+        **extra,
+    }
 
 
 def _two_repeats():
@@ -40,10 +65,12 @@ def _two_repeats():
     aotdist's compile only (12 -> 16 s)."""
     runs = []
     for rep, cold_a in ((0, 12.0), (1, 16.0)):
-        runs += [_run("full", 32, 40.0, 0.015, repeat=rep),
-                 _run("accelerate", 32, 10.0, 0.022, repeat=rep),
-                 _run("per_block", 32, 10.0, 0.020, repeat=rep),
-                 _run("aotdist", 32, cold_a, 0.016, repeat=rep)]
+        runs += [
+            _run("full", 32, 40.0, 0.015, repeat=rep),
+            _run("accelerate", 32, 10.0, 0.022, repeat=rep),
+            _run("per_block", 32, 10.0, 0.020, repeat=rep),
+            _run("aotdist", 32, cold_a, 0.016, repeat=rep),
+        ]
     return runs
 
 
@@ -61,9 +88,12 @@ def test_crossover_is_the_step_from_which_aotdist_stays_ahead():
 def test_time_to_n_steps_per_repeat_against_the_best_peer():
     tts = time_to_steps(_two_repeats())
     cells = {c["strategy"]: c for c in tts["cells"]}
-    assert cells["aotdist"]["T"]["100"] == {"median": pytest.approx(15.6), "min":
-                                            pytest.approx(13.6), "max": pytest.approx(17.6),
-                                            "n": 2}
+    assert cells["aotdist"]["T"]["100"] == {
+        "median": pytest.approx(15.6),
+        "min": pytest.approx(13.6),
+        "max": pytest.approx(17.6),
+        "n": 2,
+    }
     assert cells["full"]["T"]["10000"]["median"] == pytest.approx(190.0)
     assert cells["aotdist"]["step_source"] == "cell"
     r = tts["ratios"]
@@ -94,24 +124,37 @@ def test_paired_rounds_give_each_repeat_its_steady_steps():
     (repeat, round) gives one T(N) ratio; a strategy the paired run did not time keeps its
     run's own step."""
     runs = _two_repeats()
-    paired = [{"model": "gpt", "depth": 32, "nproc": 1, "slices": 4, "steps_per_slice": 20,
-               "slice_step_s": {"aotdist": [0.010, 0.030, 0.012, 0.034],
-                                "accelerate": [0.02, 0.02, 0.02, 0.02]}}]
+    paired = [
+        {
+            "model": "gpt",
+            "depth": 32,
+            "nproc": 1,
+            "slices": 4,
+            "steps_per_slice": 20,
+            "slice_step_s": {
+                "aotdist": [0.010, 0.030, 0.012, 0.034],
+                "accelerate": [0.02, 0.02, 0.02, 0.02],
+            },
+        }
+    ]
     tts = time_to_steps(runs, paired)
     cells = {c["strategy"]: c for c in tts["cells"]}
     assert cells["aotdist"]["step_source"] == "paired"
     assert cells["per_block"]["step_source"] == "cell"
     t = tts["ratios"]["gpt: T(1000) aotdist/accelerate @depth32"]
     # repeat 0 (cold 12 s): rounds 0 and 2 (10, 12 ms); repeat 1 (16 s): rounds 1 and 3
-    assert [(x["repeat"], x["round"]) for x in t["per_repeat"]] == [(0, 0), (0, 2), (1, 1),
-                                                                   (1, 3)]
+    assert [(x["repeat"], x["round"]) for x in t["per_repeat"]] == [(0, 0), (0, 2), (1, 1), (1, 3)]
     assert [x["numerator"] for x in t["per_repeat"]] == pytest.approx([22.0, 24.0, 46.0, 50.0])
     assert [x["denominator"] for x in t["per_repeat"]] == pytest.approx([30.0] * 4)
     assert (t["min"], t["max"], t["repeats"]) == pytest.approx((22 / 30, 50 / 30, 4))
     assert cells["aotdist"]["T"]["1000"]["n"] == 4 and cells["per_block"]["T"]["1000"]["n"] == 4
     # one repeat, no paired run: one figure per repeat
-    assert time_to_steps(_two_repeats()[:4])["ratios"][
-        "gpt: T(100) aotdist/best peer @depth32"]["repeats"] == 1
+    assert (
+        time_to_steps(_two_repeats()[:4])["ratios"]["gpt: T(100) aotdist/best peer @depth32"][
+            "repeats"
+        ]
+        == 1
+    )
 
 
 def test_time_to_steps_targets_met_missed_and_noisy_with_spreads(tmp_path):
@@ -125,7 +168,11 @@ def test_time_to_steps_targets_met_missed_and_noisy_with_spreads(tmp_path):
     assert t1k["ratio"] == "gpt: T(1000) aotdist/best peer @depth32"
     cross = targets["aotdist overtakes accelerate within 300 steps", 32]
     assert (cross["verdict"], cross["unit"], cross["min"], cross["max"]) == (
-        "missed", "steps", 334, 1000)
+        "missed",
+        "steps",
+        334,
+        1000,
+    )
     assert targets["T(10000): aotdist <= 1.0x full", 32]["verdict"] == "met"
     # repeat 0 compiles in 8 s: T(1000) 24 s (0.80x, meets 0.85x), ahead of accelerate
     # from step 0; repeat 1 as before: the spreads straddle both bounds
@@ -146,32 +193,48 @@ def test_time_to_steps_targets_met_missed_and_noisy_with_spreads(tmp_path):
     assert "| 32 | **aotdist / best peer** | 1.30x [1.13-1.47] (per_block) |" in md
     assert "| 32 | aotdist/accelerate: 667 [334-1000] steps |" in md
     assert "| 32 | aotdist/full: never [never-never] steps |" in md
-    assert ("| gpt | aotdist overtakes accelerate within 300 steps | 32 | 667 [334-1000] "
-            "steps | **missed** |") in md
+    assert (
+        "| gpt | aotdist overtakes accelerate within 300 steps | 32 | 667 [334-1000] "
+        "steps | **missed** |"
+    ) in md
     md = (tmp_path / "noisy" / "bench.md").read_text()
     assert "| 32 | aotdist/accelerate: 500 [0-1000] steps |" in md
     saved = json.loads((tmp_path / "bench.json").read_text())
-    assert saved["time_to_steps"]["crossovers"].keys() == report["time_to_steps"][
-        "crossovers"].keys()
+    assert (
+        saved["time_to_steps"]["crossovers"].keys() == report["time_to_steps"]["crossovers"].keys()
+    )
 
 
 def test_warm_restart_time_to_100_steps_against_the_best_warm_peer(tmp_path):
-    runs = [_run(s, 8, cold, 0.01, warm_restart_s=warm) for s, cold, warm in (
-        ("full", 20.0, 6.0), ("accelerate", 10.0, 5.0), ("per_block", 10.0, 4.0),
-        ("aotdist", 10.0, 4.5), ("aotdist+cache", 11.0, 1.5))]
+    runs = [
+        _run(s, 8, cold, 0.01, warm_restart_s=warm)
+        for s, cold, warm in (
+            ("full", 20.0, 6.0),
+            ("accelerate", 10.0, 5.0),
+            ("per_block", 10.0, 4.0),
+            ("aotdist", 10.0, 4.5),
+            ("aotdist+cache", 11.0, 1.5),
+        )
+    ]
     tts = time_to_steps(runs)
     cells = {c["strategy"]: c for c in tts["cells"]}
     assert cells["per_block"]["warm_T"]["100"]["median"] == pytest.approx(5.0)
     w = tts["ratios"]["gpt: warm T(100) aotdist+cache/best peer @depth8"]
-    assert (w["numerator"], w["denominator"], w["best_peer"]) == (pytest.approx(2.5),
-                                                                 pytest.approx(5.0), "per_block")
-    assert tts["ratios"]["gpt: warm T(100) aotdist/best peer @depth8"]["value"] == \
-        pytest.approx(5.5 / 5.0)
+    assert (w["numerator"], w["denominator"], w["best_peer"]) == (
+        pytest.approx(2.5),
+        pytest.approx(5.0),
+        "per_block",
+    )
+    assert tts["ratios"]["gpt: warm T(100) aotdist/best peer @depth8"]["value"] == pytest.approx(
+        5.5 / 5.0
+    )
     assert "gpt: T(100) aotdist+cache/best peer @depth8" not in tts["ratios"]  # warm only
     report = write_report(runs, tmp_path, settings={"repeats": 1})
     t = {x["target"]: x for x in report["targets"]}
-    assert t["warm restart T(100): aotdist (artifact cache) <= 0.5x the best peer's"][
-        "verdict"] == "met"
+    assert (
+        t["warm restart T(100): aotdist (artifact cache) <= 0.5x the best peer's"]["verdict"]
+        == "met"
+    )
     md = (tmp_path / "bench.md").read_text()
     assert "| warm T(100) |" in md and "| 8 | aotdist+cache | " in md
 
@@ -180,41 +243,88 @@ def test_plan_warm_cells_per_block_and_the_main_job():
     cases = plan_cases()
     warm = [c for c in cases if c.warm]
     assert {(c.model, c.depth) for c in warm} == {("gpt", 8)}  # one depth keeps the time
-    assert {c.strategy for c in warm} == {"full", "accelerate", "per_block", "aotdist",
-                                          "aotdist+cache"}
+    assert {c.strategy for c in warm} == {
+        "full",
+        "accelerate",
+        "per_block",
+        "aotdist",
+        "aotdist+cache",
+    }
     for model in ("gpt", "llama", "dictgpt"):
         mine = {c.strategy for c in cases if c.model == model}
         assert {"accelerate", "per_block", "aotdist"} <= mine, model
-    assert {(c.model, c.depth) for c in cases} == {("gpt", 8), ("gpt", 32), ("gpt", 64),
-                                                   ("llama", 32), ("dictgpt", 8)}
+    assert {(c.model, c.depth) for c in cases} == {
+        ("gpt", 8),
+        ("gpt", 32),
+        ("gpt", 64),
+        ("llama", 32),
+        ("dictgpt", 8),
+    }
     assert "aotdist+lowered" not in {c.strategy for c in cases}
     assert len(cases) == sum(len(sb.depths) * len(sb.strategies) for sb in MAIN_JOB)
     full = plan_cases(full=True)
-    assert {(c.model, c.depth) for c in full} >= {(m, d) for m in ("gpt", "llama")
-                                                  for d in (8, 32, 64)}
+    assert {(c.model, c.depth) for c in full} >= {
+        (m, d) for m in ("gpt", "llama") for d in (8, 32, 64)
+    }
     assert {c.strategy for c in full if c.model == "llama" and c.depth == 64} >= {
-        "full", "accelerate", "per_block", "aotdist"}
+        "full",
+        "accelerate",
+        "per_block",
+        "aotdist",
+    }
     grid = plan_cases(models=["gpt"], depths=[4], strategies=["aotdist+warm", "full"])
     assert grid == [Case("gpt", 4, "aotdist", warm=True), Case("gpt", 4, "full")]
 
 
 def _fake_measure(calls):
-    def fake(case, *, cache_dir=None, seed=None, env=None, steps=20, paired_rounds=0,
-             keep_cache=None, **kwargs):
-        calls.append({"case": case, "cache_dir": cache_dir, "seed": seed, "env": env,
-                      "steps": steps, "paired": paired_rounds})
+    def fake(
+        case,
+        *,
+        cache_dir=None,
+        seed=None,
+        env=None,
+        steps=20,
+        paired_rounds=0,
+        keep_cache=None,
+        **kwargs,
+    ):
+        calls.append(
+            {
+                "case": case,
+                "cache_dir": cache_dir,
+                "seed": seed,
+                "env": env,
+                "steps": steps,
+                "paired": paired_rounds,
+            }
+        )
         if paired_rounds:
-            return {"model": case.model, "depth": case.depth, "nproc": 1, "slices": 2,
-                    "steps_per_slice": steps,
-                    "slice_step_s": {s: [0.01, 0.01] for s in case.strategy.split(",")}}
+            return {
+                "model": case.model,
+                "depth": case.depth,
+                "nproc": 1,
+                "slices": 2,
+                "steps_per_slice": steps,
+                "slice_step_s": {s: [0.01, 0.01] for s in case.strategy.split(",")},
+            }
         if cache_dir:  # what a run leaves in its cache dir
             assert Path(cache_dir).is_dir()
             (Path(cache_dir) / f"run{len(calls)}").write_text("compiled")
         restart = sum(1 for c in calls if c["case"] == case and not c["paired"]) % 2 == 0
         first = 1.0 if restart else 10.0
-        return _run(case.strategy, case.depth, first - 0.01, 0.01, apply_s=0.5,
-                    isa_probe_s=0.25, first_step_s=first, cache_load="loaded",
-                    precompiled=False, precompile_reason="")
+        return _run(
+            case.strategy,
+            case.depth,
+            first - 0.01,
+            0.01,
+            apply_s=0.5,
+            isa_probe_s=0.25,
+            first_step_s=first,
+            cache_load="loaded",
+            precompiled=False,
+            precompile_reason="",
+        )
+
     return fake
 
 
@@ -222,8 +332,9 @@ def test_a_warm_cell_restarts_on_the_cache_dir_its_cold_run_left(tmp_path, monke
     calls = []
     monkeypatch.setattr(bench, "_measure_once", _fake_measure(calls))
     cases = [Case("gpt", 2, "full", warm=True), Case("gpt", 2, "aotdist")]
-    report = bench.run_bench(cases, backend="aot_eager", repeats=1, out=tmp_path,
-                             progress=lambda line: None)
+    report = bench.run_bench(
+        cases, backend="aot_eager", repeats=1, out=tmp_path, progress=lambda line: None
+    )
     cold, restart, plain, _paired = calls
     assert cold["case"] == restart["case"] == cases[0]
     assert cold["cache_dir"] and restart["cache_dir"] == cold["cache_dir"]  # same dir
@@ -242,14 +353,24 @@ def test_a_warm_cache_cell_restarts_with_its_bundle_and_kept_caches(tmp_path, mo
 
     calls = []
     monkeypatch.setattr(bench, "_measure_once", _fake_measure(calls))
-    bench.run_bench([Case("gpt", 2, "aotdist+cache", warm=True)], backend="aot_eager",
-                    repeats=1, out=tmp_path, progress=lambda line: None)
+    bench.run_bench(
+        [Case("gpt", 2, "aotdist+cache", warm=True)],
+        backend="aot_eager",
+        repeats=1,
+        out=tmp_path,
+        progress=lambda line: None,
+    )
     cold, restart = calls  # no fresh-dir warm start: the restart keeps the caches
     assert restart["env"][ARTIFACTS_ENV] == cold["env"][ARTIFACTS_ENV]  # the bundle
     assert restart["cache_dir"] == cold["cache_dir"] and cold["seed"] is None
     calls.clear()
-    bench.run_bench([Case("gpt", 2, "aotdist+cache")], backend="aot_eager", repeats=1,
-                    out=tmp_path / "fresh", progress=lambda line: None)
+    bench.run_bench(
+        [Case("gpt", 2, "aotdist+cache")],
+        backend="aot_eager",
+        repeats=1,
+        out=tmp_path / "fresh",
+        progress=lambda line: None,
+    )
     cold, fresh = calls  # not a warm cell: the fresh start from the bundle, as before
     assert fresh["env"] == cold["env"] and fresh["cache_dir"] is None
 
@@ -275,8 +396,17 @@ def test_the_per_block_strategy_compiles_each_block_in_place():
 def test_the_runner_times_the_strategy_apply_and_a_per_block_step():
     from aotdist.bench import runner
 
-    spec = {"strategy": "per_block", "model": "gpt", "depth": 2, "backend": "aot_eager",
-            "steps": 1, "warmup": 0, "batch": 2, "device": "cpu", "float8": False}
+    spec = {
+        "strategy": "per_block",
+        "model": "gpt",
+        "depth": 2,
+        "backend": "aot_eager",
+        "steps": 1,
+        "warmup": 0,
+        "batch": 2,
+        "device": "cpu",
+        "float8": False,
+    }
     r = runner.measure(spec)
     assert r["apply_s"] > 0 and r["frames_compiled"] >= 1 and r["steady_step_s"] > 0
     assert r["recompiles_after_first_step"] == 0
@@ -286,19 +416,25 @@ def test_aotdist_lowered_passes_compile_outer_or_is_skipped_with_a_note(tmp_path
     import aotdist
 
     seen = []
-    monkeypatch.setattr(aotdist, "parallelize",
-                        lambda model, config: seen.append(config["compile"]) or model)
+    monkeypatch.setattr(
+        aotdist, "parallelize", lambda model, config: seen.append(config["compile"]) or model
+    )
     get_strategy("aotdist+lowered").apply(torch.nn.Linear(2, 2), Setup(backend="aot_eager"))
     assert seen == [{"backend": "aot_eager", "outer": "inductor"}]
-    gone = dataclasses.replace(STRATEGIES["aotdist+lowered"],
-                               unavailable=lambda: "no compile.outer key in this build")
+    gone = dataclasses.replace(
+        STRATEGIES["aotdist+lowered"], unavailable=lambda: "no compile.outer key in this build"
+    )
     monkeypatch.setitem(STRATEGIES, "aotdist+lowered", gone)
     calls = []
     monkeypatch.setattr(bench, "_measure_once", _fake_measure(calls))
     lines = []
-    report = bench.run_bench([Case("gpt", 2, s) for s in ("accelerate", "aotdist+lowered")],
-                             backend="aot_eager", repeats=1, out=tmp_path,
-                             progress=lines.append)
+    report = bench.run_bench(
+        [Case("gpt", 2, s) for s in ("accelerate", "aotdist+lowered")],
+        backend="aot_eager",
+        repeats=1,
+        out=tmp_path,
+        progress=lines.append,
+    )
     assert [c["case"].strategy for c in calls] == ["accelerate"]
     assert report["settings"]["skipped"] == ["no compile.outer key in this build"]
     assert "skipped: no compile.outer key in this build" in lines

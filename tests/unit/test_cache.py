@@ -25,8 +25,9 @@ from aotdist.testing import build_model, example_inputs
 
 
 def _config(tmp_path, mode="local"):
-    return AOTDistConfig.from_dict({"compile": {"backend": "aot_eager"},
-                                    "cache": {"mode": mode, "dir": str(tmp_path)}})
+    return AOTDistConfig.from_dict(
+        {"compile": {"backend": "aot_eager"}, "cache": {"mode": mode, "dir": str(tmp_path)}}
+    )
 
 
 def _losses(model, steps=2):
@@ -78,8 +79,9 @@ def test_changed_model_invalidates(tmp_path):
     _, load, losses, caught = _run(config, depth=3)
     assert load.status == "stale" and "model" in load.reason
     assert len(caught) == 1 and "made for another setup" in str(caught[0].message)
-    _, _, uncached, _ = _run(AOTDistConfig.from_dict({"compile": {"backend": "aot_eager"}}),
-                             depth=3)
+    _, _, uncached, _ = _run(
+        AOTDistConfig.from_dict({"compile": {"backend": "aot_eager"}}), depth=3
+    )
     assert losses == uncached
 
 
@@ -113,7 +115,6 @@ def test_corrupt_bundle_is_reported_and_ignored(tmp_path, damage):
     assert losses == uncached  # compiled normally, same results
 
 
-
 @pytest.fixture
 def bundle(tmp_path, monkeypatch):
     """A valid bundle for ``_run``'s model: 0o644 in a 0o755 directory. Returns the
@@ -139,10 +140,11 @@ def test_own_bundle_in_own_directory_loads(bundle):
 
 
 @pytest.mark.skipif(not hasattr(os, "getuid"), reason="no user ids: no check")
-@pytest.mark.parametrize(("where", "mode", "safe"), [("file", 0o666, 0o644),
-                                                     ("directory", 0o775, 0o755),
-                                                     ("directory", 0o777, 0o755)],
-                         ids=["file-0o666", "directory-0o775", "directory-0o777"])
+@pytest.mark.parametrize(
+    ("where", "mode", "safe"),
+    [("file", 0o666, 0o644), ("directory", 0o775, 0o755), ("directory", 0o777, 0o755)],
+    ids=["file-0o666", "directory-0o775", "directory-0o777"],
+)
 def test_bundle_others_could_write_is_not_read(bundle, monkeypatch, where, mode, safe):
     """A bundle is code: one that group or others could have written is neither decoded
     nor installed; the run compiles normally. The same bundle, mode restored, loads."""
@@ -226,6 +228,7 @@ def test_shared_mode_rank0_judges_and_every_rank_joins_the_broadcast(bundle, mon
         assert sent[0] == [None, None]
         assert load.status == CacheStatus.LOADED and installed == [b"mega"]
 
+
 @pytest.mark.inductor
 def test_bundle_round_trip_loads_inductor_artifacts(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
@@ -251,8 +254,9 @@ def test_isa_probe_load_markers_are_installed_only_on_the_same_cpu(tmp_path, mon
     here = artifacts.cpu_signature()
     for n, signature in enumerate([here, "another cpu", None]):
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / str(n)))
-        bundle = dict(files) if signature is None else {
-            **files, artifacts.CPU_ENTRY: signature.encode()}
+        bundle = (
+            dict(files) if signature is None else {**files, artifacts.CPU_ENTRY: signature.encode()}
+        )
         artifacts.install(b"", bundle)
         root = tmp_path / str(n)
         assert (root / "ab" / "cabprobe.so").exists()
@@ -301,8 +305,7 @@ def test_a_passed_isa_load_check_is_remembered_and_a_failed_one_is_not(tmp_path,
     assert cpu_vec_isa.VecISA.check_build is original
 
 
-def test_an_autotuning_result_from_another_cache_dir_is_found_under_this_one(
-        tmp_path, monkeypatch):
+def test_an_autotuning_result_from_another_cache_dir_is_found_under_this_one(tmp_path, monkeypatch):
     """A Triton kernel loaded from a cache entry keeps the path it had in the run that
     saved it; its autotuning result, which the Mega-Cache installs under this process's
     cache dir, is found only through aotdist's re-rooting scope. Without it the warm
@@ -316,29 +319,40 @@ def test_an_autotuning_result_from_another_cache_dir_is_found_under_this_one(
 
     from aotdist import _compat
 
-    configs = [Config({"XBLOCK": 64}, num_warps=4, num_stages=1),
-               Config({"XBLOCK": 128}, num_warps=4, num_stages=1)]
+    configs = [
+        Config({"XBLOCK": 64}, num_warps=4, num_stages=1),
+        Config({"XBLOCK": 128}, num_warps=4, num_stages=1),
+    ]
     meta = {"autotune_local_cache": True}
     then, now = tmp_path / "then", tmp_path / "now"
     kernel_file = str(then / "ab" / "cabkernel.py")  # the saving run's kernel path
     recorded = []
-    monkeypatch.setattr(CacheArtifactManager, "record_artifact",
-                        classmethod(lambda cls, *args: recorded.append(args)))
+    monkeypatch.setattr(
+        CacheArtifactManager,
+        "record_artifact",
+        classmethod(lambda cls, *args: recorded.append(args)),
+    )
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(then))
-    cache = autotune_cache.AutotuneCache.create(meta, kernel_file,
-                                                triton_heuristics.hash_configs(configs))
+    cache = autotune_cache.AutotuneCache.create(
+        meta, kernel_file, triton_heuristics.hash_configs(configs)
+    )
     cache.save(configs[1], 1_000_000)
-    (kind, key, content), = recorded
+    ((kind, key, content),) = recorded
     assert kind == "autotune"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(now))  # another machine's dir
     import shutil
+
     shutil.rmtree(then)
     CacheArtifactFactory.encode_create(kind, key, content).populate_cache()  # Mega-Cache load
 
     def loaded_kernel():
-        return SimpleNamespace(filename=kernel_file, inductor_meta=meta,
-                               _could_rblock_scale=False, is_statically_launchable=lambda: True,
-                               compile_results=[SimpleNamespace(config=c) for c in configs])
+        return SimpleNamespace(
+            filename=kernel_file,
+            inductor_meta=meta,
+            _could_rblock_scale=False,
+            is_statically_launchable=lambda: True,
+            compile_results=[SimpleNamespace(config=c) for c in configs],
+        )
 
     recheck = triton_heuristics.CachingAutotuner.recheck_autotune_cache
     alone = loaded_kernel()
@@ -347,8 +361,9 @@ def test_an_autotuning_result_from_another_cache_dir_is_found_under_this_one(
     assert len(alone.compile_results) == 2
     kernel = loaded_kernel()
     with _compat.rerooted_autotune_lookups():
-        triton_heuristics.CachingAutotuner.recheck_autotune_cache(kernel,
-                                                                  reload_kernel_from_src=None)
+        triton_heuristics.CachingAutotuner.recheck_autotune_cache(
+            kernel, reload_kernel_from_src=None
+        )
     assert kernel.autotune_cache_info["autotune_cache_state"] == "hit"
     assert [r.config.kwargs for r in kernel.compile_results] == [{"XBLOCK": 128}]
     assert kernel.filename == str(now / "ab" / "cabkernel.py")
@@ -401,8 +416,13 @@ def test_warm_start_runs_no_cpp_compiler_and_no_isa_probe(tmp_path):
 
     def run(inductor_dir):
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / inductor_dir)}
-        out = subprocess.run([sys.executable, "-c", _WARM_CHILD, str(tmp_path / "bundle")],
-                             env=env, capture_output=True, text=True, timeout=500)
+        out = subprocess.run(
+            [sys.executable, "-c", _WARM_CHILD, str(tmp_path / "bundle")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=500,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -61,7 +61,9 @@ def test_gpt_regions_call_sites_subgraphs_and_param_names():
     # the backward, which saves some of them; the GraphModule keeps torch's placeholders.
     signature = region.forward_code.split("def forward(self, ")[1].split("\n")[0]
     assert re.findall(r"(\w+): \"", signature) == [
-        "activation", *(n.replace(".", "_") for n, _ in model.blocks[0].named_parameters())]
+        "activation",
+        *(n.replace(".", "_") for n, _ in model.blocks[0].named_parameters()),
+    ]
     assert "ln1_weight" in region.backward_code
     assert not re.search(r"\bprimals_\d", region.forward_code + region.backward_code)
     assert any(n.name.startswith("primals_") for n in region.forward_gm.graph.nodes)
@@ -91,8 +93,9 @@ def test_frames_capture_of_a_sharded_model_reports_one_story(capsys):
     model = TinyGPT(depth=3)
     (x,), _ = example_inputs(model)
     with one_rank_group():
-        aotdist.parallelize(model, config={"fsdp": {"enabled": True},
-                                           "compile": {"enabled": False}})
+        aotdist.parallelize(
+            model, config={"fsdp": {"enabled": True}, "compile": {"enabled": False}}
+        )
         cap = aotdist.capture(model, x, loss_fn=_loss)
     region, st = cap.regions["GPTBlock"], cap.metrics.regions["GPTBlock"]
     assert cap.mode == cap.metrics.mode == "frames"
@@ -148,8 +151,11 @@ def test_num_subgraphs_counts_the_subgraphs_the_graph_calls():
     cap = aotdist.capture(Net(), torch.randn(2, 8, 16), loss_fn=_loss)
     region = cap.regions["GPTBlock"]
     gm = cap.graphs[0].gm
-    called = {id(getattr(gm, str(n.args[0].target))) for n in gm.graph.nodes
-              if n.target is torch.ops.higher_order.invoke_subgraph}
+    called = {
+        id(getattr(gm, str(n.args[0].target)))
+        for n in gm.graph.nodes
+        if n.target is torch.ops.higher_order.invoke_subgraph
+    }
     assert region.num_subgraphs == len(called) == len(region.forward) >= 1
     assert len(region.call_sites) + region.inlined == 3
     assert {tuple(g.inputs[0]["shape"]) for g in region.forward} <= {(2, 8, 16), (2, 4, 16)}
@@ -189,7 +195,8 @@ def test_to_dict_is_json_and_save_writes_code(tmp_path):
     assert "capture.json" in names and "graph0.forward.py" in names
     assert any(n.startswith("GPTBlock.forward") for n in names)
     assert json.loads((tmp_path / "capture.json").read_text())["regions"]["GPTBlock"][
-        "call_sites"] == ["blocks.0", "blocks.1"]
+        "call_sites"
+    ] == ["blocks.0", "blocks.1"]
     assert "invoke_subgraph" in (tmp_path / "graph0.forward.py").read_text()
     summary = cap.summary()
     assert re.search(r"GPTBlock\s+2\s+2\s+1\s", summary), summary
@@ -288,10 +295,12 @@ def test_capture_with_inductor_uses_the_options_of_compile_regions(monkeypatch):
     for patches in seen:  # the same joint pass, then capture's storage-resize repair
         mine = str(comparable_options(patches).pop("joint_custom_pre_pass"))
         assert mine.index("aotdist.recompute_index_derived.v1") < mine.index(
-            "aotdist.fix_storage_resizes.v1")
+            "aotdist.fix_storage_resizes.v1"
+        )
         patches.pop("joint_custom_pre_pass")
-        assert comparable_options(patches) == {k: v for k, v in comparable_options(common).items()
-                                               if k != "joint_custom_pre_pass"}
+        assert comparable_options(patches) == {
+            k: v for k, v in comparable_options(common).items() if k != "joint_custom_pre_pass"
+        }
         assert patches.get("allow_buffer_reuse") == expected.get("allow_buffer_reuse")
 
 
@@ -330,8 +339,9 @@ def test_a_region_reading_its_buffer_after_writing_it_stays_one_subgraph_in_capt
     stats = {n: b.clone() for n, b in model.named_buffers()}
     cap = aotdist.capture(model, x, loss_fn=_loss)
     region = cap.regions["ReadAfterUpdateBlock"]
-    assert not cap.demoted and (len(region.call_sites), region.num_subgraphs) == (3, 1), \
+    assert not cap.demoted and (len(region.call_sites), region.num_subgraphs) == (3, 1), (
         cap.summary()
+    )
     mutated = {m["input"] for m in cap.mutations if m["kind"] == "data"}
     assert {"1.seen", "2.seen", "3.seen"} <= mutated, cap.mutations
     for n, b in model.named_buffers():  # capture leaves the model's state as it was

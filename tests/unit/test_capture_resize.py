@@ -58,8 +58,12 @@ MODULE = textwrap.dedent("""
 
 
 def _run(body: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-c", MODULE + textwrap.dedent(body)],
-                          capture_output=True, text=True, timeout=500)
+    proc = subprocess.run(
+        [sys.executable, "-c", MODULE + textwrap.dedent(body)],
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     return proc.returncode, (json.loads(lines[-1]) if lines else {"stderr": proc.stderr[-3000:]})
 

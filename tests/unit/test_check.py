@@ -32,22 +32,27 @@ def not_a_pair():
 
 def _metrics(**kw) -> CompileMetrics:
     m = CompileMetrics()
-    m.regions = {"Block": RegionStats(instances=3, call_sites=3, subgraphs=1),
-                 "Other": RegionStats(instances=2, call_sites=2, subgraphs=1)}
+    m.regions = {
+        "Block": RegionStats(instances=3, call_sites=3, subgraphs=1),
+        "Other": RegionStats(instances=2, call_sites=2, subgraphs=1),
+    }
     for k, v in kw.items():
         setattr(m, k, v)
     return m
 
 
-@pytest.mark.parametrize("fields, warned, status", [
-    ({}, [], "reused"),
-    ({"reuse": {"Block": "differs in scale (float)"}}, [], "partly reused"),
-    ({"demoted": {"Block": "torch: aliasing"}}, [], "partly reused"),
-    ({"demoted": {"Block": "x", "Other": "y"}}, [], "demoted"),
-    ({"eager": {"Block": "FSDP class"}}, ["aotdist region 'Block' ran eager"], "partly reused"),
-    ({"eager": {"Block": "FSDP class"}}, [], "eager!"),
-    ({"regions": {}}, [], "no regions"),
-])
+@pytest.mark.parametrize(
+    "fields, warned, status",
+    [
+        ({}, [], "reused"),
+        ({"reuse": {"Block": "differs in scale (float)"}}, [], "partly reused"),
+        ({"demoted": {"Block": "torch: aliasing"}}, [], "partly reused"),
+        ({"demoted": {"Block": "x", "Other": "y"}}, [], "demoted"),
+        ({"eager": {"Block": "FSDP class"}}, ["aotdist region 'Block' ran eager"], "partly reused"),
+        ({"eager": {"Block": "FSDP class"}}, [], "eager!"),
+        ({"regions": {}}, [], "no regions"),
+    ],
+)
 def test_classification(fields, warned, status):
     result = CheckResult("m")
     _classify(result, _metrics(**fields), warned)
@@ -106,8 +111,9 @@ def test_a_crash_where_torch_compile_trains_wrong_is_torch_s(monkeypatch):
         raise RuntimeError("an aotdist bug")
 
     monkeypatch.setattr(aotdist, "compile_regions", broken)
-    monkeypatch.setattr("aotdist.check.runner._compile_whole",
-                        lambda model, backend: _perturbing_first(model))
+    monkeypatch.setattr(
+        "aotdist.check.runner._compile_whole", lambda model, backend: _perturbing_first(model)
+    )
     result = check_family(f"{__name__}:toy")
     assert result.status == "torch.compile fails too", result
     assert result.whole_model.startswith("wrong gradients (grad diff "), result.whole_model
@@ -117,14 +123,15 @@ def test_a_crash_where_torch_compile_trains_wrong_is_torch_s(monkeypatch):
 @pytest.mark.timeout(120)
 def test_a_parity_failure_says_whether_whole_model_compile_is_wrong_too(monkeypatch):
     real = aotdist.compile_regions
-    monkeypatch.setattr(aotdist, "compile_regions",
-                        lambda model, **kwargs: real(_perturbing_first(model), **kwargs))
-    monkeypatch.setattr("aotdist.check.runner._compile_whole",
-                        lambda model, backend: _perturbing_first(model))
+    monkeypatch.setattr(
+        aotdist, "compile_regions", lambda model, **kwargs: real(_perturbing_first(model), **kwargs)
+    )
+    monkeypatch.setattr(
+        "aotdist.check.runner._compile_whole", lambda model, backend: _perturbing_first(model)
+    )
     result = check_family(f"{__name__}:toy")
     assert result.status == "parity" and not result.ok
-    assert "whole-model torch.compile's gradients are off eager's too" in result.notes[
-        "gradients"]
+    assert "whole-model torch.compile's gradients are off eager's too" in result.notes["gradients"]
 
 
 def _grads_off(model, by: float):
@@ -135,31 +142,40 @@ def _grads_off(model, by: float):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("regions", "whole", "status"), [
-    (1e-3, 1e-3, "torch.compile fails too"),  # as far off as whole-model compile: torch's
-    (1e-2, 1e-3, "parity"),  # ten times further off: the regions'
-])
-def test_gradients_off_as_much_as_whole_model_compile_s_are_torch_s(monkeypatch, regions,
-                                                                     whole, status):
+@pytest.mark.parametrize(
+    ("regions", "whole", "status"),
+    [
+        (1e-3, 1e-3, "torch.compile fails too"),  # as far off as whole-model compile: torch's
+        (1e-2, 1e-3, "parity"),  # ten times further off: the regions'
+    ],
+)
+def test_gradients_off_as_much_as_whole_model_compile_s_are_torch_s(
+    monkeypatch, regions, whole, status
+):
     real = aotdist.compile_regions
-    monkeypatch.setattr(aotdist, "compile_regions",
-                        lambda model, **kwargs: real(_grads_off(model, regions), **kwargs))
-    monkeypatch.setattr("aotdist.check.runner._compile_whole",
-                        lambda model, backend: _grads_off(model, whole))
+    monkeypatch.setattr(
+        aotdist,
+        "compile_regions",
+        lambda model, **kwargs: real(_grads_off(model, regions), **kwargs),
+    )
+    monkeypatch.setattr(
+        "aotdist.check.runner._compile_whole", lambda model, backend: _grads_off(model, whole)
+    )
     result = check_family(f"{__name__}:toy")
     assert result.status == status, result.line()
-    assert "whole-model torch.compile's gradients are off eager's too" in result.notes[
-        "gradients"]
+    assert "whole-model torch.compile's gradients are off eager's too" in result.notes["gradients"]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rounding", [True, False])
 def test_gradients_as_close_to_float64_eager_as_eager_is_are_rounding(monkeypatch, rounding):
     real = aotdist.compile_regions
-    monkeypatch.setattr(aotdist, "compile_regions",
-                        lambda model, **kwargs: real(_grads_off(model, 1e-3), **kwargs))
-    monkeypatch.setattr("aotdist.check.runner._compile_whole",
-                        lambda model, backend: _grads_off(model, 1e-3))
+    monkeypatch.setattr(
+        aotdist, "compile_regions", lambda model, **kwargs: real(_grads_off(model, 1e-3), **kwargs)
+    )
+    monkeypatch.setattr(
+        "aotdist.check.runner._compile_whole", lambda model, backend: _grads_off(model, 1e-3)
+    )
     seen = {}
 
     def errors(exact, runs):  # the float64 run is real; the errors as a rounding case has
@@ -183,8 +199,9 @@ def test_gradients_as_close_to_float64_eager_as_eager_is_are_rounding(monkeypatc
 @pytest.mark.timeout(120)
 def test_a_wrong_result_fails_the_check(monkeypatch, capsys, tmp_path):
     real = aotdist.compile_regions
-    monkeypatch.setattr(aotdist, "compile_regions",
-                        lambda model, **kwargs: real(_perturbing_first(model), **kwargs))
+    monkeypatch.setattr(
+        aotdist, "compile_regions", lambda model, **kwargs: real(_perturbing_first(model), **kwargs)
+    )
     out = tmp_path / "r.json"
     assert main(["check", f"{__name__}:toy", "--json", str(out)]) == 1
     assert "parity" in capsys.readouterr().out
@@ -204,10 +221,22 @@ def test_bad_input_is_named(capsys):
 
 def test_the_table_counts_and_explains():
     results = [
-        CheckResult("a", "dense", status="reused", loss_eager=1.0, loss_aotdist=1.0,
-                    regions={"A": {"instances": 3}}, whole_model="trains"),
-        CheckResult("b", "MoE", status="partly reused", notes={"B": "demoted: aliasing"},
-                    whole_model="trains"),
+        CheckResult(
+            "a",
+            "dense",
+            status="reused",
+            loss_eager=1.0,
+            loss_aotdist=1.0,
+            regions={"A": {"instances": 3}},
+            whole_model="trains",
+        ),
+        CheckResult(
+            "b",
+            "MoE",
+            status="partly reused",
+            notes={"B": "demoted: aliasing"},
+            whole_model="trains",
+        ),
         CheckResult("a", "dense", status="crash", fsdp=2, error="Traceback\nRuntimeError: x"),
         CheckResult("a", "dense", status="reused", fsdp=2, fsdp_mode="graph"),
     ]
@@ -249,10 +278,12 @@ def test_zero_gradients_that_whole_model_compile_leaves_none_are_named_as_aotdis
     model, reference = _Pooled(), _Pooled()
     model.pooler.weight.grad = torch.zeros_like(model.pooler.weight)  # reference: None
     result = CheckResult("pooled", "dense", loss_eager=1.0)
-    _judge(result, CompileMetrics(), torch.tensor(1.0), model, reference, "aot_eager",
-           whole_zeros=[])
-    assert "whole-model compile leaves 1 of them None (pooler.weight...)" in \
-        result.notes["gradients"], result.notes
+    _judge(
+        result, CompileMetrics(), torch.tensor(1.0), model, reference, "aot_eager", whole_zeros=[]
+    )
+    assert (
+        "whole-model compile leaves 1 of them None (pooler.weight...)" in result.notes["gradients"]
+    ), result.notes
 
 
 def test_under_fsdp_hooks_instances_the_batch_never_ran_are_not_counted_as_eager():
@@ -262,8 +293,12 @@ def test_under_fsdp_hooks_instances_the_batch_never_ran_are_not_counted_as_eager
     def judged(ran: dict[str, int]) -> CheckResult:
         model = _Pooled()
         result = CheckResult("pooled", "dense", loss_eager=1.0)
-        m = CompileMetrics(regions={"Vision": RegionStats(instances=3, call_sites=0),
-                                    "Text": RegionStats(instances=3, call_sites=2)})
+        m = CompileMetrics(
+            regions={
+                "Vision": RegionStats(instances=3, call_sites=0),
+                "Text": RegionStats(instances=3, call_sites=2),
+            }
+        )
         _judge(result, m, torch.tensor(1.0), model, model, "aot_eager", frames=True, ran=ran)
         return result
 
@@ -288,8 +323,9 @@ def test_a_build_past_the_memory_cap_fails_in_its_own_process_and_says_so(monkey
     here = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     capped = _one(f"{__name__}:hungry", backend="aot_eager", fsdp=0, timeout=150, memory_gb=7)
-    assert capped.status == "crash" and "out of memory (capped at 7.0 GiB" in capped.error, \
+    assert capped.status == "crash" and "out of memory (capped at 7.0 GiB" in capped.error, (
         capped.error
+    )
     free = _one(f"{__name__}:hungry", backend="aot_eager", fsdp=0, timeout=150, memory_gb=0)
     assert free.status == "reused", free.error
 
@@ -313,6 +349,7 @@ def test_tiny_configs_shrink_nested_configs_and_turn_their_dropout_off():
 def test_a_gradient_that_is_rounding_noise_is_scaled_by_the_model_s_largest_gradient():
     """A parameter whose exact gradient is 0 (eager and compile each give rounding noise)
     does not fail the check; a wrong gradient of the same parameter still does."""
+
     def model_with(grads):
         m = nn.Linear(2, 2)
         for p, g in zip(m.parameters(), grads, strict=True):

@@ -17,10 +17,15 @@ def _grads(noise: float) -> list[dict]:
 
 
 def test_a_run_as_close_to_float64_as_eager_is_rounding_and_a_further_one_is_not():
-    exact = [{"w": torch.tensor([1.0, 0.5], dtype=torch.float64),
-              "b": torch.tensor([0.0], dtype=torch.float64)}]
-    errors = rounding_errors(lambda: exact, {
-        "eager": _grads(1e-6), "near": _grads(-1.5e-6), "far": _grads(1e-4)})
+    exact = [
+        {
+            "w": torch.tensor([1.0, 0.5], dtype=torch.float64),
+            "b": torch.tensor([0.0], dtype=torch.float64),
+        }
+    ]
+    errors = rounding_errors(
+        lambda: exact, {"eager": _grads(1e-6), "near": _grads(-1.5e-6), "far": _grads(1e-4)}
+    )
     # scaled by a thousandth of the largest gradient: 1e-6 -> 1e-3
     assert errors["eager"] == pytest.approx(1e-3, rel=1e-2)
     assert errors["near"] == pytest.approx(1.5e-3, rel=1e-2)
@@ -31,7 +36,7 @@ def test_a_run_as_close_to_float64_as_eager_is_rounding_and_a_further_one_is_not
 
 def test_a_model_that_cannot_run_in_float64_keeps_the_verdict():
     def no_float64_kernel():
-        raise RuntimeError('"addmm" not implemented for \'Double\'')
+        raise RuntimeError("\"addmm\" not implemented for 'Double'")
 
     errors = rounding_errors(no_float64_kernel, {"eager": _grads(0.0)})
     assert errors is None and not only_rounding(errors, "eager", rtol=1e-4)

@@ -84,7 +84,8 @@ def test_a_wrong_running_statistic_fails_the_check(monkeypatch):
     assert result.max_loss_diff < 1e-6 and result.max_grad_diff < 1e-4, result.line()
     assert result.max_buffer_diff > 0.1, result.line()
     assert result.notes["parity"] == (
-        "differs from eager from step 1: buffer blocks.1.bn.running_mean"), result.notes
+        "differs from eager from step 1: buffer blocks.1.bn.running_mean"
+    ), result.notes
 
 
 @pytest.mark.timeout(120)
@@ -107,8 +108,14 @@ def test_a_gradient_that_goes_wrong_after_the_first_step_fails_the_check(monkeyp
 
 def test_randomness_is_off_for_the_comparison_and_named_when_on():
     timm = pytest.importorskip("timm")
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10,
-                              drop_path_rate=0.1, img_size=32, depth=2)
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        num_classes=10,
+        drop_path_rate=0.1,
+        img_size=32,
+        depth=2,
+    )
     assert stochastic_depth(model)
     without_randomness(model)
     assert not stochastic_depth(model)
@@ -119,8 +126,9 @@ def test_randomness_is_off_for_the_comparison_and_named_when_on():
 def test_a_timm_spec_trains_with_parity_and_judges_reuse_with_stochastic_depth_on():
     pytest.importorskip("timm")
     assert resolve("timm:vit_tiny_patch16_224").source == "timm"
-    result = check_family(timm_family("vit_tiny_patch16_224", "ViT", size=32, depth=2),
-                          whole_model=False)
+    result = check_family(
+        timm_family("vit_tiny_patch16_224", "ViT", size=32, depth=2), whole_model=False
+    )
     assert result.status == "reused", result.line() + result.error
     assert result.stochastic_depth == "reused", result.line()  # drop rates 0.0 and 0.1
     assert result.max_loss_diff == 0.0 and result.max_grad_diff < 1e-4, result.line()
@@ -139,8 +147,9 @@ def test_a_torchtitan_spec_is_built_from_its_model_code_and_trains_with_parity()
     result = check_family("titan:llama3", whole_model=False)
     assert result.source == "torchtitan", result.line()
     assert result.status == "reused", result.line() + result.error
-    assert result.regions == {"Llama3TransformerBlock": {
-        "instances": 3, "call_sites": 3, "subgraphs": 1, "inlined": 0}}, result.regions
+    assert result.regions == {
+        "Llama3TransformerBlock": {"instances": 3, "call_sites": 3, "subgraphs": 1, "inlined": 0}
+    }, result.regions
     assert result.max_loss_diff == 0.0 and result.max_grad_diff < 1e-4, result.line()
 
 

@@ -55,24 +55,38 @@ def _screen(capsys) -> list[str]:
     return err.strip().splitlines()
 
 
-@pytest.mark.parametrize("flag, name, close", [
-    ("--hf", "not_a_model", None), ("--hf", "lama", "llama"),
-    ("--torchvision", "not_a_model", None), ("--torchvision", "resnet5", "resnet50")])
+@pytest.mark.parametrize(
+    "flag, name, close",
+    [
+        ("--hf", "not_a_model", None),
+        ("--hf", "lama", "llama"),
+        ("--torchvision", "not_a_model", None),
+        ("--torchvision", "resnet5", "resnet50"),
+    ],
+)
 def test_a_library_model_name_it_lacks_fails_with_one_line_and_the_fix(
-        capsys, monkeypatch, flag, name, close):
+    capsys, monkeypatch, flag, name, close
+):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     assert main(["check", flag, name]) == 1
     (line,) = _screen(capsys)
     assert line.startswith(f"aotdist check: {flag} {name}: the installed ")
     assert f"{name!r}" in line and "Fix: a name it has, e.g. " in line
-    assert (f"{name!r} (did you mean {close!r}?). Fix" in line) if close else \
-        "did you mean" not in line
+    assert (
+        (f"{name!r} (did you mean {close!r}?). Fix" in line)
+        if close
+        else "did you mean" not in line
+    )
     assert len(line) < 300
 
 
 def test_a_not_built_result_fails_the_check(capsys, monkeypatch):
-    monkeypatch.setattr("aotdist.check.check_family", lambda family, **kw: CheckResult(
-        "llama", status="not built", error="ValueError: the tiny config is wrong"))
+    monkeypatch.setattr(
+        "aotdist.check.check_family",
+        lambda family, **kw: CheckResult(
+            "llama", status="not built", error="ValueError: the tiny config is wrong"
+        ),
+    )
     assert main(["check", "llama"]) == 1
     err = capsys.readouterr().err
     assert "llama was not built, so nothing was checked: ValueError: the tiny config" in err
@@ -96,11 +110,11 @@ def test_a_factory_in_the_working_directory_is_checked(user_dir, capsys):
 def test_a_factory_that_raises_is_one_screen_naming_the_user_s_line(user_dir, capsys, more):
     assert main(["check", "clifactories:broken", *more]) == 1
     lines = _screen(capsys)
-    assert lines[0] == ("aotdist check: clifactories:broken raised ValueError: vocab_size "
-                        "must be positive, got -1")
+    assert lines[0] == (
+        "aotdist check: clifactories:broken raised ValueError: vocab_size must be positive, got -1"
+    )
     assert lines[1].startswith("  at clifactories.py:")
-    assert lines[1].endswith('in helper: raise ValueError("vocab_size must be positive, '
-                             'got -1")')
+    assert lines[1].endswith('in helper: raise ValueError("vocab_size must be positive, got -1")')
     assert lines[2].startswith("Fix: ") and "--debug" in lines[2] and len(lines) == 3
 
 
@@ -114,23 +128,34 @@ def test_debug_and_the_environment_variable_show_the_user_s_exception(user_dir, 
         main(["check", "clifactories:broken"])
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["check", "nomodule:build"], "aotdist check: cannot import 'nomodule' for "
-     "'nomodule:build'"),
-    (["check", "clifactories:buidl"], "has no function 'buidl' (did you mean 'build'?). Fix"),
-    (["inspect", "--model", "nomodule:build"], "aotdist inspect: cannot import 'nomodule'"),
-    (["inspect", "--model", "nosuch"], "aotdist inspect: unknown model 'nosuch'; choose one "
-     "of gpt, vit, resnet, aliasing"),
-    (["check", "nosuch"], "aotdist check: unknown model 'nosuch'"),
-    (["check", "lama"], "or module:factory (did you mean 'llama'?)"),
-    (["check"], "aotdist check: give one model"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["check", "nomodule:build"],
+            "aotdist check: cannot import 'nomodule' for 'nomodule:build'",
+        ),
+        (["check", "clifactories:buidl"], "has no function 'buidl' (did you mean 'build'?). Fix"),
+        (["inspect", "--model", "nomodule:build"], "aotdist inspect: cannot import 'nomodule'"),
+        (
+            ["inspect", "--model", "nosuch"],
+            "aotdist inspect: unknown model 'nosuch'; choose one of gpt, vit, resnet, aliasing",
+        ),
+        (["check", "nosuch"], "aotdist check: unknown model 'nosuch'"),
+        (["check", "lama"], "or module:factory (did you mean 'llama'?)"),
+        (["check"], "aotdist check: give one model"),
+    ],
+)
 def test_a_usage_mistake_is_one_line_and_exit_2(user_dir, capsys, argv, expected):
     assert main(argv) == 2
     (line,) = _screen(capsys)
     assert expected in line
-    assert "Fix" in line or "choose one of" in line or "give a family" in line or \
-        "give one model" in line
+    assert (
+        "Fix" in line
+        or "choose one of" in line
+        or "give a family" in line
+        or "give one model" in line
+    )
 
 
 def test_a_bad_flag_is_argparse_s_usage_and_exit_2(capsys):
@@ -150,8 +175,9 @@ def test_an_inspect_factory_that_raises_is_one_screen(user_dir, capsys):
 def test_a_factory_that_returns_the_wrong_thing_is_one_line(user_dir, capsys):
     assert main(["check", "clifactories:not_a_pair"]) == 1
     (line,) = _screen(capsys)
-    assert line.startswith("aotdist check: TypeError: clifactories:not_a_pair must return "
-                           "(model, inputs)")
+    assert line.startswith(
+        "aotdist check: TypeError: clifactories:not_a_pair must return (model, inputs)"
+    )
     assert "got Linear" in line
 
 
@@ -161,9 +187,12 @@ def test_version_and_help_show_what_runs_by_default(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"aotdist {__version__}"
-    for command, shown in (("check", "(default: aot_eager)"), ("zoo", "Runs `aotdist check`"),
-                           ("inspect", "Builds a model, finds its regions"),
-                           ("bench", "(default: inductor)")):
+    for command, shown in (
+        ("check", "(default: aot_eager)"),
+        ("zoo", "Runs `aotdist check`"),
+        ("inspect", "Builds a model, finds its regions"),
+        ("bench", "(default: inductor)"),
+    ):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert shown in " ".join(capsys.readouterr().out.split()), command
@@ -172,11 +201,19 @@ def test_version_and_help_show_what_runs_by_default(capsys):
     assert "``" not in capsys.readouterr().out  # no raw RST
 
 
-@pytest.mark.parametrize("argv, ranks, fsdp", [
-    (["--nproc", "2"], 2, True), (["--fsdp", "2"], 2, True), (["--nproc", "2", "--fsdp"], 2, True),
-    (["--fsdp", "2", "--nproc", "2"], 2, True), (["--fsdp"], 1, True)])
+@pytest.mark.parametrize(
+    "argv, ranks, fsdp",
+    [
+        (["--nproc", "2"], 2, True),
+        (["--fsdp", "2"], 2, True),
+        (["--nproc", "2", "--fsdp"], 2, True),
+        (["--fsdp", "2", "--nproc", "2"], 2, True),
+        (["--fsdp"], 1, True),
+    ],
+)
 def test_inspect_spells_ranks_as_every_subcommand_and_keeps_the_old_spelling(
-        monkeypatch, capsys, argv, ranks, fsdp):
+    monkeypatch, capsys, argv, ranks, fsdp
+):
     seen = {}
 
     def run_distributed(fn, nproc, opts, **kwargs):
@@ -195,7 +232,7 @@ def _options(command: str, capsys) -> str:
     with pytest.raises(SystemExit):
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    return text[text.index("options:"):]
+    return text[text.index("options:") :]
 
 
 def test_every_subcommand_spells_the_shared_options_alike_with_the_code_s_defaults(capsys):
@@ -225,8 +262,9 @@ def test_old_spellings_still_work(monkeypatch, capsys):
 
 def test_the_zoo_writes_to_a_fresh_directory_by_default(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("aotdist.check.run_zoo",
-                        lambda *a, **kw: [CheckResult("llama", status="reused")])
+    monkeypatch.setattr(
+        "aotdist.check.run_zoo", lambda *a, **kw: [CheckResult("llama", status="reused")]
+    )
     monkeypatch.setattr("aotdist.check.render", lambda results, **kw: "the table\n")
     assert main(["zoo", "--families", "llama"]) == 0
     assert (tmp_path / "zoo-out" / "models.md").read_text() == "the table\n"
@@ -239,8 +277,8 @@ def test_bench_help_names_every_strategy_its_error_accepts(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    options = text[text.index("options:"):]
-    strategies = options[options.index("--strategies"):options.index("--backend")]
+    options = text[text.index("options:") :]
+    strategies = options[options.index("--strategies") : options.index("--backend")]
     named = set(re.findall(r"[\w+-]+", strategies))
     assert set(STRATEGIES) <= named, strategies
 

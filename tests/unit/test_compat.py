@@ -23,8 +23,12 @@ def test_every_accessor_names_the_torch_versions_it_was_checked_on():
         obj = getattr(_compat, name)
         if callable(obj):
             doc = obj.__doc__ or ""
-            assert ("2.11" in doc and "2.15" in doc) or "accelerate 1.x" in doc \
-                or "Accelerate" in doc or "accelerate" in doc, name
+            assert (
+                ("2.11" in doc and "2.15" in doc)
+                or "accelerate 1.x" in doc
+                or "Accelerate" in doc
+                or "accelerate" in doc
+            ), name
 
 
 def test_missing_optional_dependency_names_the_extra(monkeypatch):
@@ -38,8 +42,11 @@ def test_missing_optional_dependency_names_the_extra(monkeypatch):
 def test_metrics_figure_is_none_not_zero_when_the_torch_field_is_missing(monkeypatch):
     fields = _compat.compilation_metric_fields()
     assert fields is not None and "inductor_cumulative_compile_time_us" in fields
-    monkeypatch.setattr(_compat, "compilation_metric_fields",
-                        lambda: fields - {"inductor_cumulative_compile_time_us"})
+    monkeypatch.setattr(
+        _compat,
+        "compilation_metric_fields",
+        lambda: fields - {"inductor_cumulative_compile_time_us"},
+    )
     model = TinyGPT(depth=2)
     aotdist.compile_regions(model, backend="aot_eager")
     (x,), _ = example_inputs(model)
@@ -65,8 +72,11 @@ def test_runtime_records_are_not_counted_as_compiled_frames():
     (x,), _ = example_inputs(model)
     model(x).sum().backward()
     with metrics.track(model) as m:
-        with dynamo_utils.dynamo_timed("cudagraphify", is_backward=False,
-                                       dynamo_compile_column_us="runtime_cudagraphify_time_us"):
+        with dynamo_utils.dynamo_timed(
+            "cudagraphify",
+            is_backward=False,
+            dynamo_compile_column_us="runtime_cudagraphify_time_us",
+        ):
             model(x).sum().backward()
         dynamo_utils.get_runtime_metrics_context().finish()
     new = [r for r in dynamo_utils.get_compilation_metrics() if getattr(r, "is_runtime", False)]
@@ -102,8 +112,12 @@ def test_subgraph_dedup_tolerates_unused_placeholders_without_metadata():
     with _compat.tolerant_subgraph_dedup():
         assert hop.are_same_graph_modules("f", _body(), _body(), fake) is True
         # a placeholder of unknown metadata that the body reads: not the same (no crash)
-        assert hop.are_same_graph_modules(
-            "f", _body(used_unknown=True), _body(used_unknown=True), fake) is False
+        assert (
+            hop.are_same_graph_modules(
+                "f", _body(used_unknown=True), _body(used_unknown=True), fake
+            )
+            is False
+        )
         with _compat.tolerant_subgraph_dedup():  # nested: still the one wrapper
             assert hop.are_same_graph_modules("f", _body(), _body(), fake) is True
     assert not hasattr(hop.are_same_graph_modules, "_aotdist_original")  # restored
@@ -140,6 +154,7 @@ def test_subgraph_dedup_matches_trampolines_of_one_autograd_function():
     with _compat.tolerant_subgraph_dedup():
         assert hop.are_same_graph_modules("f", a, b, fake) is True
         assert hop.are_same_graph_modules("f", a, other, fake) is False
+
     def target(gm):
         return next(n.target for n in gm.graph.nodes if n.op == "call_function")
 
@@ -169,8 +184,9 @@ def test_region_schema_is_built_once_per_region_not_per_call_site(monkeypatch, c
     from aotdist.compile import guard as recovery
 
     if not cached:
-        monkeypatch.setattr(recovery._compat, "cached_subgraph_schemas",
-                            lambda: contextlib.nullcontext())
+        monkeypatch.setattr(
+            recovery._compat, "cached_subgraph_schemas", lambda: contextlib.nullcontext()
+        )
     runs = _count_schema_builds(monkeypatch)
     torch.manual_seed(0)
     model = TinyGPT(depth=6)

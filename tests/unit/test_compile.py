@@ -36,12 +36,16 @@ def _blocks_differ(model: nn.Module, plan) -> bool:
     return any(not torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
-@pytest.mark.parametrize("factory", [
-    lambda: TinyGPT(depth=4),
-    lambda: TinyViT(depth=3),
-    lambda: TinyResNet(blocks_per_stage=3).eval(),
-    lambda: AliasingNet(depth=3),
-], ids=["gpt", "vit", "resnet-eval", "aliasing"])
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda: TinyGPT(depth=4),
+        lambda: TinyViT(depth=3),
+        lambda: TinyResNet(blocks_per_stage=3).eval(),
+        lambda: AliasingNet(depth=3),
+    ],
+    ids=["gpt", "vit", "resnet-eval", "aliasing"],
+)
 def test_parity_with_eager(factory):
     model, reference = _pair(factory())
     plan = aotdist.find_regions(model)
@@ -86,13 +90,18 @@ def test_each_call_site_feeds_its_own_parameters():
     weight_inputs = []
     for node in records[0].gm.graph.nodes:
         if node.op == "call_function" and node.target is invoke:
-            weight_inputs.append({a.name for a in node.args[2:]
-                                  if isinstance(a, torch.fx.Node) and a.op == "placeholder"})
+            weight_inputs.append(
+                {
+                    a.name
+                    for a in node.args[2:]
+                    if isinstance(a, torch.fx.Node) and a.op == "placeholder"
+                }
+            )
     assert len(weight_inputs) == 4
     assert all(len(w) == 12 for w in weight_inputs)  # every GPTBlock parameter, lifted
     for i, wi in enumerate(weight_inputs):
         assert f"blocks_modules_{i}_" in " ".join(sorted(wi))
-        for wj in weight_inputs[i + 1:]:
+        for wj in weight_inputs[i + 1 :]:
             assert not wi & wj, "two call sites were fed the same parameters"
 
 
@@ -381,8 +390,9 @@ def test_batchnorm_training_region_is_reused_and_its_running_stats_follow_eager(
 
 def test_a_region_reading_its_buffer_after_updating_it_stays_one_subgraph_and_correct():
     # the update runs on a copy made in the region, written back by each call site
-    model, reference = _pair(nn.Sequential(nn.Linear(4, 4), *[ReadAfterUpdateBlock(4)
-                                                              for _ in range(3)]))
+    model, reference = _pair(
+        nn.Sequential(nn.Linear(4, 4), *[ReadAfterUpdateBlock(4) for _ in range(3)])
+    )
     aotdist.compile_regions(model, backend="aot_eager")
     batches = [(torch.randn(2, 4),) for _ in range(3)]
     with warnings.catch_warnings(), metrics.track(model) as m:
@@ -421,8 +431,9 @@ def test_a_buffer_update_leaves_the_region_with_inductor():
     model, reference = _pair(nn.Sequential(nn.Linear(4, 4), *[CountingBlock(4) for _ in range(3)]))
     aotdist.compile_regions(model, backend="inductor")
     with metrics.track(model) as m:
-        assert_training_parity(model, reference, [(torch.randn(2, 4),) for _ in range(2)],
-                               rtol=1e-3, atol=1e-5)
+        assert_training_parity(
+            model, reference, [(torch.randn(2, 4),) for _ in range(2)], rtol=1e-3, atol=1e-5
+        )
     assert (m.regions["CountingBlock"].call_sites, m.regions["CountingBlock"].subgraphs) == (3, 1)
 
 
@@ -483,8 +494,10 @@ def test_inductor_options_install_the_reuse_pass_and_keep_buffer_reuse_on():
     chained = make_backend("inductor", None, {"post_grad_custom_post_pass": mine}, None).config
     passes = chained["post_grad_custom_post_pass"]
     assert passes[0] is mine and passes[1].uuid() == "aotdist.forward_aliased_outputs.v2"
-    with pytest.warns(aotdist.RegionCompileWarning, match="allow_buffer_reuse"), \
-            _without_reuse_pass():
+    with (
+        pytest.warns(aotdist.RegionCompileWarning, match="allow_buffer_reuse"),
+        _without_reuse_pass(),
+    ):
         bare = make_backend("inductor", None, {"allow_buffer_reuse": True}, None).config
     assert "post_grad_custom_post_pass" not in bare
 
@@ -537,20 +550,24 @@ def test_graph_fsdp_options_reach_inductor():
     assert {k: wrapper.config[k] for k in overlap} == overlap
     # graph mode on CUDA: overlap; on CPU overlap is left off with a warning, bucketing stays
     with pytest.warns(aotdist.ConfigWarning, match="unbucketed"):
-        backend, cuda_opts = graph_fsdp_backend("inductor", None, bucket_mb=25.0,
-                                                overlap=True, device_type="cuda")
+        backend, cuda_opts = graph_fsdp_backend(
+            "inductor", None, bucket_mb=25.0, overlap=True, device_type="cuda"
+        )
     assert backend == "inductor" and {k: cuda_opts[k] for k in overlap} == overlap
     with pytest.warns(aotdist.ConfigWarning, match="fsdp.overlap.*no effect"):
-        _, cpu_opts = graph_fsdp_backend("inductor", None, bucket_mb=25.0, overlap=True,
-                                         device_type="cpu")
+        _, cpu_opts = graph_fsdp_backend(
+            "inductor", None, bucket_mb=25.0, overlap=True, device_type="cpu"
+        )
     assert not any(k in cpu_opts for k in overlap)
     assert any(is_bucketing_pass(p) for p in passes(cpu_opts))
     # aot_eager: a backend that buckets in its graph compilers, named aot_eager
-    backend, none = graph_fsdp_backend("aot_eager", None, bucket_mb=25.0, overlap=False,
-                                       device_type="cpu")
+    backend, none = graph_fsdp_backend(
+        "aot_eager", None, bucket_mb=25.0, overlap=False, device_type="cpu"
+    )
     assert callable(backend) and none is None and backend.compiler_name == "aot_eager"
-    assert graph_fsdp_backend("aot_eager", None, bucket_mb=None, overlap=False,
-                              device_type="cpu") == ("aot_eager", None)
+    assert graph_fsdp_backend(
+        "aot_eager", None, bucket_mb=None, overlap=False, device_type="cpu"
+    ) == ("aot_eager", None)
 
 
 def test_aotdist_s_rebuilt_pipeline_keeps_graph_mode_bucketing(monkeypatch):
@@ -607,15 +624,20 @@ def test_bucket_collectives_merges_independent_collectives():
 
     with fake_world(2):  # the merge asks the group for this rank
         gm = traced()
-        assert count_collectives(gm) == {"all_gather": 4, "reduce_scatter": 4,
-                                         "all_reduce": 0}
-        assert bucket_collectives(gm, 100.0) == {"all_gather": 1, "reduce_scatter": 1,
-                                                  "all_reduce": 0}
+        assert count_collectives(gm) == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 0}
+        assert bucket_collectives(gm, 100.0) == {
+            "all_gather": 1,
+            "reduce_scatter": 1,
+            "all_reduce": 0,
+        }
         gm.graph.lint()
         # each gathered tensor is 8x8 fp32 = 256 B: a 300 B cap holds one per bucket
         small = traced()
-        assert bucket_collectives(small, 300 / 2**20) == {"all_gather": 4,
-                                                          "reduce_scatter": 4, "all_reduce": 0}
+        assert bucket_collectives(small, 300 / 2**20) == {
+            "all_gather": 4,
+            "reduce_scatter": 4,
+            "all_reduce": 0,
+        }
 
 
 def _region_call_graph(out_of_sub):

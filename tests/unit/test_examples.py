@@ -29,7 +29,7 @@ def example_of(obj) -> str:
     starts = [i for i, line in enumerate(lines) if line.strip() == "Example::"]
     assert starts, f"{obj.__qualname__}: no Example:: section in its docstring"
     block = []
-    for line in lines[starts[0] + 1:]:
+    for line in lines[starts[0] + 1 :]:
         if line.strip() and not line.startswith((" ", "\t")):
             break  # the next section, back at the docstring's own indentation
         block.append(line)
@@ -56,8 +56,9 @@ def test_example_extraction_stops_at_the_next_section():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("module", "name", "needs"), ENTRY_POINTS,
-                         ids=[f"{m}.{n}" for m, n, _ in ENTRY_POINTS])
+@pytest.mark.parametrize(
+    ("module", "name", "needs"), ENTRY_POINTS, ids=[f"{m}.{n}" for m, n, _ in ENTRY_POINTS]
+)
 def test_entry_point_example_runs(module, name, needs, tmp_path, monkeypatch):
     if needs is not None:
         pytest.importorskip(needs)

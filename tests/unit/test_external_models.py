@@ -102,8 +102,15 @@ def _stats(m: aotdist.metrics.CompileMetrics, name: str) -> aotdist.metrics.Regi
 def _vit() -> nn.Module:
     from torchvision.models.vision_transformer import VisionTransformer
 
-    model = VisionTransformer(image_size=32, patch_size=8, num_layers=3, num_heads=2,
-                              hidden_dim=32, mlp_dim=64, num_classes=10)
+    model = VisionTransformer(
+        image_size=32,
+        patch_size=8,
+        num_layers=3,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+        num_classes=10,
+    )
     # torchvision zero-initialises the classifier head: the output would be all zeros and
     # every gradient upstream of it zero, so parity would hold for any wrong encoder.
     with torch.no_grad():
@@ -171,8 +178,9 @@ def test_vit_under_fsdp2_hooks_compiles_each_block_frame_once():
     reference = copy.deepcopy(model)
     x = torch.randn(2, 3, 32, 32)
     with one_rank_group():
-        aotdist.parallelize(model, config={"fsdp": {"enabled": True},
-                                           "compile": {"backend": "aot_eager"}})
+        aotdist.parallelize(
+            model, config={"fsdp": {"enabled": True}, "compile": {"backend": "aot_eager"}}
+        )
         with _caught_warnings() as caught, aotdist.metrics.track(model) as m:
             out = model(x)
             out.sum().backward()
@@ -203,7 +211,8 @@ def _compiled_eval_matches(model: nn.Module, block_fqns) -> aotdist.metrics.Comp
     unexplained = [w for w in _region_warnings(caught) if "' is compiled " not in w]
     assert unexplained == []
     assert sorted(m.reuse) == sorted(
-        w.split("'")[1] for w in _region_warnings(caught) if "' is compiled " in w)
+        w.split("'")[1] for w in _region_warnings(caught) if "' is compiled " in w
+    )
     assert m.graph_breaks == {}, m.summary()
     return m
 
@@ -250,8 +259,10 @@ def test_resnet18_regions():
     assert region.module_type is BasicBlock
     assert region.name == "BasicBlock"
     assert region.fqns == ("layer1.0", "layer1.1")
-    sig = {f: structural_signature(model.get_submodule(f))
-           for f in ("layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer3.1", "layer4.1")}
+    sig = {
+        f: structural_signature(model.get_submodule(f))
+        for f in ("layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer3.1", "layer4.1")
+    }
     assert sig["layer1.0"] == sig["layer1.1"] == region.signature
     singletons = [sig[f] for f in ("layer2.0", "layer2.1", "layer3.1", "layer4.1")]
     assert len(set(singletons)) == 4 and region.signature not in singletons
@@ -277,8 +288,13 @@ def test_resnet18_train_keeps_its_batchnorm_blocks_reused_with_eager_s_running_s
         assert model.layer1[0].bn1.num_batches_tracked.item() == step
         ref_buffers = dict(reference.named_buffers())
         for name, buf in model.named_buffers():
-            torch.testing.assert_close(buf, ref_buffers[name], rtol=1e-4, atol=1e-5,
-                                       msg=lambda s, n=name: f"buffer {n} differs: {s}")
+            torch.testing.assert_close(
+                buf,
+                ref_buffers[name],
+                rtol=1e-4,
+                atol=1e-5,
+                msg=lambda s, n=name: f"buffer {n} differs: {s}",
+            )
 
 
 @pytest.mark.timeout(120)
@@ -306,8 +322,13 @@ class _Logits(nn.Module):
 def _llama(attn_implementation: str = "sdpa") -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         attn_implementation=attn_implementation,
     )
     model = _Logits(transformers.LlamaForCausalLM(config))
@@ -334,8 +355,10 @@ def test_llama_decoder_layers_differ_only_in_layer_idx():
     for mods in zip(*(layer.named_modules() for layer in layers), strict=True):
         names = {n for n, _ in mods}
         assert len(names) == 1
-        attrs = [{k: v for k, v in vars(m).items() if isinstance(v, (int, float, str, bool))}
-                 for _, m in mods]
+        attrs = [
+            {k: v for k, v in vars(m).items() if isinstance(v, (int, float, str, bool))}
+            for _, m in mods
+        ]
         diffs |= {(mods[0][0], k) for k in attrs[0] if any(a.get(k) != attrs[0][k] for a in attrs)}
     assert diffs == {("self_attn", "layer_idx")}
 
@@ -431,7 +454,8 @@ def test_tinygpt_inductor_end_to_end():
     except RuntimeError:  # "Unexpected optimization option"
         can_disable = False
     m, region_warnings = _tinygpt_inductor_parity(
-        {"force_disable_caches": True} if can_disable else {}, check_pass=can_disable)
+        {"force_disable_caches": True} if can_disable else {}, check_pass=can_disable
+    )
     assert region_warnings == []
     assert m.graph_breaks == {} and m.recompiles == [] and m.failures == [], m.summary()
     st = _stats(m, "GPTBlock")
@@ -447,9 +471,15 @@ _TINYGPT_SHOWS_BUG = torch.torch_version.TorchVersion(torch.__version__) >= (2, 
 @pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(_TINYGPT_SHOWS_BUG, strict=True, raises=AssertionError, reason=(
-    "torch >= 2.12 (checked: 2.15) inductor: buffer reuse overwrites a reused "
-    "invoke_subgraph's saved input (gradient of blocks.1.ln1.weight wrong by ~70%)"))
+@pytest.mark.xfail(
+    _TINYGPT_SHOWS_BUG,
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "torch >= 2.12 (checked: 2.15) inductor: buffer reuse overwrites a reused "
+        "invoke_subgraph's saved input (gradient of blocks.1.ln1.weight wrong by ~70%)"
+    ),
+)
 def test_tinygpt_inductor_buffer_reuse_torch_bug():
     """Buffer reuse on *without* aotdist's post-grad pass reproduces the torch bug.
 
@@ -464,8 +494,9 @@ def test_tinygpt_inductor_buffer_reuse_torch_bug():
     # the bug is in Inductor's buffer planning of the whole lowered graph (compile.outer:
     # inductor); with region bodies compiled on their own (fx) no buffer crosses a call
     with pytest.warns(RegionCompileWarning, match="allow_buffer_reuse"), _without_reuse_pass():
-        m, region_warnings = _tinygpt_inductor_parity({"allow_buffer_reuse": True},
-                                                      outer="inductor")
+        m, region_warnings = _tinygpt_inductor_parity(
+            {"allow_buffer_reuse": True}, outer="inductor"
+        )
     st = _stats(m, "GPTBlock")
     assert (st.call_sites, st.subgraphs, st.inlined) == (2, 1, 0), m.summary()
 
@@ -508,8 +539,11 @@ def _convnext_inductor_parity(options, memory_format=torch.contiguous_format, ou
 
 @pytest.mark.inductor
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],
-                         ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize(
+    "memory_format",
+    [torch.contiguous_format, torch.channels_last],
+    ids=["contiguous", "channels_last"],
+)
 def test_convnext_blocks_after_a_convolution_train_with_inductor(memory_format):
     """A reused region whose first call site takes a convolution's output trains with
     Inductor: aotdist compiles with Inductor's layout optimization off (see
@@ -524,11 +558,16 @@ def test_convnext_blocks_after_a_convolution_train_with_inductor(memory_format):
 
 @pytest.mark.inductor
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, raises=(AssertionError, RuntimeError), reason=(
-    "torch 2.11-2.14 inductor: layout optimization saves the stem convolution's output "
-    "channels-last for backward while the reused CNBlock's backward subgraph was compiled "
-    "for a contiguous input (2.14: InductorError 'subgraph args must have consistent "
-    "values', 2.11: a stride assert)"))
+@pytest.mark.xfail(
+    strict=True,
+    raises=(AssertionError, RuntimeError),
+    reason=(
+        "torch 2.11-2.14 inductor: layout optimization saves the stem convolution's output "
+        "channels-last for backward while the reused CNBlock's backward subgraph was compiled "
+        "for a contiguous input (2.14: InductorError 'subgraph args must have consistent "
+        "values', 2.11: a stride assert)"
+    ),
+)
 def test_convnext_inductor_layout_optimization_torch_bug():
     """Layout optimization on (Inductor's default, which aotdist turns off) reproduces the
     torch bug. Strict xfail: when it passes (XPASS fails), torch has fixed it and

@@ -52,7 +52,9 @@ def _train(base, config: dict):
         aotdist.parallelize(model, config=config)
         with metrics.track(model) as m:
             losses = train_steps(model, steps=STEPS)
-    warned = [str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)]
+    warned = [
+        str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
+    ]
     return model, losses, m, warned
 
 
@@ -70,32 +72,42 @@ def test_rowwise_recipe_trains_compiled_like_eager_or_is_refused(recipe):
         pytest.skip("a CPU model on a GPU machine is not probed: it most likely trains there")
     if failure is not None:  # this torch cannot run row-wise scaling on CPU
         model = copy.deepcopy(base)
-        with pytest.raises(aotdist.ConfigError,
-                           match=rf"float8.recipe: '{recipe}' cannot run on cpu.*"
-                                 "Fix: set float8.recipe: tensorwise"):
-            aotdist.parallelize(model, config={"float8": float8, "compile": {"backend": "aot_eager"}})
+        with pytest.raises(
+            aotdist.ConfigError,
+            match=rf"float8.recipe: '{recipe}' cannot run on cpu.*"
+            "Fix: set float8.recipe: tensorwise",
+        ):
+            aotdist.parallelize(
+                model, config={"float8": float8, "compile": {"backend": "aot_eager"}}
+            )
         assert not any(isinstance(m, Float8Linear) for m in model.modules())  # untouched
         assert aotdist.parallelize_info(model) is None
         return
 
     eager, eager_losses, _, _ = _train(base, {"float8": float8, "compile": {"enabled": False}})
-    model, losses, m, warned = _train(base, {"float8": float8,
-                                             "compile": {"backend": "aot_eager"}})
+    model, losses, m, warned = _train(base, {"float8": float8, "compile": {"backend": "aot_eager"}})
     layers = [mod for mod in model.modules() if isinstance(mod, Float8Linear)]
     assert len(layers) == len(aotdist.parallelize_info(model).float8_fqns) > 0
-    assert all(mod.config.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
-               for mod in layers)  # really the row-wise recipe
+    assert all(
+        mod.config.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
+        for mod in layers
+    )  # really the row-wise recipe
     assert m.frames_compiled and m.frames_compiled > 0  # really compiled
     # reused as one subgraph, or demoted with a warning that names the region and cause
     reused = m.regions.get("GPTBlock") is not None and m.regions["GPTBlock"].subgraphs == 1
-    assert reused or any("'GPTBlock' cannot be a reusable subgraph" in w for w in warned), \
-        (m.regions, warned)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses),
-                               rtol=1e-4, atol=1e-5)
+    assert reused or any("'GPTBlock' cannot be a reusable subgraph" in w for w in warned), (
+        m.regions,
+        warned,
+    )
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-4, atol=1e-5
+    )
     initial = base.state_dict()
     for key, value in eager.state_dict().items():
         got = model.state_dict()[key]
-        torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-5, msg=lambda s, k=key: f"{k}: {s}")
+        torch.testing.assert_close(
+            got, value, rtol=1e-4, atol=1e-5, msg=lambda s, k=key: f"{k}: {s}"
+        )
         assert not torch.equal(got, initial[key]), f"{key} never trained: the test is vacuous"
 
 
@@ -116,8 +128,10 @@ else:
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or platform.machine() != "x86_64",
-                    reason="AMX and oneDNN's ISA cap: x86 Linux")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/cpuinfo") or platform.machine() != "x86_64",
+    reason="AMX and oneDNN's ISA cap: x86 Linux",
+)
 def test_cpu_float8_matmul_that_fails_is_refused_at_parallelize(tmp_path):
     # On a CPU with AMX torch runs float8 matmuls in oneDNN (elsewhere it emulates them);
     # capped below AMX by ONEDNN_MAX_CPU_ISA, oneDNN fails at the first step ("could not
@@ -128,8 +142,14 @@ def test_cpu_float8_matmul_that_fails_is_refused_at_parallelize(tmp_path):
         if "amx_int8" not in f.read():
             pytest.skip("no AMX: torch emulates the float8 matmul, which always runs")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, "-c", _NO_FP8_CPU], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_FP8_CPU],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REFUSED float8.recipe: 'tensorwise' cannot run on cpu" in out.stdout, out.stdout
     assert "ONEDNN_MAX_CPU_ISA=AVX2 caps oneDNN below AMX" in out.stdout, out.stdout

@@ -32,8 +32,16 @@ class _ScaledBatchNorm(nn.BatchNorm2d):
 
     def forward(self, x):
         self.num_batches_tracked.add_(1)
-        out = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                           self.training, self.momentum, self.eps)
+        out = F.batch_norm(
+            x,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            self.training,
+            self.momentum,
+            self.eps,
+        )
         return 2.0 * out
 
 
@@ -56,8 +64,9 @@ def _train_compiled(model, reference, *, backend="aot_eager"):
     with warnings.catch_warnings(record=True) as caught, metrics.track(model) as m:
         warnings.simplefilter("always")
         assert_training_parity(model, reference, _batches())
-    return m, [str(w.message) for w in caught
-               if issubclass(w.category, aotdist.RegionCompileWarning)]
+    return m, [
+        str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
+    ]
 
 
 def _reused(m, warned) -> None:
@@ -98,7 +107,9 @@ def test_timm_batchnorm_act_keeps_its_activation():
     reference = copy.deepcopy(model)
     m, warned = _train_compiled(model, reference)
     _reused(m, warned)
-    assert isinstance(model[1].norm.act, nn.ReLU) and type(model[1].norm) is timm_layers.BatchNormAct2d
+    assert (
+        isinstance(model[1].norm.act, nn.ReLU) and type(model[1].norm) is timm_layers.BatchNormAct2d
+    )
 
 
 class _HalfDropPath(nn.Module):
@@ -116,8 +127,9 @@ def _drop_path_subclasses():
     """Subclasses of each library's stochastic depth whose forward is their own."""
     found = []
     if (tv := pytest.importorskip("torchvision")) is not None:
-        found.append(type("MyStochasticDepth", (tv.ops.StochasticDepth,),
-                          {"forward": _HalfDropPath.forward}))
+        found.append(
+            type("MyStochasticDepth", (tv.ops.StochasticDepth,), {"forward": _HalfDropPath.forward})
+        )
     timm_layers = pytest.importorskip("timm.layers")
     found.append(type("MyDropPath", (timm_layers.DropPath,), {"forward": _HalfDropPath.forward}))
     return found
@@ -135,8 +147,12 @@ class _DropBlock(nn.Module):
 def test_a_drop_path_subclass_with_its_own_forward_runs_as_written():
     for cls in _drop_path_subclasses():
         torch.manual_seed(0)
-        blocks = [_DropBlock(cls(0.1 * (i + 1), "row") if "Stochastic" in cls.__name__
-                             else cls(0.1 * (i + 1))) for i in range(3)]
+        blocks = [
+            _DropBlock(
+                cls(0.1 * (i + 1), "row") if "Stochastic" in cls.__name__ else cls(0.1 * (i + 1))
+            )
+            for i in range(3)
+        ]
         for i, b in enumerate(blocks):
             b.drop.drop_prob = 0.1 * (i + 1)
         model = nn.Sequential(*blocks)

@@ -64,8 +64,9 @@ def test_a_nested_region_s_batchnorm_writes_leave_both_regions_and_train_as_eage
         loss.backward()
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss, msg=f"step {step}: loss")
-        for (n, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(),
-                                      strict=True):
+        for (n, p), (_, r) in zip(
+            model.named_parameters(), reference.named_parameters(), strict=True
+        ):
             torch.testing.assert_close(p.grad, r.grad, msg=f"step {step}: grad {n}")
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         for (n, b), (_, r) in zip(model.named_buffers(), reference.named_buffers(), strict=True):

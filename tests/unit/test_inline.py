@@ -41,8 +41,13 @@ def test_inlined_regions_match_eager_and_leave_no_region_call():
     seen = []
 
     def flatten(gm, kind):
-        seen.append((kind, inline.inline_regions(gm), sum(
-            n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)))
+        seen.append(
+            (
+                kind,
+                inline.inline_regions(gm),
+                sum(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes),
+            )
+        )
 
     aotdist.compile_regions(model, backend=aot_backend("aot_eager", on_graph=flatten))
     losses, params = _train(model, x)

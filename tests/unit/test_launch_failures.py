@@ -14,14 +14,15 @@ class _Alive:
     exitcode = None
 
 
-def test_the_rank_that_raised_is_named_even_when_a_peer_s_lost_connection_came_first(
-        monkeypatch):
+def test_the_rank_that_raised_is_named_even_when_a_peer_s_lost_connection_came_first(monkeypatch):
     monkeypatch.setattr(runner, "_SECONDARY_WAIT_S", 0.0)
     reports = queue.Queue()
     run = runner._Run([_Alive(), _Alive()], reports, "step", timeout=10, stack_dir="")
     # rank 0's symptom arrived first and was read; rank 1's own error is still queued
-    run.errors[0] = ("Traceback ...\nRuntimeError: [gloo/transport/tcp/pair.cc:547] "
-                     "Connection closed by peer [127.0.0.1]:20893\n")
+    run.errors[0] = (
+        "Traceback ...\nRuntimeError: [gloo/transport/tcp/pair.cc:547] "
+        "Connection closed by peer [127.0.0.1]:20893\n"
+    )
     reports.put(("error", 1, "Traceback ...\nRuntimeError: rank 1 lost its data loader\n"))
     with pytest.raises(DistributedTestError) as info:
         run._raise_failure()

@@ -47,8 +47,10 @@ def test_progress_reaches_the_package_logger():
 
 def test_rank_zero_warn_without_process_group_warns_here():
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    with record_logs("aotdist") as logs, \
-            pytest.warns(aotdist.ConfigWarning, match="no effect") as rec:
+    with (
+        record_logs("aotdist") as logs,
+        pytest.warns(aotdist.ConfigWarning, match="no effect") as rec,
+    ):
         rank_zero_warn("option x has no effect", aotdist.ConfigWarning, stacklevel=1)
     assert len(rec) == 1 and rec[0].filename == __file__  # stacklevel as warnings.warn's
     assert logs == []  # warned, not logged

@@ -56,8 +56,14 @@ def test_torchao_is_not_imported_when_float8_is_off(tmp_path):
     pytest.importorskip("torchao")
     # plain python, as a user runs it: no launcher's variables (Accelerate would rendezvous)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(PROBE)], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=110)
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(PROBE)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     assert seen.pop("float8 on") is True

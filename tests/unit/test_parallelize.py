@@ -80,9 +80,13 @@ def test_checkpointed_regions_save_their_inputs_and_recompute_one_at_a_time(monk
 
     def spy(*args, **kwargs):
         fw, bw = partition(*args, **kwargs)
-        orders.append(["fw" if "fw" in n.args[0].target else "bw" for n in bw.graph.nodes
-                       if n.op == "call_function"
-                       and n.target is torch.ops.higher_order.invoke_subgraph])
+        orders.append(
+            [
+                "fw" if "fw" in n.args[0].target else "bw"
+                for n in bw.graph.nodes
+                if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph
+            ]
+        )
         return fw, bw
 
     monkeypatch.setattr(debugging, "min_cut_rematerialization_partition", spy)
@@ -128,8 +132,9 @@ def test_activation_checkpointing_updates_batchnorm_statistics_once_per_step(nor
             torch.testing.assert_close(b, r, msg=f"buffer {n}")
     first = tracked[0]
     assert not first.demoted and first.regions, first.summary()
-    assert all((st.call_sites, st.subgraphs) == (st.instances, 1)
-               for st in first.regions.values()), first.summary()
+    assert all(
+        (st.call_sites, st.subgraphs) == (st.instances, 1) for st in first.regions.values()
+    ), first.summary()
     assert model.stages[0][1].bn1.num_batches_tracked.item() == 2
 
 
@@ -148,13 +153,16 @@ def test_float8_compile_matches_float8_eager():
     model = build_model("gpt", depth=2)
     ref = copy.deepcopy(model)
     convert_to_float8(ref, Float8Config(enabled=True, exclude=("head",)))
-    aotdist.parallelize(model, config={**AOT_EAGER, "float8": {"enabled": True, "exclude": ["head"]}})
+    aotdist.parallelize(
+        model, config={**AOT_EAGER, "float8": {"enabled": True, "exclude": ["head"]}}
+    )
     from torchao.float8.float8_linear import Float8Linear
 
     assert isinstance(model.blocks[0].mlp.fc, Float8Linear)
     assert type(model.head) is nn.Linear
     assert aotdist.parallelize_info(model).float8_fqns == tuple(
-        f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"))
+        f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+    )
     (x,), _ = example_inputs(model, 4)
     with warnings.catch_warnings(record=True) as caught, metrics.track(model) as t:
         warnings.simplefilter("always")
@@ -212,8 +220,9 @@ def test_one_sharding_step_per_fsdp_setting():
     assert {c.__base__ for c in (NoSharding, HooksSharding, GraphSharding)} == {Sharding}
     # FSDP off: a mesh is ignored with a warning, the model is not sharded
     with pytest.warns(ConfigWarning, match=r"mesh=\.\.\.\) has no effect"):
-        model = aotdist.parallelize(build_model("gpt", depth=2), mesh=object(),
-                                    config={"compile": {"enabled": False}})
+        model = aotdist.parallelize(
+            build_model("gpt", depth=2), mesh=object(), config={"compile": {"enabled": False}}
+        )
     info = aotdist.parallelize_info(model)
     assert (info.mesh, info.sharded_fqns) == (None, ())
 
@@ -270,10 +279,13 @@ def test_fsdp1_is_refused():
         aotdist.parallelize(wrapper, config=AOT_EAGER)
 
 
-@pytest.mark.parametrize("compile_cfg", [
-    {"mode": "max-autotune-no-cudagraphs", "dynamic": False},
-    {"options": {"max_autotune": False, "epilogue_fusion": False}, "dynamic": True},
-])
+@pytest.mark.parametrize(
+    "compile_cfg",
+    [
+        {"mode": "max-autotune-no-cudagraphs", "dynamic": False},
+        {"options": {"max_autotune": False, "epilogue_fusion": False}, "dynamic": True},
+    ],
+)
 def test_compile_mode_dynamic_and_options_reach_inductor(compile_cfg, monkeypatch):
     # What the config says is what Inductor is built with (plus aotdist's default
     # options); Inductor itself is replaced by aot_eager here so no C++ is compiled.
@@ -297,14 +309,17 @@ def test_compile_mode_dynamic_and_options_reach_inductor(compile_cfg, monkeypatc
     # dynamic: true reaches torch as automatic dynamic with the inputs marked dynamic (module
     # constants stay static, the regions stay reusable subgraphs)
     assert [(mode, comparable_options(opts), dyn) for mode, opts, dyn in built] == [
-        (compile_cfg.get("mode"), comparable_options(inductor_options(compile_cfg.get("options"))),
-         None if compile_cfg["dynamic"] else compile_cfg["dynamic"])]
+        (
+            compile_cfg.get("mode"),
+            comparable_options(inductor_options(compile_cfg.get("options"))),
+            None if compile_cfg["dynamic"] else compile_cfg["dynamic"],
+        )
+    ]
     assert not m.demoted, m.summary()
     assert m.frames_compiled >= 1
 
 
-def test_graph_mode_fsdp_logs_no_activation_checkpointing_notice_but_a_user_s_ac_does(
-        monkeypatch):
+def test_graph_mode_fsdp_logs_no_activation_checkpointing_notice_but_a_user_s_ac_does(monkeypatch):
     # Graph-mode FSDP recomputes its all-gathers in backward through a selective checkpoint
     # (a context_fn), and torch logged "Detected that context_fn is passed to
     # torch.utils.checkpoint under torch.compile" (8 lines under 2-rank `aotdist inspect`)
@@ -327,8 +342,9 @@ def test_graph_mode_fsdp_logs_no_activation_checkpointing_notice_but_a_user_s_ac
         reference = copy.deepcopy(model)
         (x,), _ = example_inputs(model)
         with one_rank_group():
-            aotdist.parallelize(model, config={"fsdp": {"enabled": True, "mode": "graph"},
-                                               **AOT_EAGER})
+            aotdist.parallelize(
+                model, config={"fsdp": {"enabled": True, "mode": "graph"}, **AOT_EAGER}
+            )
             out = model(x)
             out.float().mean().backward()
         torch.testing.assert_close(out, reference(x))
@@ -354,8 +370,13 @@ def test_the_float8_all_gather_warning_names_the_measured_cause():
     from aotdist.config import as_config
     from aotdist.float8 import warn_unverified_combination
 
-    config = as_config({"fsdp": {"enabled": True}, "compile": {"backend": "inductor"},
-                        "float8": {"enabled": True, "fsdp_all_gather": True}})
+    config = as_config(
+        {
+            "fsdp": {"enabled": True},
+            "compile": {"backend": "inductor"},
+            "float8": {"enabled": True, "fsdp_all_gather": True},
+        }
+    )
     with pytest.warns(aotdist.RegionCompileWarning) as caught:
         warn_unverified_combination(config)
     message = str(caught[0].message)

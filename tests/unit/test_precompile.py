@@ -30,13 +30,20 @@ from aotdist.compile.frames import frame_example
 from aotdist.compile.state import STATE_ATTR
 from aotdist.testing import build_model, example_inputs
 
-needs_precompile = pytest.mark.skipif(_compat.precompile_unavailable() is not None,
-                                      reason=str(_compat.precompile_unavailable()))
+needs_precompile = pytest.mark.skipif(
+    _compat.precompile_unavailable() is not None, reason=str(_compat.precompile_unavailable())
+)
 
 
 def _entry(guard_type, value=None, derived=(), name="L['x']", is_global=False):
-    return SimpleNamespace(guard_type=guard_type, derived_guard_types=derived, name=name,
-                           has_value=value is not None, value=value, is_global=is_global)
+    return SimpleNamespace(
+        guard_type=guard_type,
+        derived_guard_types=derived,
+        name=name,
+        has_value=value is not None,
+        value=value,
+        is_global=is_global,
+    )
 
 
 def test_guard_filter_drops_region_types_and_unserializable_guards_only():
@@ -44,14 +51,20 @@ def test_guard_filter_drops_region_types_and_unserializable_guards_only():
     mark_regions(model)
     block, plain = model.blocks[0], torch.nn.Linear(1, 1)
     bad = sorted(_compat.unserializable_guard_types())
-    entries = [_entry("TYPE_MATCH", block), _entry("TYPE_MATCH", plain),
-               _entry("TENSOR_MATCH", torch.zeros(1)), _entry("EQUALS_MATCH", 3),
-               _entry("SEQUENCE_LENGTH", block, ("TYPE_MATCH",))]
+    entries = [
+        _entry("TYPE_MATCH", block),
+        _entry("TYPE_MATCH", plain),
+        _entry("TENSOR_MATCH", torch.zeros(1)),
+        _entry("EQUALS_MATCH", 3),
+        _entry("SEQUENCE_LENGTH", block, ("TYPE_MATCH",)),
+    ]
     entries += [_entry(kind) for kind in bad[:2]] + [_entry("HASATTR", None, (bad[0],))]
     inner = "dict(type(self._modules['blocks']._modules['0']).__dict__)['_aotdist_impl']"
-    entries += [_entry("EQUALS_MATCH", 1, name=inner + ".__closure__[0].cell_contents"),
-                _entry("EQUALS_MATCH", 1, name="dict(type(self).__mro__[2].__dict__)['eps']"),
-                _entry("EQUALS_MATCH", 1, name="G['_pytree']", is_global=True)]
+    entries += [
+        _entry("EQUALS_MATCH", 1, name=inner + ".__closure__[0].cell_contents"),
+        _entry("EQUALS_MATCH", 1, name="dict(type(self).__mro__[2].__dict__)['eps']"),
+        _entry("EQUALS_MATCH", 1, name="G['_pytree']", is_global=True),
+    ]
     keep = precompile.guard_filter(entries)
     assert keep == [False, True, True, True, False] + [False] * 3 + [False, True, False], keep
 
@@ -59,8 +72,13 @@ def test_guard_filter_drops_region_types_and_unserializable_guards_only():
 def _cached(tmp_path, backend="aot_eager", **cache):
     torch.manual_seed(0)
     model = build_model("gpt", depth=2)
-    aotdist.parallelize(model, config={"compile": {"backend": backend},
-                                       "cache": {"mode": "local", "dir": str(tmp_path), **cache}})
+    aotdist.parallelize(
+        model,
+        config={
+            "compile": {"backend": backend},
+            "cache": {"mode": "local", "dir": str(tmp_path), **cache},
+        },
+    )
     return model
 
 
@@ -75,8 +93,9 @@ def test_a_model_without_a_saved_graph_says_why(tmp_path):
     assert ("aot_eager" in why) if _compat.precompile_unavailable() is None else "torch" in why
     assert vars(model)[STATE_ATTR].cache.example is None  # the first batch is not held any longer
     off = _cached(tmp_path, precompile=False)
-    assert vars(off)[aotdist.cache.STATE_ATTR]["load"].precompile_reason == \
-        "cache.precompile is false"
+    assert (
+        vars(off)[aotdist.cache.STATE_ATTR]["load"].precompile_reason == "cache.precompile is false"
+    )
 
 
 class _FakeLoaded:
@@ -214,20 +233,20 @@ def test_a_frames_mode_eval_call_after_the_save_in_several_graphs_says_why_it_is
 
     plan = [SimpleNamespace(name="A"), SimpleNamespace(name="B")]
     state = RegionState(plan=plan, mode=CompileMode.FRAMES, cache=CacheRecord(keep_eval=True))
-    state.cache.frame_eval_examples.update(A=SimpleNamespace(graphs=2),
-                                           B=SimpleNamespace(graphs=0))
+    state.cache.frame_eval_examples.update(A=SimpleNamespace(graphs=2), B=SimpleNamespace(graphs=0))
     model = torch.nn.Linear(2, 2)
     vars(model)[STATE_ATTR] = state
     frame_a, frame_b = precompile._frame_entry("A"), precompile._frame_entry("B")
     records = {"A": {"seconds": 1.0}, "B": {"seconds": 2.0}}
-    entries = {frame_a: b"a", frame_b: b"b",
-               precompile.FRAME_RECORDS: json.dumps(records).encode()}
+    entries = {frame_a: b"a", frame_b: b"b", precompile.FRAME_RECORDS: json.dumps(records).encode()}
 
     out = precompile.add_eval(model, entries)
 
     saved = json.loads(out[precompile.FRAME_RECORDS])
-    assert saved["A"] == {"seconds": 1.0,
-                          "eval": {"skipped": "its first eval call compiled 2 frame graphs"}}
+    assert saved["A"] == {
+        "seconds": 1.0,
+        "eval": {"skipped": "its first eval call compiled 2 frame graphs"},
+    }
     assert saved["B"] == {"seconds": 2.0}  # compiled nothing: nothing to say
     assert out[frame_a] == b"a" and out[frame_b] == b"b"
     assert precompile._frame_entry("A", "eval") not in out
@@ -236,7 +255,8 @@ def test_a_frames_mode_eval_call_after_the_save_in_several_graphs_says_why_it_is
 
 
 def test_the_accelerate_hook_saves_after_the_first_step_and_after_the_first_eval(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     from aotdist.callbacks import accelerate as acc
 
     from aotdist.cache import store
@@ -262,8 +282,12 @@ def test_the_compiled_call_runs_a_loaded_graph_and_falls_back_on_a_miss(tmp_path
     ref = build_model("gpt", depth=2)
     ref.load_state_dict(model.state_dict())
     fake = _FakeLoaded(ref)
-    record = {"num_ops": 7, "call_sites": {"GPTBlock": ["blocks.0", "blocks.1"]},
-              "subgraphs": {"GPTBlock": ["0:repeated_subgraph0"]}, "inlined": {}}
+    record = {
+        "num_ops": 7,
+        "call_sites": {"GPTBlock": ["blocks.0", "blocks.1"]},
+        "subgraphs": {"GPTBlock": ["0:repeated_subgraph0"]},
+        "inlined": {},
+    }
     vars(model)[STATE_ATTR].cache.precompiled = precompile.Precompiled(model, fake, [record])
     (x,), _ = example_inputs(model, 2)
     with warnings.catch_warnings():
@@ -296,8 +320,9 @@ def test_a_saved_graph_brings_its_region_fixes_and_demotions_along(tmp_path):
     with pytest.warns(aotdist.RegionCompileWarning, match="'GPTBlock' cannot be a reusable.*X"):
         replay_outcomes(model, state, {}, {"GPTBlock": "X", "Gone": "not in this plan"})
     assert state.demoted == {"GPTBlock": "X"}
-    assert type(model.blocks[0]) is not marked and not hasattr(type(model.blocks[0]),
-                                                                "_aotdist_region")
+    assert type(model.blocks[0]) is not marked and not hasattr(
+        type(model.blocks[0]), "_aotdist_region"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         replay_outcomes(model, state, {}, {"GPTBlock": "X"})  # once only
@@ -307,7 +332,7 @@ def test_a_saved_graph_brings_its_region_fixes_and_demotions_along(tmp_path):
     torch.testing.assert_close(model(x), ref(x))
 
 
-_MODEL = '''
+_MODEL = """
 import torch
 from torch import nn
 
@@ -330,9 +355,9 @@ class Net(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
-'''
+"""
 
-_CHILD = r'''
+_CHILD = r"""
 import json, sys, warnings, torch
 sys.path.insert(0, sys.argv[1])
 import pcmodel, aotdist, aotdist.cache
@@ -366,7 +391,7 @@ load = vars(model)[aotdist.cache.STATE_ATTR]["load"]
 out.update(status=str(load.status), precompiled=load.precompiled, why=load.precompile_reason,
            warnings=[str(w.message) for w in caught if w.category is aotdist.cache.CacheWarning])
 print(json.dumps(out))
-'''
+"""
 
 
 @needs_precompile
@@ -378,9 +403,13 @@ def test_a_warm_start_runs_the_saved_graph_trains_like_eager_and_notices_edits(t
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
 
     def run(sizes):
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), str(tmp_path / "b"),
-                               json.dumps(sizes)], env=env, capture_output=True, text=True,
-                              timeout=400)
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(tmp_path), str(tmp_path / "b"), json.dumps(sizes)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         for step in result["steps"]:  # every step, saved graph or not, trains like eager
@@ -407,7 +436,7 @@ def test_a_warm_start_runs_the_saved_graph_trains_like_eager_and_notices_edits(t
     assert again["precompiled"] and again["steps"][0]["precompiled"], again
 
 
-_FAMILY_CHILD = r'''
+_FAMILY_CHILD = r"""
 import json, sys, warnings, torch
 import aotdist, aotdist.cache
 from aotdist.check.families import family, without_randomness
@@ -431,7 +460,7 @@ load = vars(model)[aotdist.cache.STATE_ATTR]["load"]
 print(json.dumps({"ran_saved": m.precompiled, "frames": m.frames_compiled, "why": load.precompile_reason,
                   "loss": abs(loss.item() - want.item()), "grad": grad,
                   "warnings": [str(w.message) for w in caught if w.category is CacheWarning]}))
-'''
+"""
 
 
 @needs_precompile
@@ -447,8 +476,13 @@ def test_transformers_models_warm_start_from_their_saved_graph(tmp_path, name):
     child = "from aotdist.cache import CacheWarning\n" + _FAMILY_CHILD
 
     def run():
-        proc = subprocess.run([sys.executable, "-c", child, name, str(tmp_path / "b")], env=env,
-                              capture_output=True, text=True, timeout=280)
+        proc = subprocess.run(
+            [sys.executable, "-c", child, name, str(tmp_path / "b")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=280,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         assert result["loss"] < 1e-5 and result["grad"] < 1e-4, result
@@ -457,7 +491,12 @@ def test_transformers_models_warm_start_from_their_saved_graph(tmp_path, name):
     cold = run()
     assert not cold["ran_saved"] and not cold["warnings"], cold
     warm = run()
-    assert (warm["ran_saved"], warm["frames"], warm["why"], warm["warnings"]) == (True, 0, "", []), warm
+    assert (warm["ran_saved"], warm["frames"], warm["why"], warm["warnings"]) == (
+        True,
+        0,
+        "",
+        [],
+    ), warm
 
 
 def test_region_instances_pickle_at_their_class_depth_under_a_class_made_from_theirs():
@@ -492,8 +531,11 @@ def test_a_regions_batchnorm_pickles_as_its_swapped_class_made_again_while_savin
 
     model = build_model("resnet", depth=2)
     mark_regions(model)
-    bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)
-              and type(m) is not torch.nn.BatchNorm2d)
+    bn = next(
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.BatchNorm2d) and type(m) is not torch.nn.BatchNorm2d
+    )
     with per_process.pickled_with_region_depth(model):
         copy = pickle.loads(pickle.dumps(bn))
     assert type(copy) is type(bn) and vars(type(bn))["_aotdist_bn_base"] is torch.nn.BatchNorm2d
@@ -511,8 +553,9 @@ def test_graph_mode_fsdp_gathering_classes_pickle_as_made_again_while_saving():
     from aotdist.fsdp.graph import GatherSpec, _gather_class
 
     model = build_model("gpt", depth=2)
-    spec = GatherSpec(shape=(32,), group="g", world=2, reshard=True, param_dtype=None,
-                      reduce_dtype=None)
+    spec = GatherSpec(
+        shape=(32,), group="g", world=2, reshard=True, param_dtype=None, reduce_dtype=None
+    )
     norm = model.blocks[0].ln1
     base, gathering = type(norm), _gather_class(type(norm), (("weight", spec),))
     norm.__class__ = gathering
@@ -556,14 +599,20 @@ def test_a_region_frame_example_keeps_metadata_not_data_and_stand_ins_restore():
     name, weight = next(iter(block.named_parameters()))
     meta = example.params[name]
     assert (meta.shape, meta.stride, meta.dtype, meta.device, meta.requires_grad) == (
-        tuple(weight.shape), weight.stride(), weight.dtype, weight.device, True)
+        tuple(weight.shape),
+        weight.stride(),
+        weight.dtype,
+        weight.device,
+        True,
+    )
     assert example.subclass is None
     before = dict(block.named_parameters())
     with example.stand_in_parameters():
         inside = dict(block.named_parameters())
         assert inside.keys() == before.keys()
-        assert all(inside[k] is not before[k] and inside[k].shape == before[k].shape
-                   for k in before)
+        assert all(
+            inside[k] is not before[k] and inside[k].shape == before[k].shape for k in before
+        )
     assert all(p is before[k] for k, p in block.named_parameters())
 
 

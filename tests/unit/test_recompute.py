@@ -42,8 +42,13 @@ def test_only_cheap_ops_of_index_inputs_are_tagged():
     assert tag_index_derived(g) == ["where_self", "expand_default"]
     nodes = {n.name: n for n in g.nodes}
     assert nodes["where_self"].meta["recompute"] == CheckpointPolicy.PREFER_RECOMPUTE
-    for name in ("full_default", "full_default_1", "add_tensor", "_softmax_default",
-                 "logical_not_default"):
+    for name in (
+        "full_default",
+        "full_default_1",
+        "add_tensor",
+        "_softmax_default",
+        "logical_not_default",
+    ):
         assert "recompute" not in nodes[name].meta, name  # constants, float work, backward
 
 
@@ -177,8 +182,9 @@ def test_a_boolean_mask_is_saved_once_not_as_a_float_bias_per_layer():
         out = model(x, keep)
     out.sum().backward()
     eager(x, keep).sum().backward()
-    square = {(ptr, dtype) for shape, dtype, ptr in seen if shape[-2:] == (32, 32)
-              and shape[1] == 1}
+    square = {
+        (ptr, dtype) for shape, dtype, ptr in seen if shape[-2:] == (32, 32) and shape[1] == 1
+    }
     assert {dtype for _, dtype in square} == {torch.bool} and len(square) == 1, seen
     torch.testing.assert_close(out, eager(x, keep))
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
@@ -203,8 +209,10 @@ def test_a_users_joint_pass_runs_first_and_keeps_its_slot_where_it_cannot_be_cha
 
     options = {"joint_custom_pre_pass": Mine()}
     add_joint_pass(options, recompute_pass())
-    assert uuids(options["joint_custom_pre_pass"]) == ["mine.v1",
-                                                       "aotdist.recompute_index_derived.v1"]
+    assert uuids(options["joint_custom_pre_pass"]) == [
+        "mine.v1",
+        "aotdist.recompute_index_derived.v1",
+    ]
     plain = {"joint_custom_pre_pass": lambda graph: None}
     if _compat.inductor_takes_pass_lists():  # torch 2.14+: a list
         add_joint_pass(plain, recompute_pass())

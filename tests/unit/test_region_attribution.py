@@ -18,19 +18,24 @@ from aotdist.testing import assert_parity
 from aotdist.testing.models import GPTBlock
 
 
-@pytest.mark.parametrize("path, fqn", [
-    ("L['self'].blocks.1", "blocks.1"),
-    ("L['self']._modules['blocks']._modules['1']", "blocks.1"),
-    ("L['self'].__dict__['_modules']['blocks'].1", "blocks.1"),
-    ("L['self'].__dict__['_modules']['base'].__dict__['_modules']['model'].layers.0",
-     "base.model.layers.0"),
-    ("getattr(L['self'].blocks, '1')", "blocks.1"),
-    ("L['self'].blocks[1]", "blocks.1"),
-    ("L['self']._orig_mod.blocks.1", "blocks.1"),
-    ("L['fn'].__self__.blocks.1", "blocks.1"),
-    ("L['self']", ""),
-    ("L['args'][0].blocks.1", ""),  # rooted at an argument: a frame compiled on its own
-])
+@pytest.mark.parametrize(
+    "path, fqn",
+    [
+        ("L['self'].blocks.1", "blocks.1"),
+        ("L['self']._modules['blocks']._modules['1']", "blocks.1"),
+        ("L['self'].__dict__['_modules']['blocks'].1", "blocks.1"),
+        (
+            "L['self'].__dict__['_modules']['base'].__dict__['_modules']['model'].layers.0",
+            "base.model.layers.0",
+        ),
+        ("getattr(L['self'].blocks, '1')", "blocks.1"),
+        ("L['self'].blocks[1]", "blocks.1"),
+        ("L['self']._orig_mod.blocks.1", "blocks.1"),
+        ("L['fn'].__self__.blocks.1", "blocks.1"),
+        ("L['self']", ""),
+        ("L['args'][0].blocks.1", ""),  # rooted at an argument: a frame compiled on its own
+    ],
+)
 def test_every_spelling_of_a_module_path_reads_as_its_fqn(path, fqn):
     assert module_path_to_fqn(path) == fqn
 
@@ -75,15 +80,15 @@ def test_regions_under_a_class_with_getattr_keep_their_name_and_instances(build)
         assert_parity(model, ref, (x,))
     assert set(tracked.regions) == {"GPTBlock"}, tracked.summary()  # no <unknown>
     region = tracked.regions["GPTBlock"]
-    assert (region.instances, region.call_sites, region.subgraphs) == (3, 3, 1), \
-        tracked.summary()
+    assert (region.instances, region.call_sites, region.subgraphs) == (3, 3, 1), tracked.summary()
 
 
 def test_capture_names_the_call_sites_under_a_class_with_getattr():
     torch.manual_seed(0)
     model = _Wrapper()
-    cap = aotdist.capture(model, torch.randn(2, 5, 16, requires_grad=True),
-                          loss_fn=lambda out: out.sum())
+    cap = aotdist.capture(
+        model, torch.randn(2, 5, 16, requires_grad=True), loss_fn=lambda out: out.sum()
+    )
     sites = cap.regions["GPTBlock"].call_sites
     assert sites == [f"inner.blocks.{i}" for i in range(3)], sites
 

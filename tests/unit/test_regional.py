@@ -48,8 +48,11 @@ def _counting_backend(compiled: list, outer_graphs: list):
         outer_graphs.append(gm)
         return out
 
-    return functools.partial(aot_eager, fw_compiler=functools.partial(graph_compiler, False),
-                             bw_compiler=functools.partial(graph_compiler, True))
+    return functools.partial(
+        aot_eager,
+        fw_compiler=functools.partial(graph_compiler, False),
+        bw_compiler=functools.partial(graph_compiler, True),
+    )
 
 
 def test_each_body_is_compiled_once_and_training_matches_eager():
@@ -73,16 +76,16 @@ def test_symbolic_shapes_group_call_sites_too():
     model = TinyGPT(vocab=64, dim=32, depth=3, heads=2, seq_len=32)
     reference = copy.deepcopy(model)
     compiled, outer_graphs = [], []
-    aotdist.compile_regions(model, backend=_counting_backend(compiled, outer_graphs),
-                            dynamic=True)
+    aotdist.compile_regions(model, backend=_counting_backend(compiled, outer_graphs), dynamic=True)
     batches = [(torch.randint(0, 64, (2, length)),) for length in (8, 16, 24)]
     assert_training_parity(model, reference, batches, rtol=1e-5, atol=1e-6)
     # one compiled graph; its forward and backward bodies compiled once each for the 3 call
     # sites (torch 2.11 traces the first block apart under dynamic=True: 2 bodies each way,
     # docs/guide/limits.md)
     assert len(outer_graphs) == 2
-    bodies = 1 if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 14) else len(
-        compiled) // 2
+    bodies = (
+        1 if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 14) else len(compiled) // 2
+    )
     assert [backward for backward, _ in compiled] == [False] * bodies + [True] * bodies
     assert bodies in (1, 2)
 

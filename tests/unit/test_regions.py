@@ -29,9 +29,9 @@ class _Holder(nn.Module):
     def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleDict({"a": GPTBlock(16, 2), "b": GPTBlock(16, 2)})
-        self.first = GPTBlock(16, 2)   # plain attributes
+        self.first = GPTBlock(16, 2)  # plain attributes
         self.second = GPTBlock(16, 2)
-        self.other = GPTBlock(32, 2)   # same class, other shapes: not the same region
+        self.other = GPTBlock(32, 2)  # same class, other shapes: not the same region
 
 
 def test_finds_blocks_in_module_dict_and_plain_attributes():
@@ -74,7 +74,8 @@ def test_signature_covers_config_attributes_and_dtypes():
 def test_include_by_class_and_by_glob():
     model = TinyGPT(depth=4)
     assert aotdist.find_regions(model, include="MLP")[0].fqns == tuple(
-        f"blocks.{i}.mlp" for i in range(4))
+        f"blocks.{i}.mlp" for i in range(4)
+    )
     plan = aotdist.find_regions(model, include=["blocks.[0-2]"])
     assert plan[0].fqns == ("blocks.0", "blocks.1", "blocks.2")
     # include can name leaves, which are skipped by default
@@ -136,7 +137,7 @@ class _Scaled(nn.Module):
     def __init__(self, scale: float, layer_idx: int):
         super().__init__()
         self.fc = nn.Linear(8, 8)
-        self.scale = scale          # used in forward
+        self.scale = scale  # used in forward
         self.layer_idx = layer_idx  # bookkeeping, as in transformers' attention
 
     def forward(self, x):
@@ -180,5 +181,6 @@ def test_user_attributes_do_not_split_regions_and_stay_correct():
 
 def test_include_matching_only_distinct_modules_is_config_error():
     with pytest.raises(aotdist.ConfigError, match="min_repeats=1"):
-        aotdist.find_regions(TinyResNet(widths=(8, 16), blocks_per_stage=2),
-                             include=["stages.0.0", "stages.1.0"])
+        aotdist.find_regions(
+            TinyResNet(widths=(8, 16), blocks_per_stage=2), include=["stages.0.0", "stages.1.0"]
+        )

@@ -23,19 +23,29 @@ CASES = Path(__file__).with_name("resize_cases.py")
 TOLERANCE = 1e-5
 INDUCTOR_TOLERANCE = 1e-3  # fused reductions sum in another order (BatchNorm over 4 rows)
 # how each fix leaves the region: reused as one subgraph, or demoted with a warning
-REUSED = {"plain": "ResizingBlock", "batchnorm": "ResizingBlock", "layout": "ResizingBlock",
-          "nested": "Outer", "fsdp": "ResizingBlock"}
+REUSED = {
+    "plain": "ResizingBlock",
+    "batchnorm": "ResizingBlock",
+    "layout": "ResizingBlock",
+    "nested": "Outer",
+    "fsdp": "ResizingBlock",
+}
 
 
 def _run(fix: str, entry: str, backend: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, str(CASES), fix, entry, backend],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(CASES), fix, entry, backend],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
     started = [ln["start"] for ln in lines if "start" in ln]
     assert proc.returncode == 0, (
         f"{fix}/{entry}/{backend} died with "
         f"{'SIGSEGV' if proc.returncode == -signal.SIGSEGV else proc.returncode} in variant "
-        f"{started[-1] if started else None}:\n{proc.stderr[-3000:]}")
+        f"{started[-1] if started else None}:\n{proc.stderr[-3000:]}"
+    )
     results = [ln for ln in lines if "variant" in ln]
     assert len(results) == 6 == len(started), proc.stdout
     return results

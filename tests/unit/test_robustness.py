@@ -50,8 +50,9 @@ def _warnings(fn):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = fn()
-    return out, [str(w.message) for w in caught if issubclass(w.category,
-                                                                aotdist.RegionCompileWarning)]
+    return out, [
+        str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
+    ]
 
 
 def _train_like_eager(net, backend="aot_eager"):
@@ -295,8 +296,9 @@ class PerLayerNet(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("kind,attribute", [("int", "layer_index"), ("str", "layer_name"),
-                                            ("float", "drop")])
+@pytest.mark.parametrize(
+    "kind,attribute", [("int", "layer_index"), ("str", "layer_name"), ("float", "drop")]
+)
 def test_a_per_layer_constant_is_named_as_the_reason_reuse_is_lost(kind, attribute):
     model, eager = _pair(PerLayerNet(kind))
     aotdist.compile_regions(model, backend="aot_eager")
@@ -304,8 +306,9 @@ def test_a_per_layer_constant_is_named_as_the_reason_reuse_is_lost(kind, attribu
         _, caught = _warnings(lambda: _assert_same_training(model, eager, torch.randn(2, 8)))
     why = m.reuse.get("PerLayer", "")
     assert attribute in why and "3 instances" in why, m.summary()
-    assert any("'PerLayer' is compiled" in w and attribute in w and "Fix:" in w
-               for w in caught), caught
+    assert any("'PerLayer' is compiled" in w and attribute in w and "Fix:" in w for w in caught), (
+        caught
+    )
 
 
 # -------------------------------------------------------------- layouts between call sites
@@ -361,8 +364,12 @@ def test_dynamic_true_keeps_every_region_one_reused_subgraph():
     aotdist.compile_regions(model, backend="aot_eager", dynamic=True)
     (x,), _ = example_inputs(model)
     with metrics.track(model) as m:
-        _, caught = _warnings(lambda: [_assert_same_training(model, eager, x[:, :n].contiguous())
-                                       for n in (x.shape[1], x.shape[1] // 2)])
+        _, caught = _warnings(
+            lambda: [
+                _assert_same_training(model, eager, x[:, :n].contiguous())
+                for n in (x.shape[1], x.shape[1] // 2)
+            ]
+        )
     assert m.graphs == 1 and not m.recompiles and not m.demoted, m.summary()
     (st,) = m.regions.values()
     # torch 2.11 traces the first block apart (its input's symbolic strides differ): the
@@ -375,11 +382,17 @@ def test_dynamic_true_keeps_every_region_one_reused_subgraph():
 
 def _symbolic_backend(seen):
     def backend(gm, example_inputs):
-        seen.append(any(isinstance(s, torch.SymInt)
-                        for t in example_inputs if isinstance(t, torch.Tensor)
-                        for s in t.shape) or any(isinstance(t, torch.SymInt)
-                                                 for t in example_inputs))
+        seen.append(
+            any(
+                isinstance(s, torch.SymInt)
+                for t in example_inputs
+                if isinstance(t, torch.Tensor)
+                for s in t.shape
+            )
+            or any(isinstance(t, torch.SymInt) for t in example_inputs)
+        )
         return gm.forward
+
     return backend
 
 
@@ -451,9 +464,9 @@ def test_torch_s_reason_for_not_reusing_a_region_is_recorded_and_its_log_left_as
     if importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph") is None:
         assert refusals == {}  # torch 2.11 logs no such reason
         return
-    assert [why for code, why in refusals.items()
-            if _compat.is_region_code(code, "Reader")] == [
-        "not eligible -- unsupported input VT types"], refusals
+    assert [why for code, why in refusals.items() if _compat.is_region_code(code, "Reader")] == [
+        "not eligible -- unsupported input VT types"
+    ], refusals
     # passed in from outside the compiled call, the object has a source: no refusal
     model, eager = _pair(SharedNet())
     aotdist.compile_regions(model, backend="aot_eager")
@@ -496,9 +509,11 @@ def test_a_backend_failure_is_named_by_its_cause_not_by_the_backend_object():
     nothing after "raised:")."""
     from aotdist.compile.guard import _first_line_of_cause
 
-    text = ("BackendCompilerFailed: backend='<aotdist.backends.recording.RecordingBackend "
-            "object at 0x7f00>' raised:\nRuntimeError: index 196 is out of bounds\n\n"
-            "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace")
+    text = (
+        "BackendCompilerFailed: backend='<aotdist.backends.recording.RecordingBackend "
+        "object at 0x7f00>' raised:\nRuntimeError: index 196 is out of bounds\n\n"
+        "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace"
+    )
     reason = _first_line_of_cause(text)
     assert reason == "the compiler backend raised RuntimeError: index 196 is out of bounds"
 
@@ -514,8 +529,10 @@ def test_a_subgraph_nested_in_a_subgraph_is_found_by_its_dotted_name():
     root.outer = nn.ModuleDict({"inner": inner, "other": inner})
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
-    calls = [graph.call_function(torch.add, (graph.get_attr(f"outer.{name}"), x))
-             for name in ("inner", "other")]
+    calls = [
+        graph.call_function(torch.add, (graph.get_attr(f"outer.{name}"), x))
+        for name in ("inner", "other")
+    ]
     graph.output(calls[-1])
     gm = torch.fx.GraphModule(root, graph)
     assert submodule(gm, "outer.inner") is inner and submodule(gm, "outer.nothing") is None

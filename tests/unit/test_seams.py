@@ -39,45 +39,58 @@ def _private_imports(source: str) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aotdist"):
-            found += [f"line {node.lineno}: from {node.module} import {a.name}"
-                      for a in node.names
-                      if a.name.startswith("_") and not a.name.startswith("__")
-                      and a.name != "_compat"]
+            found += [
+                f"line {node.lineno}: from {node.module} import {a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__") and a.name != "_compat"
+            ]
     return found
 
 
 def _dunder_all(source: str) -> list[str]:
     for node in ast.parse(source).body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and getattr(node.targets[0], "id", None) == "__all__"):
-            return [e.value for e in getattr(node.value, "elts", [])
-                    if isinstance(e, ast.Constant)]
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and getattr(node.targets[0], "id", None) == "__all__"
+        ):
+            return [e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)]
     return []
 
 
 def test_private_import_detector_sees_a_private_name():
     assert _private_imports("from aotdist.x import a, _b\nfrom torch import _c\n") == [
-        "line 1: from aotdist.x import _b"]
+        "line 1: from aotdist.x import _b"
+    ]
     assert _private_imports("from aotdist import _compat\n") == []
 
 
 def test_no_private_name_imported_across_library_modules():
-    bad = {str(p.relative_to(ROOT)): f for p in _modules().values()
-           if (f := _private_imports(p.read_text()))}
+    bad = {
+        str(p.relative_to(ROOT)): f
+        for p in _modules().values()
+        if (f := _private_imports(p.read_text()))
+    }
     assert not bad, f"rename what is really shared (a public name), or keep it local: {bad}"
 
 
 def test_no_private_name_in_any_dunder_all():
-    bad = {str(p.relative_to(ROOT)): [n for n in _dunder_all(p.read_text())
-                                      if n.startswith("_") and not n.startswith("__")]
-           for p in _modules().values()}
+    bad = {
+        str(p.relative_to(ROOT)): [
+            n for n in _dunder_all(p.read_text()) if n.startswith("_") and not n.startswith("__")
+        ]
+        for p in _modules().values()
+    }
     bad = {k: v for k, v in bad.items() if v}
     assert not bad, f"__all__ lists public names only: {bad}"
 
 
 def test_core_has_at_most_20_top_level_entries():
-    entries = sorted(p.name for p in (ROOT / "aotdist").iterdir()
-                     if p.name != "__pycache__" and (p.suffix == ".py" or p.is_dir()))
+    entries = sorted(
+        p.name
+        for p in (ROOT / "aotdist").iterdir()
+        if p.name != "__pycache__" and (p.suffix == ".py" or p.is_dir())
+    )
     assert len(entries) <= MAX_TOP_LEVEL, f"{len(entries)} entries: {entries}"
 
 
@@ -118,8 +131,7 @@ def test_every_public_error_and_warning_is_exported_at_the_root():
     import aotdist
     import aotdist.errors
 
-    classes = [n for n in aotdist.errors.__all__
-               if isinstance(getattr(aotdist.errors, n), type)]
+    classes = [n for n in aotdist.errors.__all__ if isinstance(getattr(aotdist.errors, n), type)]
     missing = [n for n in classes if n not in aotdist.__all__]
     assert not missing, f"add to aotdist.__all__: {missing}"
 
@@ -129,10 +141,15 @@ def test_arguments_after_the_first_are_keyword_only_with_the_old_form_deprecated
     from aotdist.testing.models import TinyGPT
 
     model = TinyGPT(depth=2)
-    with pytest.warns(DeprecationWarning, match=r"find_regions: passing include by position.*"
-                                                r"Fix: pass include=\.\.\."):
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"find_regions: passing include by position.*"
+        r"Fix: pass include=\.\.\.",
+    ):
         old = aotdist.find_regions(model, "GPTBlock")
-    assert [r.name for r in old] == [r.name for r in aotdist.find_regions(model, include="GPTBlock")]
+    assert [r.name for r in old] == [
+        r.name for r in aotdist.find_regions(model, include="GPTBlock")
+    ]
     with pytest.raises(TypeError, match="multiple values"):
         aotdist.find_regions(model, "GPTBlock", include="GPTBlock")
     with pytest.raises(TypeError, match="at most 3 keyword arguments"):

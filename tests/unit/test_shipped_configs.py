@@ -22,14 +22,20 @@ def _lightning_configs():
                 yield path.name, cb.get("init_args", {}).get("config") or {}
 
 
-@pytest.mark.parametrize("name,config", [
-    *((p.name, p) for p in sorted((ROOT / "configs" / "aotdist").glob("*.yaml"))),
-    *_lightning_configs(),
-])
+@pytest.mark.parametrize(
+    "name,config",
+    [
+        *((p.name, p) for p in sorted((ROOT / "configs" / "aotdist").glob("*.yaml"))),
+        *_lightning_configs(),
+    ],
+)
 def test_a_shipped_config_builds_without_an_aotdist_warning(name, config):
     with warnings.catch_warnings():
         warnings.simplefilter("error", aotdist.RegionCompileWarning)
         warnings.simplefilter("error", aotdist.ConfigWarning)
-        built = (aotdist.AOTDistConfig.from_yaml(config) if isinstance(config, Path)
-                 else aotdist.AOTDistConfig.from_dict(config))
+        built = (
+            aotdist.AOTDistConfig.from_yaml(config)
+            if isinstance(config, Path)
+            else aotdist.AOTDistConfig.from_dict(config)
+        )
         warn_unverified_combination(built)

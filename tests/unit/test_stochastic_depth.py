@@ -73,8 +73,10 @@ def test_convnext_blocks_with_stochastic_depth_share_one_subgraph_with_inductor(
     from torchvision.models.convnext import CNBlock
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 16, kernel_size=4, stride=4),
-                          *[CNBlock(16, 1.0, float(i % 2)) for i in range(3)])
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, kernel_size=4, stride=4),
+        *[CNBlock(16, 1.0, float(i % 2)) for i in range(3)],
+    )
     reference = copy.deepcopy(model)
     _compiled_once(model, reference, torch.randn(2, 3, 16, 16), backend="inductor")
 
@@ -82,9 +84,14 @@ def test_convnext_blocks_with_stochastic_depth_share_one_subgraph_with_inductor(
 def test_transformers_drop_path_rates_are_data_and_training_matches_eager():
     transformers = pytest.importorskip("transformers")
 
-    config = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[16, 32],
-                                         depths=[3, 3], num_stages=2, num_labels=4,
-                                         drop_path_rate=0.3)
+    config = transformers.ConvNextConfig(
+        num_channels=3,
+        hidden_sizes=[16, 32],
+        depths=[3, 3],
+        num_stages=2,
+        num_labels=4,
+        drop_path_rate=0.3,
+    )
     torch.manual_seed(0)
     model = transformers.ConvNextForImageClassification(config)
     drops = [m for m in model.modules() if type(m).__name__.endswith("DropPath")]
@@ -103,8 +110,10 @@ def test_timm_drop_path_rates_are_data_and_every_block_shares_its_subgraph(scale
     from timm.models.vision_transformer import Block
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16),  # a stem: the first block's input needs grad
-                          *[Block(16, num_heads=2, drop_path=0.5) for _ in range(4)])
+    model = nn.Sequential(
+        nn.Linear(16, 16),  # a stem: the first block's input needs grad
+        *[Block(16, num_heads=2, drop_path=0.5) for _ in range(4)],
+    )
     drops = [m for m in model.modules() if isinstance(m, DropPath)]
     for i, m in enumerate(drops):  # 0, 1, 0, ...: kept whole, dropped, across one region
         m.drop_prob, m.scale_by_keep = float(i % 2), scale_by_keep

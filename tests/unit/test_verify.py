@@ -23,8 +23,9 @@ VERIFY = {"compile": {"backend": "aot_eager", "verify": True}}
 
 def _cnn():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 1), *[ConvNormBlock(4, BatchNormRelu) for _ in range(3)],
-                         nn.Flatten())
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 1), *[ConvNormBlock(4, BatchNormRelu) for _ in range(3)], nn.Flatten()
+    )
 
 
 def _x():
@@ -37,7 +38,9 @@ def test_a_region_that_computes_wrong_is_named_before_any_step(monkeypatch):
     model = _cnn()
     before = copy.deepcopy(model.state_dict())
     aotdist.compile_regions(model, backend="aot_eager", verify=True)
-    with pytest.raises(aotdist.RegionMismatchError, match=r"region\(s\) \['ConvNormBlock'\]") as err:
+    with pytest.raises(
+        aotdist.RegionMismatchError, match=r"region\(s\) \['ConvNormBlock'\]"
+    ) as err:
         model(_x())
     assert err.value.regions == ["ConvNormBlock"]
     assert err.value.comparison.grad_diff > 1e-2
@@ -99,7 +102,8 @@ def test_graph_mode_fsdp_refuses_the_check_with_the_fix():
     from aotdist.fsdp.graph import check_graph_config
 
     config = aotdist.AOTDistConfig.from_dict(
-        {"fsdp": {"enabled": True, "mode": "graph"}, "compile": {"verify": True}})
+        {"fsdp": {"enabled": True, "mode": "graph"}, "compile": {"verify": True}}
+    )
     with pytest.raises(aotdist.ConfigError, match="fsdp.mode: hooks"):
         check_graph_config(config)
 
@@ -135,10 +139,16 @@ def test_the_lightning_callback_runs_the_check(monkeypatch, tmp_path):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     monkeypatch.setattr(batchnorm, "_reproduced", lambda cls: True)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False,
-                         callbacks=[RegionalCompile(VERIFY)], enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        callbacks=[RegionalCompile(VERIFY)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_x()), batch_size=2)
     with pytest.raises(aotdist.RegionMismatchError, match="ConvNormBlock"):
         trainer.fit(Module(), data)

@@ -42,12 +42,16 @@ def test_a_warning_through_the_entry_points_names_the_caller_s_line(apply):
         if apply == "compile_regions":
             aotdist.compile_regions(nn.Sequential(nn.Linear(4, 4)), backend="eager")  # here
         else:
-            aotdist.parallelize(nn.Sequential(nn.Linear(4, 4)),  # here
-                                config={"compile": {"backend": "eager"}})
+            aotdist.parallelize(
+                nn.Sequential(nn.Linear(4, 4)),  # here
+                config={"compile": {"backend": "eager"}},
+            )
     w = _one(caught, aotdist.RegionCompileWarning, "no repeated regions")
     assert w.filename == __file__, w.filename
-    assert w.lineno == _line_of(test_a_warning_through_the_entry_points_names_the_caller_s_line,
-                                f"aotdist.{apply}(")
+    assert w.lineno == _line_of(
+        test_a_warning_through_the_entry_points_names_the_caller_s_line,
+        f"aotdist.{apply}(",
+    )
 
 
 def test_a_config_warning_names_the_caller_s_line():
@@ -67,5 +71,7 @@ def test_a_region_demoted_in_the_first_call_names_the_caller_s_line():
         model(torch.randn(2, 8)).sum().backward()  # the call that compiles
     w = _one(caught, aotdist.RegionCompileWarning, "cannot be a reusable subgraph")
     assert w.filename == __file__, w.filename
-    assert w.lineno == _line_of(test_a_region_demoted_in_the_first_call_names_the_caller_s_line,
-                                "model(torch.randn(2, 8)).sum().backward()")
+    assert w.lineno == _line_of(
+        test_a_region_demoted_in_the_first_call_names_the_caller_s_line,
+        "model(torch.randn(2, 8)).sum().backward()",
+    )

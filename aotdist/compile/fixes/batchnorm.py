@@ -34,9 +34,14 @@ def update_op():
     """Registers (once, on first use) and returns the running-statistics update op."""
 
     @torch.library.custom_op(_LIB, mutates_args=())
-    def update_batch_norm_stats(running_mean: torch.Tensor, running_var: torch.Tensor,
-                                num_batches_tracked: torch.Tensor, mean: torch.Tensor,
-                                var: torch.Tensor, momentum: float) -> torch.Tensor:
+    def update_batch_norm_stats(
+        running_mean: torch.Tensor,
+        running_var: torch.Tensor,
+        num_batches_tracked: torch.Tensor,
+        mean: torch.Tensor,
+        var: torch.Tensor,
+        momentum: float,
+    ) -> torch.Tensor:
         if _compat.in_autograd_backward():
             # activation checkpointing recomputes the region's call in backward: the
             # statistics were updated in forward already (once, as torch.compile does)
@@ -44,8 +49,7 @@ def update_op():
         with torch.no_grad():
             num_batches_tracked.add_(1)
             # momentum=None (a cumulative average): the factor stays a tensor, no host sync
-            factor = (1.0 / num_batches_tracked.to(running_mean.dtype) if momentum < 0
-                      else momentum)
+            factor = 1.0 / num_batches_tracked.to(running_mean.dtype) if momentum < 0 else momentum
             running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype) * factor)
             running_var.mul_(1 - factor).add_(var.to(running_var.dtype) * factor)
         return mean.new_zeros(())
@@ -58,15 +62,25 @@ def update_op():
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    if not (self.training and self.track_running_stats and self.running_mean is not None
-            and self.num_batches_tracked is not None and torch.compiler.is_compiling()):
+    if not (
+        self.training
+        and self.track_running_stats
+        and self.running_mean is not None
+        and self.num_batches_tracked is not None
+        and torch.compiler.is_compiling()
+    ):
         return self._aotdist_bn_base.forward(self, x)
     self._check_input_dim(x)
     dims = [0, *range(2, x.dim())]
     stats = x.detach().to(self.running_mean.dtype)
     zero = torch.ops.aotdist.update_batch_norm_stats(
-        self.running_mean, self.running_var, self.num_batches_tracked, stats.mean(dims),
-        stats.var(dims, correction=1), -1.0 if self.momentum is None else float(self.momentum))
+        self.running_mean,
+        self.running_var,
+        self.num_batches_tracked,
+        stats.mean(dims),
+        stats.var(dims, correction=1),
+        -1.0 if self.momentum is None else float(self.momentum),
+    )
     out = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
     return out + zero.to(out.dtype)
 
@@ -75,8 +89,9 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 def _class(base: type) -> type:
     # remake: a saved graph pickles its instances as made again from ``base``
     # (aotdist.compile.per_process.pickled_with_region_depth)
-    return made_class(base, {"forward": _forward, "_aotdist_bn_base": base},
-                      remake=(_class, (base,)))
+    return made_class(
+        base, {"forward": _forward, "_aotdist_bn_base": base}, remake=(_class, (base,))
+    )
 
 
 def _reproduced(cls: type) -> bool:
@@ -94,8 +109,11 @@ def swap(module: nn.Module) -> list[nn.Module]:
         return swapped
     for mod in module.modules():
         cls = type(mod)
-        if (isinstance(mod, nn.modules.batchnorm._BatchNorm) and _reproduced(cls)
-                and "_aotdist_bn_base" not in vars(cls)):
+        if (
+            isinstance(mod, nn.modules.batchnorm._BatchNorm)
+            and _reproduced(cls)
+            and "_aotdist_bn_base" not in vars(cls)
+        ):
             mod.__class__ = _class(cls)
             swapped.append(mod)
     if swapped:

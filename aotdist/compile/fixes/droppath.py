@@ -41,8 +41,11 @@ def _same(a: types.CodeType, b: types.CodeType, doc_a=None, doc_b=None) -> bool:
         return False
     ca, cb = _body_consts(a.co_consts, doc_a), _body_consts(b.co_consts, doc_b)
     return len(ca) == len(cb) and all(
-        _same(x, y) if isinstance(x, types.CodeType) and isinstance(y, types.CodeType)
-        else type(x) is type(y) and x == y for x, y in zip(ca, cb, strict=True))
+        _same(x, y)
+        if isinstance(x, types.CodeType) and isinstance(y, types.CodeType)
+        else type(x) is type(y) and x == y
+        for x, y in zip(ca, cb, strict=True)
+    )
 
 
 def _body_consts(consts: tuple, doc: str | None) -> tuple:
@@ -56,15 +59,22 @@ def _kind(cls: type) -> str | None:
     (transformers' 43 per-family copies), and the library function it calls unchanged."""
     forward = getattr(cls, "forward", None)
     tv = sys.modules.get("torchvision.ops.stochastic_depth")
-    if (tv is not None and forward is tv.StochasticDepth.forward
-            and same_code(tv.stochastic_depth, reference.torchvision_stochastic_depth)):
+    if (
+        tv is not None
+        and forward is tv.StochasticDepth.forward
+        and same_code(tv.stochastic_depth, reference.torchvision_stochastic_depth)
+    ):
         return "bernoulli"
     timm = sys.modules.get("timm.layers.drop")
-    if (timm is not None and forward is timm.DropPath.forward
-            and same_code(timm.drop_path, reference.timm_drop_path)):
+    if (
+        timm is not None
+        and forward is timm.DropPath.forward
+        and same_code(timm.drop_path, reference.timm_drop_path)
+    ):
         return "timm"
-    if (getattr(forward, "__module__", "").startswith("transformers.")
-            and same_code(forward, reference.transformers_drop_path_forward)):
+    if getattr(forward, "__module__", "").startswith("transformers.") and same_code(
+        forward, reference.transformers_drop_path_forward
+    ):
         return "rand"
     return None
 
@@ -116,10 +126,17 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _class(base: type, name: str) -> type:
     # remake: a saved graph pickles its instances as made again from ``base``
-    return made_class(base, {
-        "forward": _forward, name: _rate(name), "_aotdist_dp_base": base,
-        "_aotdist_dp_name": name, "_aotdist_dp_kind": _kind(base),
-    }, remake=(_class, (base, name)))
+    return made_class(
+        base,
+        {
+            "forward": _forward,
+            name: _rate(name),
+            "_aotdist_dp_base": base,
+            "_aotdist_dp_name": name,
+            "_aotdist_dp_kind": _kind(base),
+        },
+        remake=(_class, (base, name)),
+    )
 
 
 def swap(module: nn.Module) -> list[nn.Module]:

@@ -31,12 +31,10 @@ def clone_aliasing_outputs(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def forward(self, *args, **kwargs):
         out = fn(self, *args, **kwargs)
-        inputs = [a for a in _compat.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)]
+        inputs = [a for a in _compat.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
 
         def dealias(t):
-            if isinstance(t, torch.Tensor) and (any(t is a for a in inputs)
-                                                or t._base is not None):
+            if isinstance(t, torch.Tensor) and (any(t is a for a in inputs) or t._base is not None):
                 return t.clone()
             return t
 
@@ -76,6 +74,7 @@ def checkpointed(fn: Callable) -> Callable:
     Outside the region: the checkpoint saves only the region's inputs, and under compile
     the recompute is part of the compiled backward (the region's subgraph is still reused).
     """
+
     @functools.wraps(fn)
     def forward(self, *args, **kwargs):
         return checkpoint(fn, self, *args, use_reentrant=False, **kwargs)
@@ -100,15 +99,14 @@ def contiguous_stream(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def forward(self, *args, **kwargs):
         out = fn(self, *args, **kwargs)
-        stream = next((t for t in _compat.tree_leaves((args, kwargs))
-                       if isinstance(t, torch.Tensor)), None)
-        if (stream is None or not stream.is_contiguous()
-                or not torch.compiler.is_compiling()):
+        stream = next(
+            (t for t in _compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None
+        )
+        if stream is None or not stream.is_contiguous() or not torch.compiler.is_compiling():
             return out
 
         def fix(t):
-            if (isinstance(t, torch.Tensor) and t.shape == stream.shape
-                    and not t.is_contiguous()):
+            if isinstance(t, torch.Tensor) and t.shape == stream.shape and not t.is_contiguous():
                 return t.contiguous()
             return t
 
@@ -138,8 +136,11 @@ def detach_no_grad_outputs(fn: Callable) -> Callable:
             return out
 
         def detach(t):
-            if (isinstance(t, torch.Tensor) and not t.requires_grad
-                    and (t.is_floating_point() or t.is_complex())):
+            if (
+                isinstance(t, torch.Tensor)
+                and not t.requires_grad
+                and (t.is_floating_point() or t.is_complex())
+            ):
                 return t.detach()
             return t
 
@@ -171,8 +172,9 @@ FORWARD_FIXES = (
 )
 
 
-def wrap_forward(fn: Callable, where: str, on: dict[str, bool], *, nested: bool = True,
-                 frames: bool = False) -> Callable:
+def wrap_forward(
+    fn: Callable, where: str, on: dict[str, bool], *, nested: bool = True, frames: bool = False
+) -> Callable:
     """``fn`` wrapped by every fix of :data:`FORWARD_FIXES` that runs ``where`` on this
     kind of forward, with its option in ``on``."""
     for fix in FORWARD_FIXES:
