@@ -84,17 +84,11 @@ class TrainerRegionalCompile(TrainerCallback):
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         _check_arguments(args)
-        if model is not None and self.config.compile.enabled and self.applied is None:
-            self.applied = apply_aotdist(
-                model, self.config, what="TrainerRegionalCompile", child_target=False
-            )
+        self._apply(model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         _check_arguments(args)
-        if model is not None and self.config.compile.enabled and self.applied is None:
-            self.applied = apply_aotdist(
-                model, self.config, what="TrainerRegionalCompile", child_target=False
-            )
+        self._apply(model)
         self._open_window()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -112,6 +106,12 @@ class TrainerRegionalCompile(TrainerCallback):
         if self._window is not None:
             self._window.stop()
             self._window = None
+
+    def _apply(self, model) -> None:
+        if model is not None and self.config.compile.enabled and self.applied is None:
+            self.applied = apply_aotdist(
+                model, self.config, what="TrainerRegionalCompile", child_target=False
+            )
 
     def _open_window(self) -> None:
         target = self.applied.target if self.applied is not None else None

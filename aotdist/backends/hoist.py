@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from aotdist import _compat
+from aotdist.backends.aot import is_storage_resize
 from aotdist.log import get_logger
 
 __all__ = ["hoist_buffer_updates"]
@@ -167,12 +168,6 @@ def _needs_grad(value: object) -> bool:
     return not isinstance(example, torch.Tensor) or example.requires_grad
 
 
-def _is_resize(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "__name__", "").startswith(
-        "resize_storage_bytes_"
-    )
-
-
 def _storage_bytes(value: object) -> int | None:
     try:
         return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else None
@@ -194,7 +189,7 @@ def _take_edge_resizes(body: fx.GraphModule, name: str, *, recomputed: bool) -> 
     inputs = [n for n in nodes if n.op == "placeholder"]
     before, after, edge = [], [], []
     for node in nodes:
-        if not _is_resize(node):
+        if not is_storage_resize(node):
             continue
         target, nbytes = node.args[0], node.args[1] if len(node.args) > 1 else None
         if (
@@ -206,7 +201,7 @@ def _take_edge_resizes(body: fx.GraphModule, name: str, *, recomputed: bool) -> 
         ):
             _log.debug("subgraph %s resizes a storage it cannot move: left alone", name)
             return None
-        uses = [u for u in target.users if not _is_resize(u)]
+        uses = [u for u in target.users if not is_storage_resize(u)]
         index = inputs.index(target)
         if all(order[u] > order[node] for u in uses):
             before.append((index, node.target, nbytes))
@@ -217,13 +212,9 @@ def _take_edge_resizes(body: fx.GraphModule, name: str, *, recomputed: bool) -> 
             return None
         edge.append(node)
     grown = {i for i, _, nbytes in before if nbytes > 0}
-    for i, node in enumerate(inputs):  # a write needs the storage there at the call
-        if (
-            i not in grown
-            and _storage_bytes(node.meta.get("example_value")) == 0
-            and any(_in_place(u) or _is_resize(u) for u in node.users)
-        ):
-            _log.debug("subgraph %s writes input %d, empty at the call: left alone", name, i)
+    for i, node in enumerate(inputs):  # any copy the pass makes reads the storage at the call
+        if i not in grown and node.users and _storage_bytes(node.meta.get("example_value")) == 0:
+            _log.debug("subgraph %s uses input %d, empty at the call: left alone", name, i)
             return None
     for node in edge:
         graph.erase_node(node)
