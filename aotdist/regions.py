@@ -7,7 +7,9 @@ one region can share one compiled subgraph, each call feeding its own weights.
 
 Discovery looks everywhere in the module tree (``nn.ModuleList``, ``nn.Sequential``,
 ``nn.ModuleDict``, plain attributes), groups candidates by signature and keeps the
-outermost repeated unit: a transformer block wins over the MLP inside it.
+outermost repeated unit: a transformer block wins over the MLP inside it. A model that
+declares its blocks (diffusers' ``_repeated_blocks``, a list of class names) has those
+chosen first within it.
 """
 
 from __future__ import annotations
@@ -297,7 +299,9 @@ def find_regions(
     Args:
         model: The model to analyse. It is not modified.
         include: Class names or FQN glob patterns (``"layers.*"``) of the modules that may
-            become region instances. ``None`` considers every module with children.
+            become region instances. ``None`` considers every module with children, the
+            blocks a model declares in ``_repeated_blocks`` (diffusers) first: no region
+            then holds a declared block.
             An included module may be a leaf (a lone ``Linear``).
         exclude: Class names or FQN glob patterns of modules that never become instances.
             Modules inside an excluded module can still form regions of their own.
@@ -320,29 +324,37 @@ def find_regions(
         if unknown:
             raise _unknown_pattern_error(key, unknown, modules)
 
-    groups: dict[str, list[tuple[str, nn.Module]]] = {}
+    declared = () if includes else _declared_blocks(model)
+    groups: dict[tuple[str, bool], list[tuple[str, nn.Module]]] = {}
     for fqn, mod in modules:
         if isinstance(mod, _NO_FORWARD):
             continue
-        if includes:
+        seeded = _is_declared(fqn, mod, declared)
+        if seeded:
+            pass  # a declared block is a candidate as it is (unless excluded)
+        elif includes:
             if not any(_matches(p, fqn, mod) for p in includes):
                 continue
         elif not any(True for _ in mod.children()):
             continue  # a lone leaf op is not worth a region unless asked for
         if any(_matches(p, fqn, mod) for p in excludes):
             continue
-        groups.setdefault(structural_signature(mod), []).append((fqn, mod))
+        groups.setdefault((structural_signature(mod), seeded), []).append((fqn, mod))
 
-    # Outermost first: shallower groups claim their subtrees before nested ones are seen.
-    def depth(item: tuple[str, list]) -> tuple[int, int]:
+    # Declared blocks first, then outermost first: shallower groups claim their subtrees
+    # before nested ones are seen.
+    def depth(item: tuple[tuple[str, bool], list]) -> tuple[bool, int, int]:
         fqns = [f for f, _ in item[1]]
-        return (min(f.count(".") for f in fqns), order[fqns[0]])
+        return (not item[0][1], min(f.count(".") for f in fqns), order[fqns[0]])
 
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}
     chosen: list[tuple[str, list[tuple[str, nn.Module]]]] = []
     claimed: list[str] = []
-    for sig, members in sorted(groups.items(), key=depth):
+    seeds: list[str] = []
+    for (sig, seeded), members in sorted(groups.items(), key=depth):
         free = [(f, m) for f, m in members if not any(_is_inside(f, c) for c in claimed)]
+        # Nor may a unit hold a declared block: the model said where its regions are.
+        free = [(f, m) for f, m in free if not any(_is_inside(c, f) for c in seeds)]
         if len(free) < min_repeats:
             continue
         # A member containing another member (a recursive structure) keeps the outer one.
@@ -351,6 +363,8 @@ def find_regions(
             continue
         chosen.append((sig, free))
         claimed.extend(f for f, _ in free)
+        if seeded:
+            seeds.extend(f for f, _ in free)
 
     if includes and not chosen:
         matched = {f: m for f, m in modules if any(_matches(p, f, m) for p in includes)}
@@ -375,6 +389,25 @@ def find_regions(
         for name, (sig, members) in zip(names, chosen, strict=True)
     ]
     return RegionPlan(regions)
+
+
+def _declared_blocks(model: nn.Module) -> tuple[tuple[str, frozenset[str]], ...]:
+    """The blocks ``model`` declares as its repeated ones: ``(fqn prefix, class names)`` for
+    each submodule whose class sets a non-empty ``_repeated_blocks`` (diffusers' models, for
+    their ``compile_repeated_blocks()``; ``""`` is the root)."""
+    found = []
+    for fqn, mod in model.named_modules():
+        names = getattr(type(mod), "_repeated_blocks", None)
+        if isinstance(names, (list, tuple)) and names and all(isinstance(n, str) for n in names):
+            found.append((fqn, frozenset(names)))
+    return tuple(found)
+
+
+def _is_declared(fqn: str, module: nn.Module, declared) -> bool:
+    name = _user_class(module).__name__
+    return any(
+        name in names and (not prefix or _is_inside(fqn, prefix)) for prefix, names in declared
+    )
 
 
 def _region_names(chosen: list[tuple[str, list[tuple[str, nn.Module]]]]) -> list[str]:

@@ -60,6 +60,35 @@ def test_a_diffusers_dit_trains_as_eager_with_its_blocks_named():
     _reused(tracked, "BasicTransformerBlock", 3)
 
 
+def test_a_diffusers_unet_has_the_blocks_it_declares_as_regions():
+    """UNet2DConditionModel declares ``_repeated_blocks = ["BasicTransformerBlock"]``: those
+    are its attention region (not the ``Transformer2DModel`` around each), as diffusers'
+    ``compile_repeated_blocks()`` would compile them; its ResNet blocks are found as well."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.UNet2DConditionModel(
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        cross_attention_dim=16,
+        attention_head_dim=4,
+        norm_num_groups=8,
+        sample_size=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    ).train()
+    g = torch.Generator().manual_seed(1)
+
+    def batch():
+        return (torch.randn(2, 4, 8, 8, generator=g), torch.tensor([3, 7]), torch.randn(2, 5, 16))
+
+    tracked, warned = _train(model, [batch() for _ in range(STEPS)])
+    assert not warned, warned
+    assert set(tracked.regions) == {"BasicTransformerBlock", "ResnetBlock2D"}, tracked.summary()
+    for region, count in (("BasicTransformerBlock", 3), ("ResnetBlock2D", 2)):
+        st = tracked.regions[region]
+        assert (st.instances, st.call_sites, st.subgraphs) == (count, count, 1), tracked.summary()
+
+
 def _lora_llama(layers: int = 4):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
