@@ -87,6 +87,18 @@ def report_reuse(
                 "slice the mesh once, tp_mesh = mesh['tp'], and pass that one object to "
                 "every parallelize_module call"
             )
+        elif differ and _writes_kv_cache(model, differ):
+            cause = (
+                "the model builds a KV cache in training (transformers' default "
+                "config.use_cache=True) and each layer writes its own slot of it "
+                f"({next(p for p, _, _ in differ if p.endswith('layer_idx'))}: "
+                f"{next(v for p, _, v in differ if p.endswith('layer_idx'))}), so each "
+                "layer's frame is specialised on its index; training reads no cache"
+            )
+            fix = (
+                "model.config.use_cache = False before training (or call the model with "
+                "use_cache=False)"
+            )
         elif differ:
             shown = "; ".join(f"{path} ({kind}: {values})" for path, kind, values in differ[:4])
             cause = f"its instances differ in Python constants the forward may read: {shown}"
@@ -116,6 +128,14 @@ def report_reuse(
             stacklevel=4,
         )
     return found
+
+
+def _writes_kv_cache(model: nn.Module, differ: list[tuple[str, str, str]]) -> bool:
+    """A transformers model (``model`` or one inside it) whose config asks for a KV cache,
+    its layers differing in the index they write the cache at (``self_attn.layer_idx``)."""
+    return any(path.endswith("layer_idx") for path, _, _ in differ) and any(
+        getattr(getattr(m, "config", None), "use_cache", False) is True for m in model.modules()
+    )
 
 
 # torch's reasons for not reusing a traced region body -> (what it means, the fix)

@@ -129,3 +129,50 @@ def test_lora_on_a_frozen_llama_trains_as_eager_and_names_the_inlined_first_laye
     split = [w for w in warned if "'LlamaDecoderLayer'" in w]
     assert split and "requires_grad" in split[0], warned
     assert "frozen embedding" in split[0] and "enable_input_require_grads()" in split[0], split
+
+
+def test_transformers_default_kv_cache_under_fsdp2_is_named_with_its_fix(tmp_path):
+    """transformers' default ``use_cache=True`` builds a KV cache in training; under FSDP2
+    (one frame per layer) each layer's frame specialises on the index it writes the cache
+    at. The warning says so and names ``model.config.use_cache = False``, which fixes it."""
+    transformers = pytest.importorskip("transformers")
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        seen = {}
+        for use_cache in (True, False):
+            torch.manual_seed(0)
+            cfg = transformers.LlamaConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                use_cache=use_cache,
+            )
+            model = transformers.LlamaForCausalLM(cfg).train()
+            ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                aotdist.parallelize(
+                    model,
+                    config={"fsdp": {"enabled": True}, "compile": {"backend": "aot_eager"}},
+                )
+                with metrics.track(model) as tracked:
+                    model(input_ids=ids, labels=ids).loss.backward()
+            warned = [
+                str(w.message)
+                for w in caught
+                if issubclass(w.category, aotdist.RegionCompileWarning)
+            ]
+            seen[use_cache] = (tracked.regions["LlamaDecoderLayer"].subgraphs, warned)
+    finally:
+        dist.destroy_process_group()
+    subgraphs, warned = seen[True]
+    assert subgraphs == 3 and len(warned) == 1, seen
+    assert "KV cache" in warned[0] and "model.config.use_cache = False" in warned[0]
+    assert seen[False] == (1, []), seen[False]
