@@ -108,6 +108,8 @@ class RegionGuardedCall(_compat.CallWrapper):
         self._state = state
         self._compiled = compiled
         self._backend = backend  # the recording backend, when not state.backend
+        self._recorded = 0  # graphs recorded when the log last said how many
+        self._compile_s = 0.0  # compile time the log reported
 
     def __call__(self, *args, **kwargs):
         state = self._state
@@ -138,8 +140,8 @@ class RegionGuardedCall(_compat.CallWrapper):
                     state.reuse_checked = True
                     report_reuse(self._model_ref, state)
                 return out
+        started = time.perf_counter()  # a compile is logged with its time (first or again)
         if first:  # the wait a user sees: say what compiles, then how long it took
-            started = time.perf_counter()
             rank_zero_info(
                 _log,
                 "compiling %s: %s, backend %s (the first call compiles; the ones after reuse it)",
@@ -162,17 +164,36 @@ class RegionGuardedCall(_compat.CallWrapper):
             if first:
                 state.reuse_checked = True
                 report_reuse(self._model_ref, state)
-                rank_zero_info(
-                    _log,
-                    "compiled %s in %.1f s (%d graph(s))",
-                    type(self._model_ref).__name__,
-                    time.perf_counter() - started,
-                    compiled_graphs(state),
-                )
+            if first or len(state.backend.records) != self._recorded:
+                self._log_compiled(started, first)
             for done in called:
                 done()
             return out
         return self._run(*args, **kwargs)
+
+    def _log_compiled(self, started: float, first: bool) -> None:
+        """Logs a compile: the first, and each later one (a recompile for new shapes, eval
+        mode, a failed guard) with the compile time so far, so the log's total is true."""
+        state = self._state
+        graphs, before = compiled_graphs(state), self._recorded
+        self._recorded = len(state.backend.records)
+        spent = time.perf_counter() - started
+        self._compile_s += spent
+        name = type(self._model_ref).__name__
+        if first:
+            rank_zero_info(_log, "compiled %s in %.1f s (%d graph(s))", name, spent, graphs)
+        elif graphs > 0:
+            rank_zero_info(
+                _log,
+                "compiled %s again in %.1f s: %d more graph(s) (new input shapes, eval mode "
+                "or a failed guard; TORCH_LOGS=recompiles says which); %d graph(s), %.1f s "
+                "compiling in all",
+                name,
+                spent,
+                self._recorded - before,
+                graphs,
+                self._compile_s,
+            )
 
     def _run(self, *args, **kwargs):
         # until reuse is reported: torch's own reasons for not reusing a region's subgraph

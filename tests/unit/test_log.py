@@ -74,3 +74,22 @@ def test_the_first_compile_says_what_it_compiles_and_how_long_it_took():
     assert len(said) == 2, said
     assert said[0].startswith("compiling TinyGPT: 1 region(s) (GPTBlock x3), backend aot_eager")
     assert said[1].startswith("compiled TinyGPT in ") and said[1].endswith("(1 graph(s))")
+
+
+def test_the_log_reports_each_compile_and_the_total_not_only_the_first():
+    # an evaluation pass (eval mode) compiles again: the log says so,
+    # with the compile time so far, where it once reported the first compile alone
+    model = aotdist.testing.build_model("gpt", depth=2)
+    aotdist.compile_regions(model, backend="eager")
+    x, _ = aotdist.testing.example_inputs(model, batch=2)
+    with record_logs("aotdist", logging.INFO) as logs:
+        model(*x)
+        model(*x)  # reuses: nothing logged
+        model.eval()
+        with torch.no_grad():
+            model(*x)
+    said = [r.getMessage() for r in logs if r.name == "aotdist.compile.guard"]
+    assert len(said) == 3, said  # compiling, compiled, compiled again
+    assert said[1].startswith("compiled TinyGPT in "), said
+    again = said[2]
+    assert "again in" in again and "more graph(s)" in again and "compiling in all" in again
