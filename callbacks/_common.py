@@ -135,6 +135,22 @@ class Applied:
     how: ApplyHow
     config: AOTDistConfig
 
+    def describe(self, root_name: str) -> str:
+        """One line for the log: what was done to which module, in a user's words."""
+        where = repr(self.target_fqn) if self.target_fqn else root_name
+        if self.how == ApplyHow.USER:
+            return f"aotdist: {where} was set up by your own aotdist call; left as it is"
+        if self.how == ApplyHow.COMPILE_IN_USER_FSDP:
+            return f"aotdist: compiled the regions of {where} inside your FSDP2 units"
+        c = self.config
+        done = [
+            "converted its Linear layers to Float8" if c.float8.enabled else "",
+            "checkpointed activations" if c.ac.enabled else "",
+            f"sharded it with FSDP2 ({c.fsdp.mode} mode)" if c.fsdp.enabled else "",
+            "compiled its regions" if c.compile.enabled else "",
+        ]
+        return f"aotdist: {', '.join(d for d in done if d) or 'nothing to do'} ({where})"
+
 
 def _find_user_applied(root: nn.Module) -> tuple[str, nn.Module] | None:
     for fqn, m in root.named_modules():

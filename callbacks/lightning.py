@@ -163,8 +163,7 @@ class RegionalCompile(Callback):
             )
         self.applied = apply_aotdist(pl_module, config, mesh=mesh, what="RegionalCompile")
         self._float8_all_gather = uses_fsdp_float8_all_gather(pl_module)
-        where = self.applied.target_fqn or type(pl_module).__name__
-        rank_zero_info(f"aotdist: {self.applied.how} on {where!r}")
+        rank_zero_info(self.applied.describe(type(pl_module).__name__))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
