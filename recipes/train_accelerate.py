@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+# the shipped configs: configs/ beside recipes/ in a clone, aotdist/configs when installed
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 SIZES = {  # image, patch, layers, heads, hidden, mlp, classes
     "tiny": (32, 8, 4, 2, 32, 64, 10),
@@ -33,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--aotdist-config",
-        default="configs/aotdist/regional_compile.yaml",
+        default=str(CONFIGS / "aotdist" / "regional_compile.yaml"),
         help="aotdist YAML (configs/aotdist/*.yaml), or 'none' for plain eager",
     )
     p.add_argument("--backend", default=None, help="override compile.backend (e.g. aot_eager)")

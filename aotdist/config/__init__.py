@@ -21,6 +21,7 @@ import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aotdist.config.validation import Section, did_you_mean, problems_message
@@ -436,7 +437,9 @@ class AOTDistConfig:
             with open(path, encoding="utf-8") as fh:
                 data = yaml.safe_load(fh)
         except FileNotFoundError:
-            raise ConfigError(f"aotdist config file not found: {os.fspath(path)!r}") from None
+            raise ConfigError(
+                f"aotdist config file not found: {os.fspath(path)!r}{_shipped_hint(path)}"
+            ) from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{os.fspath(path)} is not valid YAML: {exc}") from None
         try:
@@ -463,6 +466,26 @@ class AOTDistConfig:
                 )
             merged[key] = {**merged[key], **dict(values)}
         return AOTDistConfig.from_dict(merged)
+
+
+def _shipped_hint(path: str | os.PathLike) -> str:
+    """Where aotdist's installed copy of a shipped config is, for a path like
+    ``configs/aotdist/fsdp2.yaml`` run outside a clone of the repository."""
+    parts = Path(path).parts
+    if "configs" not in parts:
+        return ""
+    copy = _shipped_configs().joinpath(*parts[parts.index("configs") + 1 :])
+    if not copy.is_file():
+        return ""
+    return f"; aotdist installs a copy of its shipped config. Fix: pass {str(copy)!r}"
+
+
+def _shipped_configs() -> Path:
+    """The folder of aotdist's shipped configs: ``aotdist/configs`` when installed, the
+    repository's ``configs/`` in a clone (or an editable install)."""
+    package = Path(__file__).resolve().parents[1]  # aotdist/
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
 
 
 def as_config(config: AOTDistConfig | Mapping | str | os.PathLike | None) -> AOTDistConfig:

@@ -3,6 +3,7 @@ one is never told to change it (the recipes' runs are tests/integration's)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -39,3 +40,48 @@ def test_a_shipped_config_builds_without_an_aotdist_warning(name, config):
             else aotdist.AOTDistConfig.from_dict(config)
         )
         warn_unverified_combination(built)
+
+
+@pytest.mark.timeout(300)
+def test_an_installed_aotdist_holds_the_recipes_and_the_configs_they_default_to(tmp_path):
+    """Outside a clone the recipes' default config paths once failed: neither folder was
+    installed. Built as a wheel and run from it, in a folder with no ``configs/``."""
+    import importlib.metadata
+    import subprocess
+    import sys
+    import zipfile
+
+    setuptools = importlib.metadata.version("setuptools")
+    if int(setuptools.split(".")[0]) < 77:  # pyproject's build-system asks for 77+
+        pytest.skip(f"builds the wheel offline with setuptools 77+; this venv has {setuptools}")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        + ["-w", str(tmp_path / "wheel"), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    for shipped in [*ROOT.glob("configs/*/*.yaml"), *ROOT.glob("recipes/*.py")]:
+        inside = site / "aotdist" / shipped.relative_to(ROOT)
+        assert inside.is_file(), f"{shipped.relative_to(ROOT)} is not installed"
+    script = (
+        "from pathlib import Path\n"
+        "import aotdist, aotdist.config as c, aotdist.recipes.train_accelerate as r\n"
+        "assert Path(r.parse_args([]).aotdist_config).is_file()\n"
+        "try:\n"
+        "    c.as_config('configs/aotdist/fsdp2.yaml')\n"
+        "except aotdist.ConfigError as e:\n"
+        "    print(e)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    fix = str(site / "aotdist" / "configs" / "aotdist" / "fsdp2.yaml")
+    assert "not found: 'configs/aotdist/fsdp2.yaml'" in run.stdout and fix in run.stdout, run.stdout
