@@ -112,6 +112,8 @@ class RegionGuardedCall(_compat.CallWrapper):
         self._compile_s = 0.0  # compile time the log reported
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # an outer torch.compile traces this call
+            _refuse_outer_compile(self._model_ref)
         state = self._state
         if not state.fsdp_checked:
             _check_no_fsdp_added(self._model_ref)
@@ -324,6 +326,19 @@ def _stores_into_an_argument(reason: str) -> bool:
     """torch's words for a tensor made in the region and kept by an object passed to it
     (torch 2.14: a side effect; 2.11: a node used outside the graph it was made in)."""
     return "side effect" in reason or "does not belong to this Graph" in reason
+
+
+@torch.compiler.disable  # runs (and raises) for real, not as a traced graph break
+def _refuse_outer_compile(model: nn.Module) -> None:
+    name = type(model).__name__
+    raise OrderingError(
+        f"torch.compile is tracing a {name} that aotdist.compile_regions compiled already: "
+        "the outer compile traces into aotdist's own call (graph breaks, recompiles) and "
+        "compiles nothing aotdist has not. Fix: drop the outer torch.compile "
+        "(torch.compile(model), model.compile(), a trainer's torch_compile option); to "
+        "have the glue between the regions lowered too, set compile.outer: inductor "
+        "(compile_regions(model, outer='inductor'))."
+    )
 
 
 def _regions_text(state: RegionState) -> str:

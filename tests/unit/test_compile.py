@@ -250,6 +250,16 @@ def test_ordering_errors():
         aotdist.compile_regions(inner)
 
 
+def test_an_outer_torch_compile_of_a_compiled_model_is_refused_with_the_fix():
+    # it once traced into aotdist's own call: 2 graph breaks, a Dynamo warning, no error
+    model = aotdist.compile_regions(TinyGPT(depth=2), backend="aot_eager")
+    outer = torch.compile(model, backend="eager")
+    (x,), _ = example_inputs(model)
+    with pytest.raises(aotdist.OrderingError, match="compiled already.*Fix: drop the outer"):
+        outer(x)
+    torch._dynamo.reset()  # the outer compile's frames, not to be seen by other tests
+
+
 def test_bad_backend_arguments():
     with pytest.raises(aotdist.ConfigError, match="unknown compile backend"):
         aotdist.compile_regions(TinyGPT(depth=2), backend="no_such_backend")
