@@ -38,6 +38,10 @@ class RegionStats:
     subgraphs: int = 0
     inlined: int = 0
     standalone_graphs: int = 0  # graphs of the region compiled as frames of their own
+    # the region whose subgraph holds this one's ops (nested, used once per outer body:
+    # torch inlines it there), and how many of its instances ran so
+    within: str = ""
+    within_instances: int = 0
 
 
 @dataclass
@@ -99,6 +103,8 @@ class CompileMetrics:
             extra = f", {st.inlined} inlined" if st.inlined else ""
             if st.standalone_graphs:
                 extra += f", {st.standalone_graphs} standalone frame graph(s)"
+            if st.within:
+                extra += f", {st.within_instances} compiled inside {st.within}'s subgraph"
             lines.append(
                 f"  region {name}: {st.instances} instances, {st.call_sites} call sites, "
                 f"{st.subgraphs} distinct subgraph(s){extra}"
@@ -308,6 +314,7 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
         ]
     subgraphs: dict[str, set[str]] = {}
     inlined: dict[str, set[str]] = {}
+    within: dict[str, tuple[str, set[str]]] = {}
     for rec in records:
         for name, sites in rec.call_sites.items():
             metrics.regions.setdefault(name, RegionStats(instances=0)).call_sites += len(sites)
@@ -315,6 +322,11 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
             subgraphs.setdefault(name, set()).update(ids)
         for name, fqns in rec.inlined.items():
             inlined.setdefault(name, set()).update(fqns)
+        for name, (holder, fqns) in rec.within.items():
+            within.setdefault(name, (holder, set()))[1].update(fqns)
+    for name, (holder, fqns) in within.items():
+        st = metrics.regions.setdefault(name, RegionStats(instances=0))
+        st.within, st.within_instances = holder, len(fqns)
     outers = sorted({r.outer for r in records if r.outer and r.call_sites})
     metrics.outer = "+".join(outers)
     for rec in records:

@@ -105,6 +105,9 @@ class GraphRecord:
     outer: str | None = None
     # region name -> per call site, each operand's (shape, dtype, stride, requires_grad)
     operands: dict[str, list[tuple]] = field(default_factory=dict)
+    # region name -> (the region whose subgraph holds its ops, the instance fqns): a region
+    # nested in another, called once per outer body, which torch inlines there
+    within: dict[str, tuple[str, set[str]]] = field(default_factory=dict)
 
 
 _PATH_TOKEN = re.compile(
@@ -354,6 +357,7 @@ class RecordingBackend:
                     tuple(_operand_kind(a) for a in node.args[2:])
                 )
                 node_regions[node.name] = region
+                self._nested_calls(gm, node, fqn, region, record, prefix)
             elif region is not None:
                 record.inlined.setdefault(region, set()).add(fqn)
         for region, fqns in list(record.inlined.items()):
@@ -363,6 +367,34 @@ class RecordingBackend:
             if not fqns:
                 del record.inlined[region]
         return node_regions
+
+    def _nested_calls(
+        self, gm: torch.fx.GraphModule, call, fqn: str, region: str, record, prefix: str
+    ) -> None:
+        """Counts the region calls inside region ``call``'s subgraph (a region nested in
+        another: timm's LeViT MLPs) as call sites, once per call of the outer one. The body
+        was traced for one outer instance, whose path its nodes carry: each is read as
+        the same path under ``fqn``, the instance this call runs."""
+        invoke = torch.ops.higher_order.invoke_subgraph
+        body = submodule(gm, call.args[0].target) if call.args[0].op == "get_attr" else None
+        if not isinstance(body, torch.fx.GraphModule):
+            return
+        outer = [f for f, r in self._fqn_to_region.items() if r == region]
+        for node in body.graph.nodes:
+            if node.op != "call_function":
+                continue
+            found = stack_regions(node, self._fqn_to_region, prefix)
+            traced, inner = found[-1] if found else ("?", None)
+            owner = next((f for f in outer if traced.startswith(f + ".")), None)
+            here = fqn + traced[len(owner) :] if owner is not None else traced
+            if node.target is not invoke:
+                if inner is not None and inner != region:  # inlined in the outer body
+                    record.within.setdefault(inner, (region, set()))[1].add(here)
+                continue
+            inner = inner or "<unknown>"
+            record.call_sites.setdefault(inner, []).append(here)
+            record.subgraphs.setdefault(inner, set()).add(f"{record.index}:{node.args[1]}")
+            self._nested_calls(body, node, here, inner, record, prefix)
 
     def frame_prefix(self) -> str:
         """The fqn that the module paths of the frame being compiled are relative to:

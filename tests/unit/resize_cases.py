@@ -167,6 +167,11 @@ def run_variant(fix: str, backend: str, **variant) -> dict:
     return {
         "worst": worst,
         "regions": regions,
+        "within": {
+            name: [st.within, st.within_instances]
+            for name, st in tracked.regions.items()
+            if st.within
+        },
         "demoted": sorted(tracked.demoted),
         "warnings": sorted({str(w.message)[:300] for w in caught if "aotdist" in str(w.message)}),
     }

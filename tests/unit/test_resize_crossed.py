@@ -22,7 +22,8 @@ import pytest
 CASES = Path(__file__).with_name("resize_cases.py")
 TOLERANCE = 1e-5
 INDUCTOR_TOLERANCE = 1e-3  # fused reductions sum in another order (BatchNorm over 4 rows)
-# how each fix leaves the region: reused as one subgraph, or demoted with a warning
+# the region each fix leaves reused as one subgraph (nested: the outer one, with the inner
+# one's ops inside its subgraph, which metrics names)
 REUSED = {
     "plain": "ResizingBlock",
     "batchnorm": "ResizingBlock",
@@ -55,6 +56,8 @@ def _check_reused(results: list[dict], region: str, tolerance: float = TOLERANCE
     for r in results:
         assert r["worst"] <= tolerance, r
         assert r["regions"][region] == [3, 3, 1], r  # instances, call sites, subgraphs
+        if region == "Outer":  # every inner instance ran, inside the outer subgraph
+            assert r["within"] == {"ResizingBlock": ["Outer", 3]}, r
         assert not r["demoted"] and not r["warnings"], r
 
 

@@ -576,5 +576,8 @@ def test_a_region_nested_in_another_never_costs_the_outer_its_reuse():
         assert_training_parity(model, reference, [(torch.randn(2, 8),)] * 2)
     block = m.regions["_MlpBlock"]
     assert (block.call_sites, block.subgraphs) == (3, 1) and "_MlpBlock" not in m.demoted
+    if "_Mlp" not in m.demoted:  # the 3 calls inside the blocks' subgraph count too
+        mlp = m.regions["_Mlp"]
+        assert (mlp.instances, mlp.call_sites, mlp.subgraphs) == (4, 4, 1), m.summary()
     if "_Mlp" in m.demoted:  # named, with torch's reason
         assert any("'_Mlp'" in str(w.message) for w in caught), m.summary()
