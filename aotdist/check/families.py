@@ -5,7 +5,8 @@ or datasets are downloaded. :data:`FAMILIES` is the registry of the listed famil
 ``transformers`` ones (:func:`hf_family`, on :mod:`~aotdist.check.tiny_config`'s tiny
 configs) and ``torchvision`` ones (:func:`torchvision_family`). The other sources build
 the same :class:`Family`: timm's architectures in :mod:`~aotdist.check.families_timm`,
-torchtitan's models in :mod:`~aotdist.check.families_titan`.
+torchtitan's models in :mod:`~aotdist.check.families_titan`, diffusers' denoisers in
+:mod:`~aotdist.check.families_diffusers`, peft's adapters in :mod:`~aotdist.check.families_peft`.
 """
 
 from __future__ import annotations

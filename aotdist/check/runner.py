@@ -29,9 +29,10 @@ from aotdist.check.families import (
     stochastic_depth,
     without_randomness,
 )
+from aotdist.check.peers import declares_repeated_blocks, train_repeated_blocks
 from aotdist.check.rounding import as_float64, describe, only_rounding, rounding_errors
 from aotdist.check.specs import resolve
-from aotdist.check.steps import Diff, Run, run_step, train
+from aotdist.check.steps import Diff, Run, train
 from aotdist.compile.verify import tolerance
 from aotdist.config import FSDP_MODES
 from aotdist.errors import first_line
@@ -66,6 +67,7 @@ class CheckResult:
     regions: dict[str, dict[str, int]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # region -> demotion/reuse/eager cause
     whole_model: str = ""  # "trains", "wrong gradients (...)" or "fails: <error>"
+    repeated_blocks: str = ""  # the same for diffusers' compile_repeated_blocks, where run
     loss_eager: float | None = None
     loss_aotdist: float | None = None
     max_grad_diff: float | None = None
@@ -110,6 +112,8 @@ class CheckResult:
             diff += f" over {self.steps} steps"
         if self.stochastic_depth:
             diff += f" | stochastic depth on: {self.stochastic_depth}"
+        if self.repeated_blocks:
+            diff += f" | compile_repeated_blocks: {self.repeated_blocks[:80]}"
         mode = ", graph mode" if self.fsdp_mode == "graph" else ""
         where = f" (FSDP x{self.fsdp}{mode})" if self.fsdp else ""
         text = f"{self.name}{where}: {self.status} | {regions}{diff} | {self.seconds:.0f} s"
@@ -145,42 +149,14 @@ def _classify(result: CheckResult, m, caught: list[str]) -> None:
 
 
 def _region_warnings(caught) -> list[str]:
+    """Each region warning whole: the cause and the fix (``check --json`` keeps them)."""
     import aotdist
 
     return [
-        str(w.message).splitlines()[0][:300]
+        str(w.message).strip()
         for w in caught
         if issubclass(w.category, aotdist.RegionCompileWarning)
     ]
-
-
-def _judge(
-    result: CheckResult,
-    m,
-    loss: torch.Tensor,
-    model: nn.Module,
-    reference: nn.Module,
-    backend: str,
-    *,
-    frames: bool = False,
-    whole_zeros: list[str] | None = None,
-    ran: dict[str, int] | None = None,
-) -> None:
-    """:func:`_verdict` on one step: ``loss`` against ``result.loss_eager``, the gradients
-    of ``model`` against those of ``reference``."""
-    result.loss_aotdist = loss.item()
-    diff = Diff()
-    diff.add(
-        1,
-        result.loss_aotdist,
-        result.loss_eager,
-        {n: p.grad for n, p in model.named_parameters()},
-        {n: p.grad for n, p in reference.named_parameters()},
-        None,
-        None,
-        tolerance(backend),
-    )
-    _verdict(result, m, diff, frames=frames, whole_zeros=whole_zeros, ran=ran)
 
 
 def _verdict(
@@ -264,10 +240,13 @@ def check_family(
     seed: int = 0,
     whole_model: bool = True,
     steps: int = STEPS,
+    repeated_blocks: bool = True,
 ) -> CheckResult:
-    """``steps`` SGD steps of ``family`` eager, with aotdist and (``whole_model``) with
-    whole-model ``torch.compile``, on one batch from the same weights, each step from the
-    same random seed; losses, gradients and buffers compared after every step."""
+    """``steps`` SGD steps of ``family`` eager, with aotdist, (``whole_model``) with
+    whole-model ``torch.compile`` and (``repeated_blocks``, where a diffusers model declares
+    blocks) with diffusers' ``compile_repeated_blocks``, on one batch from the same weights,
+    each step from the same random seed; losses, gradients and buffers compared after every
+    step."""
     import aotdist
 
     family = resolve(family) if isinstance(family, str) else family
@@ -280,6 +259,7 @@ def check_family(
         as_built = copy.deepcopy(model) if stochastic_depth(model) else None
         without_randomness(model)
         reference, whole = copy.deepcopy(model), copy.deepcopy(model)
+        peer = copy.deepcopy(model) if repeated_blocks and declares_repeated_blocks(model) else None
         exact = _float64_copy(model, inputs)  # eager in float64, where gradients differ
         eager = Run()
         train(family, reference, inputs, steps=steps, seed=seed, record=eager)
@@ -343,18 +323,15 @@ def check_family(
             )
             result.whole_model_grad_diff, whole_zeros = whole_diff.grad, whole_diff.zeros
             # torch's own miscompile: whole-model compile runs, but not as eager does
-            result.whole_model = (
-                "trains"
-                if whole_diff.ok
-                else (
-                    f"wrong gradients (grad diff {whole_diff.grad:.1e})"
-                    if whole_diff.grad_bad or not whole_diff.loss_ok
-                    else f"wrong buffers (buffer diff {whole_diff.buffer:.1e})"
-                )
-            )
+            result.whole_model = whole_diff.verdict()
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             result.whole_model = f"fails: {first_line(exc, 400)}"
     del whole
+    if peer is not None:  # diffusers' own regional compile, judged as whole-model compile is
+        result.repeated_blocks = train_repeated_blocks(
+            family, peer, inputs, backend=backend, steps=steps, seed=seed, against=eager, rtol=rtol
+        )
+        del peer
     if crashed is not None:
         result.status = (
             "crash" if result.whole_model in ("trains", "") else "torch.compile fails too"
@@ -460,18 +437,29 @@ def _judge_as_built(
 
 
 def _fsdp_rank(
-    rank: int, world_size: int, spec: str, backend: str, seed: int, mode: str = "hooks"
+    rank: int,
+    world_size: int,
+    spec: str,
+    backend: str,
+    seed: int,
+    mode: str = "hooks",
+    steps: int = STEPS,
 ) -> dict:
-    """One rank of :func:`check_fsdp`: every rank trains on the whole batch, so the
-    averaged sharded gradients equal the single-process eager ones."""
+    """One rank of :func:`check_fsdp`: every rank trains ``steps`` SGD steps on the whole
+    batch, so the averaged sharded gradients (and the updates) equal the single-process
+    eager ones."""
     import aotdist
 
     family = resolve(spec)
     start = time.perf_counter()
-    result = CheckResult(family.name, family.kind, family.source, fsdp=world_size, fsdp_mode=mode)
+    result = CheckResult(
+        family.name, family.kind, family.source, fsdp=world_size, fsdp_mode=mode, steps=steps
+    )
     model, inputs = family.build(seed)
+    without_randomness(model)
     reference = copy.deepcopy(model)
-    result.loss_eager = run_step(family, reference, inputs).item()
+    train(family, reference, inputs, steps=steps, seed=seed, record=(eager := Run()))
+    result.loss_eager = eager.losses[0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -480,7 +468,15 @@ def _fsdp_rank(
                 config={"fsdp": {"enabled": True, "mode": mode}, "compile": {"backend": backend}},
             )
             with aotdist.metrics.track(model) as m, _instances_run(model) as ran:
-                loss = run_step(family, model, inputs)
+                diff = train(
+                    family,
+                    model,
+                    inputs,
+                    steps=steps,
+                    seed=seed,
+                    against=eager,
+                    rtol=tolerance(backend),
+                )
         except Exception as exc:  # noqa: BLE001 - reported
             result.status = "crash"
             result.error = "".join(traceback.format_exception(exc))[-3000:]
@@ -489,7 +485,8 @@ def _fsdp_rank(
         # Hooks mode compiles per-region frames: every instance of a kept region is a
         # compiled frame call. Graph-mode FSDP compiles the model as one graph of region
         # calls.
-        _judge(result, m, loss, model, reference, backend, frames=mode == "hooks", ran=ran)
+        result.loss_aotdist = diff.first_loss
+        _verdict(result, m, diff, frames=mode == "hooks", ran=ran)
     result.seconds = time.perf_counter() - start
     return result.to_dict()
 
@@ -525,10 +522,11 @@ def check_fsdp(
     seed: int = 0,
     timeout: float = 600.0,
     mode: str = "hooks",
+    steps: int = STEPS,
 ) -> CheckResult:
-    """One training step under FSDP2 (``aotdist.parallelize``, ``fsdp.mode`` ``mode``:
+    """``steps`` SGD steps under FSDP2 (``aotdist.parallelize``, ``fsdp.mode`` ``mode``:
     ``"hooks"`` or ``"graph"``) on ``world_size`` gloo ranks against single-process
-    eager; the worst rank's result.
+    eager (losses, gradients and buffers after each); the worst rank's result.
 
     Raises:
         ValueError: ``mode`` is not one of ``aotdist.config.FSDP_MODES``.
@@ -542,7 +540,9 @@ def check_fsdp(
             "graph)"
         )
     spec = family if isinstance(family, str) else family.name
-    outs = run_distributed(_fsdp_rank, world_size, spec, backend, seed, mode, timeout=timeout)
+    outs = run_distributed(
+        _fsdp_rank, world_size, spec, backend, seed, mode, steps, timeout=timeout
+    )
     fields = set(CheckResult.__dataclass_fields__)
     results = [CheckResult(**{k: v for k, v in o.items() if k in fields}) for o in outs]
     return next((r for r in results if not r.ok), results[0])

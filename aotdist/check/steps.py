@@ -94,6 +94,15 @@ class Diff:
         if not ok and self.step is None:
             self.step = step
 
+    def verdict(self) -> str:
+        """A compiled run's column: ``trains`` (as eager does), ``wrong gradients (...)``
+        (or a wrong loss) or ``wrong buffers (...)``."""
+        if self.ok:
+            return "trains"
+        if self.grad_bad or not self.loss_ok:
+            return f"wrong gradients (grad diff {self.grad:.1e})"
+        return f"wrong buffers (buffer diff {self.buffer:.1e})"
+
     def describe(self) -> str:
         """Where it first differs: the step and what."""
         what = [

@@ -1,6 +1,7 @@
 """``aotdist zoo``: every family checked in a fresh process, and its table: the listed
 families (``docs/models.md``), timm's architectures and torchtitan's models
-(``docs/models-timm-torchtitan.md``)."""
+(``docs/models-timm-torchtitan.md``), diffusers' denoisers and peft's LoRA adapters
+(``docs/models-diffusers-peft.md``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import tempfile
 from collections.abc import Callable, Sequence
 
 from aotdist.check.families import FAMILIES, causal_lm_types
+from aotdist.check.families_diffusers import DIFFUSERS_MODELS
+from aotdist.check.families_peft import PEFT_MODELS
 from aotdist.check.families_timm import TIMM_MODELS
 from aotdist.check.families_titan import TITAN_MODELS
 from aotdist.check.runner import FAILING, STEPS, CheckResult
@@ -29,19 +32,26 @@ __all__ = [
 # Families the zoo also checks under FSDP2 hooks mode on 2 ranks: dense, MoE, encoder.
 FSDP_FAMILIES = ("llama", "qwen3_moe", "bert")
 
-# What ``aotdist zoo --source`` checks: the listed families, timm's, torchtitan's.
-SOURCES = ("families", "timm", "torchtitan")
+# What ``aotdist zoo --source`` checks: the listed families, timm's, torchtitan's,
+# diffusers' denoisers, peft's adapters.
+SOURCES = ("families", "timm", "torchtitan", "diffusers", "peft")
 
 
 def source_specs(source: str) -> list[str]:
     """The specs a source's sweep checks (``families``: :data:`FAMILIES`; ``timm``:
-    ``timm:ARCH`` of :data:`TIMM_MODELS`; ``torchtitan``: ``titan:NAME``)."""
+    ``timm:ARCH`` of :data:`TIMM_MODELS`; ``torchtitan``: ``titan:NAME``; ``diffusers``:
+    ``diffusers:CLASS`` of :data:`DIFFUSERS_MODELS`; ``peft``: ``peft:TYPE`` of
+    :data:`PEFT_MODELS`)."""
     if source == "families":
         return [f.name for f in FAMILIES]
     if source == "timm":
         return [f"timm:{f.name}" for f in TIMM_MODELS]
     if source == "torchtitan":
         return [f"titan:{name}" for name in TITAN_MODELS]
+    if source == "diffusers":
+        return [f"diffusers:{f.name}" for f in DIFFUSERS_MODELS]
+    if source == "peft":
+        return [f"peft:{f.name}" for f in PEFT_MODELS]
     raise ValueError(f"unknown source {source!r}: one of {', '.join(SOURCES)}")
 
 
@@ -189,9 +199,14 @@ _SHORT = (  # torch's long reasons, as a table cell says them
 
 def _short(why: str) -> str:
     if "call sites pass inputs that differ" in why:
-        detail = re.search(r"mismatch: ([^;)]+)", why)
+        # up to the paren that closes torch's reason: a shape or stride has parens of its own
+        detail = re.search(r"mismatch: ([^;]+?)\)(?:;|$)", why) or re.search(
+            r"mismatch: ([^;]+)", why
+        )
+        text = detail.group(1) if detail else ""
+        text += ")" * (text.count("(") - text.count(")"))  # a reason cut short at 300 chars
         return "compiled more than once: its call sites pass inputs that differ" + (
-            f" ({detail.group(1)})" if detail else ""
+            f" ({text})" if text else ""
         )
     for needle, text in _SHORT:
         if needle in why:
@@ -203,8 +218,20 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-_TITLES = {"families": "Model families", "timm": "timm models", "torchtitan": "torchtitan models"}
-_LIBRARIES = {"families": ("transformers",), "timm": ("timm",), "torchtitan": ("torchtitan",)}
+_TITLES = {
+    "families": "Model families",
+    "timm": "timm models",
+    "torchtitan": "torchtitan models",
+    "diffusers": "diffusers models",
+    "peft": "peft LoRA adapters",
+}
+_LIBRARIES = {
+    "families": ("transformers",),
+    "timm": ("timm",),
+    "torchtitan": ("torchtitan",),
+    "diffusers": ("diffusers",),
+    "peft": ("peft", "transformers"),
+}
 
 
 def render(
@@ -240,7 +267,15 @@ def render(
         "train mode",
         "torchtitan": "each model is built from torchtitan's own model code (its debug "
         "flavor: 3 blocks, fewer experts, SDPA attention) with random weights",
+        "diffusers": "each diffusers model class is built from its constructor arguments "
+        "(2-3 blocks of width 32, a latent of a few patches) with random weights, in train "
+        "mode, and called with random inputs its forward takes; the loss is the mean square "
+        "of its `sample`",
+        "peft": "each adapter is a `peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05)` "
+        "on the attention projections of a frozen transformers causal LM built from its "
+        "config (a few layers of width 64, random weights), its `lora_B` drawn non-zero",
     }
+    peers = "diffusers" in sources or any(r.repeated_blocks for r in results)
     steps = max((r.steps for r in results), default=STEPS)
     flag = "" if sources == ["families"] else f" --source {','.join(sources)}"
     lines = [
@@ -262,7 +297,15 @@ def render(
         "for aotdist and (in brackets) whole-model `torch.compile`; buffers are measured "
         "the same way. Where only gradients are off eager's, each run is compared once more "
         "with eager in float64: no further from it than twice eager's own float32 gradients "
-        "is rounding (named in the notes), not a failure.",
+        "is rounding (named in the notes), not a failure."
+        + (
+            " Where a diffusers class declares `_repeated_blocks`, a copy is also trained with "
+            "diffusers' own regional compile, `model.compile_repeated_blocks(backend=...)` "
+            "(a `torch.compile` of each such block), and judged as whole-model compile is "
+            "(compile_repeated_blocks; none declared: the class names no blocks)."
+            if peers
+            else ""
+        ),
         "",
         f"{reused} of {len(single)} families keep every region as one reused subgraph; "
         f"{len(failing)} check(s) fail"
@@ -274,9 +317,10 @@ def render(
         ),
         "",
         "| Family | Kind | Regions (instances) | aotdist | Whole-model torch.compile "
-        "| Loss diff | Grad diff: aotdist (whole-model) | Buffer diff | Stochastic depth on "
+        + ("| compile_repeated_blocks " if peers else "")
+        + "| Loss diff | Grad diff: aotdist (whole-model) | Buffer diff | Stochastic depth on "
         "| Notes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if peers else ""),
     ]
     for r in results:
         regions = ", ".join(f"{n} ({s['instances']})" for n, s in r.regions.items()) or "-"
@@ -291,9 +335,11 @@ def render(
         notes = "; ".join(f"{n}: {_short(why)}" for n, why in r.notes.items())
         if r.status in FAILING and r.error:
             notes = (notes + "; " if notes else "") + r.error.strip().splitlines()[-1][:200]
+        declared = "none declared" if r.source == "diffusers" else "-"
+        peer = f"| {_cell(r.repeated_blocks[:120] or declared)} " if peers else ""
         lines.append(
             f"| {_cell(name)} | {_cell(r.kind)} | {_cell(regions)} | {r.status} "
-            f"| {_cell(whole[:120])} | {diff} | {grad} | {buffers} "
+            f"| {_cell(whole[:120])} {peer}| {diff} | {grad} | {buffers} "
             f"| {r.stochastic_depth or '-'} | {_cell(notes)} |"
         )
     lines += ["", "Statuses:", ""]

@@ -14,7 +14,7 @@ import contextlib
 import sys
 
 from aotdist.cli import parser as cli
-from aotdist.cli.errors import NotBuilt, UsageError, import_factory, user_code
+from aotdist.cli.errors import UsageError, import_factory, user_code
 
 __all__ = ["register"]
 
@@ -36,7 +36,12 @@ def _check(args: argparse.Namespace) -> int:
         from aotdist.check import FAMILIES
         from aotdist.config.validation import did_you_mean
 
-        raise UsageError(f"{exc}{did_you_mean(spec, [f.name for f in FAMILIES])}") from None
+        module, dot, factory = spec.rpartition(".")
+        if dot and module and factory.isidentifier() and ":" not in spec:  # mymodels.build
+            hint = f" (did you mean {module}:{factory!s}, a module:factory?)"
+        else:
+            hint = did_you_mean(spec, [f.name for f in FAMILIES])
+        raise UsageError(f"{exc}{hint}") from None
     if family.source == "user":
         import_factory(spec)
     else:
@@ -71,7 +76,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _check_library_name(args: argparse.Namespace) -> None:
     """An ``--hf`` type or ``--torchvision`` name the installed library lacks: one line
-    with the closest name and the fix (exit 1: the model the user named is not built)."""
+    with the closest name and the fix (exit 2, a usage mistake)."""
     from aotdist.check import FAMILIES
     from aotdist.config.validation import did_you_mean
 
@@ -91,7 +96,7 @@ def _check_library_name(args: argparse.Namespace) -> None:
     if name in names:
         return
     checked = [f.name for f in FAMILIES if f.source == source and f.name in names]
-    raise NotBuilt(
+    raise UsageError(
         f"{flag} {name}: the installed {source} has no {what} {name!r}"
         f"{did_you_mean(name, names)}. Fix: a name it has, e.g. {', '.join(checked[:6])}; "
         f'all {len(names)}: python -c "import {source}; print({listing})"'
@@ -203,7 +208,9 @@ def register(sub) -> None:
         help="whose models, when "
         "--families is not given: families (the listed transformers and "
         "torchvision ones), timm (40+ architectures, stochastic depth on), "
-        "torchtitan (its Llama 3, Qwen 3, Qwen 3 MoE, DeepSeek-V3); several "
+        "torchtitan (its Llama 3, Qwen 3, Qwen 3 MoE, DeepSeek-V3), diffusers "
+        "(16 denoiser classes: DiT, MMDiT, UNet, video; also diffusers' own "
+        "compile_repeated_blocks), peft (LoRA adapters on 6 causal LMs); several "
         "comma-separated",
     )
     z.add_argument(

@@ -15,7 +15,6 @@ import traceback
 
 __all__ = [
     "DEBUG_ENV",
-    "NotBuilt",
     "UsageError",
     "UserCodeError",
     "debugging",
@@ -42,10 +41,6 @@ def debugging() -> bool:
 
 class UsageError(Exception):
     """A mistake in what the user asked for: exit 2, the message is the whole screen."""
-
-
-class NotBuilt(UsageError):
-    """A model the user named that cannot be built: one line, exit 1 (a failed check)."""
 
 
 class UserCodeError(Exception):
@@ -134,7 +129,7 @@ def screen(exc: BaseException) -> tuple[int, str]:
 
     hint = f"(--debug or {DEBUG_ENV}=1 shows the traceback)"
     if isinstance(exc, UsageError):
-        return (1 if isinstance(exc, NotBuilt) else 2), str(exc)
+        return 2, str(exc)
     if isinstance(exc, (ConfigError, MissingDependencyError)):
         return 2, str(exc)
     if isinstance(exc, UserCodeError):

@@ -67,6 +67,9 @@ def test_families_under_fsdp_hooks_run_every_instance_compiled(name):
     for region, stats in result.regions.items():
         assert stats["call_sites"] == stats["instances"], (region, result.line())
     assert result.max_grad_diff < 1e-4, result.line()
+    # the README's three SGD steps, losses and buffers compared after each
+    assert result.steps == 3 and result.max_loss_diff is not None, result.line()
+    assert result.max_buffer_diff is not None, result.line()
 
 
 @pytest.mark.zoo

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,12 @@ from torch import nn
 import aotdist
 from aotdist.check import FAMILIES, CheckResult, check_family, check_fsdp, family, render, resolve
 from aotdist.check.families import Family
-from aotdist.check.runner import _classify, _judge
+from aotdist.check.runner import _classify, _region_warnings, _verdict
+from aotdist.check.steps import Diff
 from aotdist.check.steps import grad_diff as _grad_diff
 from aotdist.cli import main
+from aotdist.compile.verify import tolerance
+from aotdist.errors import RegionCompileWarning
 from aotdist.metrics import CompileMetrics, RegionStats
 from aotdist.testing.models import TinyGPT
 
@@ -274,13 +278,19 @@ def test_zero_gradients_where_eager_has_none_are_parity_and_named():
     assert result.notes["gradients"].endswith("(whole-model compile too)"), result.notes
 
 
+def _one_step(model, reference) -> Diff:
+    """One step's comparison of ``model``'s gradients with ``reference``'s, losses equal."""
+    diff = Diff()
+    grads = [{n: p.grad for n, p in m.named_parameters()} for m in (model, reference)]
+    diff.add(1, 1.0, 1.0, *grads, None, None, tolerance("aot_eager"))
+    return diff
+
+
 def test_zero_gradients_that_whole_model_compile_leaves_none_are_named_as_aotdist_s_own():
     model, reference = _Pooled(), _Pooled()
     model.pooler.weight.grad = torch.zeros_like(model.pooler.weight)  # reference: None
     result = CheckResult("pooled", "dense", loss_eager=1.0)
-    _judge(
-        result, CompileMetrics(), torch.tensor(1.0), model, reference, "aot_eager", whole_zeros=[]
-    )
+    _verdict(result, CompileMetrics(), _one_step(model, reference), whole_zeros=[])
     assert (
         "whole-model compile leaves 1 of them None (pooler.weight...)" in result.notes["gradients"]
     ), result.notes
@@ -299,7 +309,7 @@ def test_under_fsdp_hooks_instances_the_batch_never_ran_are_not_counted_as_eager
                 "Text": RegionStats(instances=3, call_sites=2),
             }
         )
-        _judge(result, m, torch.tensor(1.0), model, model, "aot_eager", frames=True, ran=ran)
+        _verdict(result, m, _one_step(model, model), frames=True, ran=ran)
         return result
 
     quiet = judged({"Vision": 0, "Text": 2})
@@ -363,3 +373,11 @@ def test_a_gradient_that_is_rounding_noise_is_scaled_by_the_model_s_largest_grad
     wrong = model_with([[[10.0, 1.0], [2.0, 3.0]], [0.5, 0.0]])
     worst, ok, _ = _grad_diff(wrong, ref, rtol=2e-2)
     assert not ok and worst > 1e-2, worst
+
+
+def test_a_check_keeps_each_region_warning_whole_with_its_fix():
+    # `aotdist check --json` once cut warnings at 300 characters, before their fix
+    text = "aotdist region 'Block' is compiled 2 times, not once: " + "a cause " * 60
+    text += "Fix: the fix."
+    caught = [warnings.WarningMessage(RegionCompileWarning(text), RegionCompileWarning, "f", 1)]
+    assert _region_warnings(caught) == [text]

@@ -64,11 +64,11 @@ def _screen(capsys) -> list[str]:
         ("--torchvision", "resnet5", "resnet50"),
     ],
 )
-def test_a_library_model_name_it_lacks_fails_with_one_line_and_the_fix(
+def test_a_library_model_name_it_lacks_is_a_usage_mistake_with_one_line_and_the_fix(
     capsys, monkeypatch, flag, name, close
 ):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
-    assert main(["check", flag, name]) == 1
+    assert main(["check", flag, name]) == 2
     (line,) = _screen(capsys)
     assert line.startswith(f"aotdist check: {flag} {name}: the installed ")
     assert f"{name!r}" in line and "Fix: a name it has, e.g. " in line
@@ -143,6 +143,7 @@ def test_debug_and_the_environment_variable_show_the_user_s_exception(user_dir, 
         ),
         (["check", "nosuch"], "aotdist check: unknown model 'nosuch'"),
         (["check", "lama"], "or module:factory (did you mean 'llama'?)"),
+        (["check", "mymodels.build"], "(did you mean mymodels:build, a module:factory?)"),
         (["check"], "aotdist check: give one model"),
     ],
 )
