@@ -20,7 +20,7 @@ from aotdist.callbacks import RegionalCompileHook
 
 from aotdist import ConfigError, OrderingError
 from aotdist.compile.state import STATE_ATTR
-from aotdist.testing import build_model, example_inputs, run_distributed
+from aotdist.testing import build_model, example_inputs, free_port, run_distributed
 from aotdist.testing.parity import assert_parity
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,6 +169,8 @@ def _launch(*args: str) -> list[str]:
     return [
         accelerate,
         "launch",
+        "--main_process_port",  # not 29500: another suite may run beside this one
+        str(free_port()),
         "--config_file",
         str(ROOT / "configs/accelerate/cpu_2proc.yaml"),
         str(ROOT / "recipes/train_accelerate.py"),
@@ -399,20 +401,12 @@ def test_prepare_refuses_fsdp_param_dtype_that_conflicts_with_accelerate_mixed_p
     assert STATE_ATTR not in vars(model)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # two 2-process torchrun launches, ~1 min on a 2-core CPU machine
 def test_recipe_as_two_nodes_with_hsdp_matches_eager(tmp_path, eager_losses):
     """The recipe as 2 nodes x 2 processes on this machine (torchrun's static rendezvous),
     HSDP replicating across the nodes and sharding within each: the same losses as one
     eager process on the global batch (4 processes x 2)."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     nodes = [
         subprocess.Popen(

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from aotdist.callbacks import TrainerRegionalCompile  # noqa: E402
 
 from aotdist.errors import ConfigError  # noqa: E402
+from aotdist.testing import free_port  # noqa: E402
 
 STEPS = 5
 VOCAB = 64
@@ -130,6 +131,8 @@ def _recipe(*args: str) -> dict:
             "torch.distributed.run",
             "--nproc_per_node",
             "2",
+            "--master_port",  # not 29500: another suite may run beside this one
+            str(free_port()),
             str(recipe),
             "--steps",
             "4",

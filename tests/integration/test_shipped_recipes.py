@@ -28,6 +28,7 @@ import yaml
 import aotdist
 import aotdist.errors
 from aotdist.compile.state import STATE_ATTR
+from aotdist.testing import free_port
 from aotdist.testing.distributed import fake_world, one_rank_group
 
 pytest.importorskip("torchvision")
@@ -194,6 +195,8 @@ def test_readme_accelerate_launch_recipe_warns_nothing_of_aotdist():
     cmd = [
         accelerate,
         "launch",
+        "--main_process_port",  # not 29500: another suite may run beside this one
+        str(free_port()),
         "--config_file",
         "configs/accelerate/cpu_2proc.yaml",
         "recipes/train_accelerate.py",
