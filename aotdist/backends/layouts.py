@@ -1,20 +1,22 @@
 """Call sites of a region that differ only in an input's layout share one subgraph.
 
 Dynamo traces a region's body anew when a call site passes an input whose strides differ
-from an earlier call's, and keeps the new body as another subgraph even when its ops are
-the same (it compares bodies with their inputs' strides). CaiT's class-attention blocks
-are the common case: the first is handed the class token expanded over the batch (stride
-0), the second the first's output. This Dynamo-graph pass finds the subgraphs of a graph
-whose bodies are the same ops on inputs of the same shapes, dtypes and ``requires_grad``,
-and points every call of the lesser-used ones at the subgraph most call sites use, with
-each input whose layout differs first copied into that subgraph's layout (contiguous or
-channels_last). Only inputs that need a gradient are copied (no region writes those), so
-the values every op sees, the outputs and the gradients are eager's; only the call sites
-that differed pay the copy. A body that reads its inputs' memory (``as_strided``,
-storages, data pointers), or calls whose outputs' layouts differ, are left as they are.
+from an earlier call's (CaiT's class token expanded over the batch, Flux's blocks handed
+slices of a joined tensor), and keeps it as another subgraph even when its ops are the
+same; it also drops the outputs no later op reads (the last block's). This Dynamo-graph
+pass finds the subgraphs of a graph whose bodies are the same ops on inputs of the same
+shapes, dtypes and ``requires_grad``, and points every call at one that returns every
+output, with each input whose layout differs first copied into that subgraph's layout
+(contiguous or channels_last; contiguous for every call where none is in either). Only
+inputs that need a gradient are copied (no region writes those), so the values every op
+sees, the outputs and the gradients are eager's. A body that reads its inputs' memory
+(``as_strided``, storages, data pointers), or calls whose outputs differ, are left as
+they are.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
@@ -39,7 +41,9 @@ def merge_layout_variants(gm: fx.GraphModule) -> list[str]:
     groups: list[list[str]] = []
     for name in calls:
         body = gm.get_submodule(name)
-        group = next((g for g in groups if _same_ops(gm.get_submodule(g[0]), body)), None)
+        group = next(
+            (g for g in groups if _same_ops(gm.get_submodule(g[0]), body, outputs=False)), None
+        )
         if group is None:
             groups.append([name])
         else:
@@ -49,25 +53,47 @@ def merge_layout_variants(gm: fx.GraphModule) -> list[str]:
     for group in groups:
         if len(group) < 2:
             continue
-        # the most called, of those with the fewest inputs in no standard layout
+        # of those that return every output the others do (Dynamo drops the outputs no
+        # later op reads: the last of Flux's single blocks returns one of two), one with
+        # the fewest inputs in no standard layout (the others' are copied into its), of
+        # those the most called
+        bodies = {n: gm.get_submodule(n) for n in group}
+        covering = [
+            t for t in group if all(_output_map(bodies[t], bodies[n]) is not None for n in group)
+        ]
+        if not covering:
+            continue
         target = min(
-            group,
+            covering,
             key=lambda n: (
+                sum(_layout(p) is None for p in _placeholders(bodies[n])),
                 -len(calls[n]),
-                sum(_layout(p) is None for p in _placeholders(gm.get_submodule(n))),
             ),
         )
-        inputs = _placeholders(gm.get_submodule(target))
+        inputs = _placeholders(bodies[target])
+        layouts = [_layout(p) for p in inputs]
+        # an input in no standard layout in any of them, whose strides differ (a slice
+        # of a joined tensor in one, a transpose in another: HunyuanVideo's single
+        # blocks): every call gets it contiguous, the target's own calls too
+        loose = [
+            i
+            for i, p in enumerate(inputs)
+            if layouts[i] is None and len({_stride(_placeholders(bodies[n])[i]) for n in group}) > 1
+        ]
+        for i in loose:
+            layouts[i] = torch.contiguous_format
         outputs = _value(calls[target][0])
         for name in group:
-            if name == target:
+            if name == target and not loose:
                 continue
+            index = _output_map(bodies[target], bodies[name])
             rewritten = [
                 c
                 for c in calls[name]
-                if _same_outputs(_value(c), outputs) and _redirect(c, calls[target][0], inputs)
+                if _same_outputs(_value(c), [outputs[i] for i in index], strides=not loose)
+                and _redirect(c, calls[target][0], inputs, index, layouts)
             ]
-            if rewritten:
+            if rewritten and name != target:
                 merged.append(name)
     if merged:
         for getter in getters:
@@ -96,9 +122,27 @@ def _tensor_kind(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad, type(t))
 
 
-def _same_ops(a: fx.GraphModule, b: fx.GraphModule) -> bool:
+def _output_map(a: fx.GraphModule, b: fx.GraphModule) -> list[int] | None:
+    """For bodies of the same ops: the position in ``a``'s outputs of each of ``b``'s, or
+    ``None`` where ``b`` returns a value ``a`` does not."""
+    nodes_a, nodes_b = list(a.graph.nodes), list(b.graph.nodes)
+    at_a = {n: i for i, n in enumerate(nodes_a)}  # the same ops: node i of a is node i of b
+    at_b = {n: i for i, n in enumerate(nodes_b)}
+    returned = {at_a[v]: k for k, v in enumerate(_outputs(nodes_a[-1])) if v is not None}
+    index = [returned.get(at_b.get(v)) for v in _outputs(nodes_b[-1])]
+    return None if any(i is None for i in index) else index
+
+
+def _outputs(output: fx.Node) -> list[fx.Node]:
+    values = output.args[0]
+    values = values if isinstance(values, (list, tuple)) else [values]
+    return [v if isinstance(v, fx.Node) else None for v in values]
+
+
+def _same_ops(a: fx.GraphModule, b: fx.GraphModule, *, outputs: bool = True) -> bool:
     """Whether ``a`` and ``b`` run the same ops on the same arguments, with placeholders
-    of the same kind (strides aside), and neither reads its inputs' memory."""
+    of the same kind (strides aside), and neither reads its inputs' memory; without
+    ``outputs``, whichever of their values they return."""
     a_nodes, b_nodes = list(a.graph.nodes), list(b.graph.nodes)
     if len(a_nodes) != len(b_nodes):
         return False
@@ -126,6 +170,8 @@ def _same_ops(a: fx.GraphModule, b: fx.GraphModule) -> bool:
         return type(x) is type(y) and x == y
 
     for x, y in zip(a_nodes, b_nodes, strict=True):
+        if x.op == y.op == "output" and not outputs:
+            return all(isinstance(v, fx.Node) for v in _outputs(x) + _outputs(y))
         if x.op != y.op or (x.op != "placeholder" and x.target != y.target):
             return False
         name = getattr(x.target, "__name__", str(x.target))
@@ -168,30 +214,54 @@ def _layout(node: fx.Node) -> torch.memory_format | None:
     return None
 
 
-def _same_outputs(a, b) -> bool:
-    """Whether two calls' outputs match in kind and strides (later ops saw one layout)."""
+def _stride(node: fx.Node) -> tuple | None:
+    value = _value(node)
+    return value.stride() if isinstance(value, torch.Tensor) else None
+
+
+def _same_outputs(a, b, *, strides: bool = True) -> bool:
+    """Whether two calls' outputs match in kind and (``strides``) strides: later ops saw
+    one layout. Not the strides where every call's input is made contiguous: AOTAutograd
+    traces the graph again from the inputs' layouts."""
     a, b = _compat.tree_leaves(a), _compat.tree_leaves(b)
     return len(a) == len(b) and all(
-        (_tensor_kind(x), x.stride()) == (_tensor_kind(y), y.stride())
+        (_tensor_kind(x), x.stride() if strides else None)
+        == (_tensor_kind(y), y.stride() if strides else None)
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
         else not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor)
         for x, y in zip(a, b, strict=True)
     )
 
 
-def _redirect(call: fx.Node, model: fx.Node, inputs: list[fx.Node]) -> bool:
+def _redirect(
+    call: fx.Node,
+    model: fx.Node,
+    inputs: list[fx.Node],
+    index: list[int] | None = None,
+    layouts: list | None = None,
+) -> bool:
     """Points ``call`` at the subgraph ``model`` calls, copying each input whose layout
-    differs from that subgraph's (``inputs``: its placeholders) into its layout; ``False``
-    (and nothing changed) where an input cannot be: it needs no gradient, or the layout
-    is neither format."""
+    differs from that subgraph's (``inputs``: its placeholders; ``layouts``: the layout
+    each is to have, default the placeholder's) into that layout, and
+    reading its ``k``-th output at ``index[k]`` of that subgraph's; ``False`` (and nothing
+    changed) where an input cannot be copied (it needs no gradient, or the layout is
+    neither format) or an output is read otherwise than by index."""
     args = list(call.args)
     if len(args) - 2 != len(inputs):
         return False
+    width = len(_compat.tree_leaves(_value(model)))
+    remap = index is not None and (index != list(range(len(index))) or len(index) != width)
+    reads = list(call.users)
+    if remap and any(u.target is not operator.getitem or u.args[0] is not call for u in reads):
+        return False
     copies: list[tuple[int, torch.memory_format]] = []
+    layouts = layouts or [_layout(p) for p in inputs]
     for i, (arg, placeholder) in enumerate(zip(args[2:], inputs, strict=True)):
         value = _value(arg) if isinstance(arg, fx.Node) else None
-        layout = _layout(placeholder)
-        if not isinstance(value, torch.Tensor) or value.stride() == _value(placeholder).stride():
+        layout = layouts[i]
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.stride() == _stride(placeholder) and layout == _layout(placeholder):
             continue
         if layout is not None and value.is_contiguous(memory_format=layout):
             continue
@@ -220,4 +290,11 @@ def _redirect(call: fx.Node, model: fx.Node, inputs: list[fx.Node]) -> bool:
                 copy.meta["example_value"] = _value(source).contiguous(memory_format=layout)
             args[2 + i] = copy
     call.args = tuple(args)
+    if remap:
+        for read in reads:  # its outputs where the subgraph called now returns them
+            read.args = (call, index[read.args[1]])
+        full = list(_value(model))
+        for k, value in enumerate(_value(call)):
+            full[index[k]] = value
+        call.meta["example_value"] = tuple(full)
     return True

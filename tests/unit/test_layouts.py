@@ -1,7 +1,9 @@
 """Region call sites that differ only in an input's layout (aotdist.backends.layouts): a
 CaiT-style class-token block, handed the token expanded over the batch first and a block's
 output after, is one subgraph and trains as eager does; an input that needs no gradient is
-never copied, so such a region keeps its second subgraph, and trains as eager does too."""
+never copied, so such a region keeps its second subgraph, and trains as eager does too.
+A Flux-style joint block, handed slices of the block before's output and with its last
+call's unused output dropped by Dynamo, is one subgraph too."""
 
 from __future__ import annotations
 
@@ -85,3 +87,47 @@ def test_an_input_that_needs_no_gradient_is_not_copied():
     block = metrics.regions["_ClassBlock"]
     # the first call is its own subgraph (torch 2.11) or inlined (2.14: called once)
     assert block.subgraphs + block.inlined == 2, block
+
+
+class _JointBlock(nn.Module):
+    """Flux's single blocks: attends over the context and the image tokens joined, and
+    returns both parts as slices of one output."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor):
+        n = ctx.shape[1]
+        h = self.proj(self.norm(torch.cat([ctx, x], dim=1)))
+        return h[:, :n], x + h[:, n:]
+
+
+class _JointNet(nn.Module):
+    """The first block gets contiguous inputs, the later ones the slices (other strides);
+    nothing reads the last block's context output, which Dynamo drops from its subgraph."""
+
+    def __init__(self, dim: int = 8, depth: int = 3, transposed: bool = False) -> None:
+        super().__init__()
+        self.embed, self.ctx_embed = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(_JointBlock(dim) for _ in range(depth))
+        self.transposed = transposed  # the first block's input in no standard layout either
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, ctx = self.embed(x), self.ctx_embed(x[:, :2])
+        if self.transposed:
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        for block in self.blocks:
+            ctx, x = block(x, ctx)
+        return x.mean(dim=1)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
+def test_slices_in_and_an_output_dropped_at_the_last_call_share_one_subgraph(transposed):
+    # transposed: no call's input is in a standard layout (HunyuanVideo's single blocks):
+    # every call's is made contiguous
+    torch.manual_seed(0)
+    metrics = _train_against_eager(_JointNet(transposed=transposed))
+    block = metrics.regions["_JointBlock"]
+    assert (block.call_sites, block.subgraphs, block.inlined) == (3, 1, 0), metrics.summary()
