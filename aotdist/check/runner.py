@@ -148,6 +148,32 @@ def _classify(result: CheckResult, m, caught: list[str]) -> None:
         result.status = "reused"
 
 
+def _train_tracked(family: Family, model: nn.Module, inputs, *, steps: int, **kwargs):
+    """:func:`train` under ``metrics.track``: the first step's metrics (how the regions
+    compiled: later steps' graphs are not counted as call sites), the run's ``Diff``, and a
+    note naming the graphs a later step compiled (a recompile), or ``""``."""
+    import aotdist
+
+    with contextlib.ExitStack() as later:
+        m = later.enter_context(aotdist.metrics.track(model))
+        after = []
+        diff = train(
+            family,
+            model,
+            inputs,
+            steps=steps,
+            after_first=lambda: (
+                later.close(),
+                after.append(later.enter_context(aotdist.metrics.track(model))),
+            ),
+            **kwargs,
+        )
+    if not (after and after[0].graphs):
+        return m, diff, ""
+    why = "; ".join(_guard(r) for r in after[0].recompiles)[:300] or "a new frame"
+    return m, diff, f"steps 2-{steps} compiled {after[0].graphs} more graph(s) ({why})"
+
+
 def _region_warnings(caught) -> list[str]:
     """Each region warning whole: the cause and the fix (``check --json`` keeps them)."""
     import aotdist
@@ -276,32 +302,18 @@ def check_family(
         warnings.simplefilter("always")
         try:
             aotdist.compile_regions(model, backend=backend)
-            # regions are classified by the first step; a later step that compiles is named
-            with contextlib.ExitStack() as later:
-                m = later.enter_context(aotdist.metrics.track(model))
-                after = []
-                diff = train(
-                    family,
-                    model,
-                    inputs,
-                    steps=steps,
-                    seed=seed,
-                    against=eager,
-                    record=(ran := Run()),
-                    rtol=rtol,
-                    after_first=lambda _model=model: (
-                        later.close(),
-                        after.append(later.enter_context(aotdist.metrics.track(_model))),
-                    ),
-                )
-            if after and after[0].graphs:
-                result.notes.setdefault(
-                    "later steps",
-                    (
-                        f"steps 2-{steps} compiled {after[0].graphs} more graph(s) "
-                        f"({'; '.join(_guard(r) for r in after[0].recompiles)[:300] or 'a new frame'})"
-                    ),
-                )
+            m, diff, later = _train_tracked(
+                family,
+                model,
+                inputs,
+                steps=steps,
+                seed=seed,
+                against=eager,
+                rtol=rtol,
+                record=(ran := Run()),
+            )
+            if later:
+                result.notes.setdefault("later steps", later)
         except Exception as exc:  # noqa: BLE001 - classified below against torch.compile
             crashed = exc
             result.error = first_line(exc, 400)
@@ -467,8 +479,11 @@ def _fsdp_rank(
                 model,
                 config={"fsdp": {"enabled": True, "mode": mode}, "compile": {"backend": backend}},
             )
-            with aotdist.metrics.track(model) as m, _instances_run(model) as ran:
-                diff = train(
+            # hooks mode: each region's frame is compiled, its hooks run eagerly; in graph
+            # mode Dynamo would trace a counting hook, and guard on what it counted
+            counting = _instances_run(model) if mode == "hooks" else contextlib.nullcontext({})
+            with counting as ran:
+                m, diff, later = _train_tracked(
                     family,
                     model,
                     inputs,
@@ -477,6 +492,8 @@ def _fsdp_rank(
                     against=eager,
                     rtol=tolerance(backend),
                 )
+            if later:
+                result.notes.setdefault("later steps", later)
         except Exception as exc:  # noqa: BLE001 - reported
             result.status = "crash"
             result.error = "".join(traceback.format_exception(exc))[-3000:]

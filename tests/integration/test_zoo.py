@@ -81,6 +81,7 @@ def test_families_under_graph_mode_fsdp_stay_one_reused_subgraph_and_train_like_
     result = check_fsdp(name, 2, timeout=600, mode="graph")
     assert result.status == "reused", result.line() + "\n" + result.error
     assert "graph mode" in result.line() and result.fsdp_mode == "graph"
+    assert "later steps" not in result.notes, result.notes  # 3 steps, one compile
     for region, stats in result.regions.items():
         assert stats["call_sites"] == stats["instances"] and stats["subgraphs"] == 1, (
             region,
