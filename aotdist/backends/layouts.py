@@ -83,8 +83,10 @@ def merge_layout_variants(gm: fx.GraphModule) -> list[str]:
         for i in loose:
             layouts[i] = torch.contiguous_format
         outputs = _value(calls[target][0])
-        for name in group:
-            if name == target and not loose:
+        # the others first; the target's own calls get their copies only if one merged
+        before = len(merged)
+        for name in [n for n in group if n != target] + [target]:
+            if name == target and not (loose and len(merged) > before):
                 continue
             index = _output_map(bodies[target], bodies[name])
             rewritten = [
