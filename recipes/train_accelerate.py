@@ -90,6 +90,12 @@ def build_loader(size: str, batch_size: int, samples: int) -> torch.utils.data.D
 
 
 def main(argv: list[str] | None = None) -> list[float]:
+    """Trains and returns the per-step losses."""
+    return train(argv)[0]
+
+
+def train(argv: list[str] | None = None) -> tuple[list[float], tuple]:
+    """Trains; returns the losses and the prepared (accelerator, model, optimizer, loader)."""
     from accelerate import Accelerator
     from accelerate.utils import DynamoBackend
     from aotdist.callbacks import prepare
@@ -144,13 +150,14 @@ def main(argv: list[str] | None = None) -> list[float]:
     if args.save_dir:
         accelerator.save_state(args.save_dir)
     accelerator.end_training()
-    return losses
+    return losses, (accelerator, model, optimizer, loader)
 
 
 if __name__ == "__main__":
     from aotdist.launch import exit_without_teardown
 
-    main()
-    # Exit without interpreter teardown: torch's gloo worker threads can abort it (SIGABRT)
-    # after a run that succeeded (docs/guide/limits.md).
+    # Keep what trained alive until the process ends: freeing a DDP model frees its gloo
+    # process group with the GIL held, which can hang. Then exit without interpreter
+    # teardown, which gloo's worker threads can abort (docs/guide/limits.md).
+    losses, prepared = train()
     exit_without_teardown()

@@ -151,7 +151,8 @@ def main(args: list[str] | None = None) -> LightningCLI:
 if __name__ == "__main__":
     from aotdist.launch import exit_without_teardown
 
-    main()
-    # Exit without interpreter teardown: torch's gloo worker threads can abort it (SIGABRT)
-    # after a run that succeeded (docs/guide/limits.md).
+    # Keep the trainer and model alive until the process ends: freeing a DDP model frees
+    # its gloo process group with the GIL held, which can hang. Then exit without
+    # interpreter teardown, which gloo's worker threads can abort (docs/guide/limits.md).
+    cli = main()
     exit_without_teardown()

@@ -26,7 +26,9 @@ def exit_without_teardown(code: int = 0) -> NoReturn:
     """Ends this process with ``code`` after its work, skipping interpreter finalization.
 
     Call it last, once the training function has returned (on an exception, let Python
-    exit as usual: the run failed either way). What normal exit does first still happens,
+    exit as usual: the run failed either way), with what trained still referenced:
+    freeing a DDP model frees its gloo process group with the GIL held, and that can hang
+    (docs/guide/limits.md). What normal exit does first still happens,
     in the same order: threading's exit hooks run (``concurrent.futures`` executors shut
     down) and non-daemon threads are joined, then ``atexit`` handlers run. Then
     stdout and stderr are flushed and the process leaves with ``os._exit(code)``: no
@@ -43,7 +45,7 @@ def exit_without_teardown(code: int = 0) -> NoReturn:
         from aotdist.launch import exit_without_teardown
 
         if __name__ == "__main__":
-            main()
+            trainer = main()  # returns the trainer or model: keep it referenced
             exit_without_teardown()
     """
     if not isinstance(code, int) or isinstance(code, bool):
