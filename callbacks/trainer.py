@@ -4,11 +4,11 @@
 in place when the Trainer is built, before it wraps the model (DDP) or enables gradient
 checkpointing, so ``state_dict`` keys, checkpoints and ``save_pretrained`` stay plain. Each
 log line carries aotdist's metrics (``aotdist/compile_seconds``, graphs, recompiles, per
-region instances / call sites / subgraphs) for the window since the last one. Refused with
-the fix: ``TrainingArguments(torch_compile=True)`` (Trainer's whole-model compile would
-trace into aotdist's compiled call) and the Trainer's FSDP (its Accelerate wrapping
-replaces parameters after the regions were compiled; use ``aotdist.callbacks.prepare`` or
-Lightning for FSDP2 with aotdist).
+region instances / call sites / subgraphs) for the window since the last one. With
+``fsdp.enabled`` in its config it shards the model with FSDP2 too (the Trainer does not
+wrap it in DDP), and the Trainer's checkpoints hold full tensors (``_trainer_state``).
+Refused with the fix: ``TrainingArguments(torch_compile=True)`` (Trainer's whole-model
+compile would trace into aotdist's compiled call), the Trainer's own FSDP, and Float8.
 """
 
 from __future__ import annotations
@@ -20,14 +20,22 @@ from typing import Any
 from aotdist.callbacks._common import (
     Applied,
     apply_aotdist,
-    compile_only_config,
+    merge_config,
     metric_values,
+)
+from aotdist.callbacks._trainer_state import (
+    gather_for_save,
+    load_full_model_state,
+    shard_loaded_optimizer_state,
 )
 from transformers import TrainerCallback
 
-from aotdist import metrics
+from aotdist import _compat, metrics
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError
+from aotdist.log import get_logger
+
+_log = get_logger("callbacks.trainer")
 
 __all__ = ["TrainerRegionalCompile"]
 
@@ -36,16 +44,17 @@ class TrainerRegionalCompile(TrainerCallback):
     """Regional compile for a Hugging Face ``Trainer``, in one line.
 
     Args:
-        config: An ``AOTDistConfig``, a mapping or a YAML path (``compile`` and ``regions``
-            sections; ``fsdp`` and ``float8`` are refused: see the module docstring).
+        config: An ``AOTDistConfig``, a mapping or a YAML path (``compile``, ``regions``
+            and ``fsdp``; ``float8`` is refused: see the module docstring). With
+            ``fsdp.enabled`` the script runs under ``torchrun`` / ``accelerate launch``.
         include: Region classes or FQN globs (``regions.include``).
         exclude: Modules never made regions (``regions.exclude``).
         backend: ``compile.backend`` (default ``inductor``).
         log_metrics: Add aotdist's metrics to the Trainer's logs.
 
     Raises:
-        ConfigError: A bad config, ``fsdp`` or ``float8`` enabled, ``torch_compile=True``
-            or the Trainer's FSDP in ``TrainingArguments`` (when the Trainer is built).
+        ConfigError: A bad config, ``float8`` enabled, ``torch_compile=True`` or the
+            Trainer's FSDP in ``TrainingArguments`` (when the Trainer is built).
 
     Example::
 
@@ -64,16 +73,14 @@ class TrainerRegionalCompile(TrainerCallback):
         backend: str | None = None,
         log_metrics: bool = True,
     ) -> None:
-        self.config = compile_only_config(
-            config,
-            include=include,
-            exclude=exclude,
-            backend=backend,
-            what="TrainerRegionalCompile",
-            why="after the Trainer has taken the model",
-            fix="remove them here, and use aotdist.parallelize / aotdist.callbacks.prepare "
-            "with Accelerate, or Lightning's RegionalCompile, for FSDP2 and Float8",
-        )
+        self.config = merge_config(config, include=include, exclude=exclude, backend=backend)
+        if self.config.float8.enabled:
+            raise ConfigError(
+                "TrainerRegionalCompile does not convert to Float8: the Trainer's mixed "
+                "precision and gradient clipping are not checked with Float8 weights. Fix: "
+                "remove float8 here, and train Float8 with aotdist.callbacks.prepare in an "
+                "Accelerate script or with Lightning's RegionalCompile."
+            )
         if not isinstance(log_metrics, bool):
             raise ConfigError(
                 f"TrainerRegionalCompile(log_metrics=...) must be a bool; got {log_metrics!r}"
@@ -86,10 +93,21 @@ class TrainerRegionalCompile(TrainerCallback):
         _check_arguments(args)
         self._apply(model)
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         _check_arguments(args)
         self._apply(model)
+        if self._sharded and optimizer is not None:  # a resumed run loaded full tensors
+            sharded = shard_loaded_optimizer_state(optimizer)
+            if sharded:
+                _log.info("aotdist: the resumed optimizer state, %d tensors, sharded", sharded)
         self._open_window()
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self._sharded and control.should_save:  # every rank: the Trainer saves next
+            gather_for_save(self.applied.target, optimizer)
+
+    def on_epoch_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.on_step_end(args, state, control, model=model, optimizer=optimizer)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._window is None or not self.log_metrics:
@@ -102,16 +120,30 @@ class TrainerRegionalCompile(TrainerCallback):
         if state.log_history:  # the record the Trainer keeps, and saves in checkpoints
             state.log_history[-1].update(values)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args, state, control, model=None, **kwargs):
         if self._window is not None:
             self._window.stop()
             self._window = None
+        if self._sharded:  # for trainer.save_model() after train() (model weights only)
+            gather_for_save(self.applied.target, None)
+
+    @property
+    def _sharded(self) -> bool:
+        return self.applied is not None and self.config.fsdp.enabled
 
     def _apply(self, model) -> None:
-        if model is not None and self.config.compile.enabled and self.applied is None:
-            self.applied = apply_aotdist(
-                model, self.config, what="TrainerRegionalCompile", child_target=False
-            )
+        if model is None or self.applied is not None:
+            return
+        if not (self.config.compile.enabled or self.config.fsdp.enabled):
+            return
+        self.applied = apply_aotdist(
+            model, self.config, what="TrainerRegionalCompile", child_target=False
+        )
+        if self.config.fsdp.enabled:
+            # Sharded by aotdist: Accelerate registers the model without a DDP wrapper,
+            # and the Trainer's checkpoints load full tensors into the shards.
+            _compat.mark_accelerate_prepared(model)
+            load_full_model_state(model)
 
     def _open_window(self) -> None:
         target = self.applied.target if self.applied is not None else None
@@ -132,6 +164,6 @@ def _check_arguments(args: Any) -> None:
             f"TrainingArguments(fsdp={getattr(args, 'fsdp', None)!r}): the Trainer's FSDP "
             "wraps and shards the model after TrainerRegionalCompile compiled it, which "
             "replaces the parameters the compiled regions hold. Fix: drop fsdp from "
-            "TrainingArguments and shard with aotdist.parallelize(model, config={'fsdp': "
-            "{'enabled': True}}) in an Accelerate or Lightning script."
+            "TrainingArguments and let aotdist shard it: TrainerRegionalCompile(config="
+            "{'fsdp': {'enabled': True}})."
         )

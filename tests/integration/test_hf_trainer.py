@@ -1,7 +1,9 @@
 """The Hugging Face ``Trainer`` with ``TrainerRegionalCompile``: a tiny Llama (from its
 config, random weights) trains 5 steps on one process with eager's losses, aotdist's
 metrics in the Trainer's logs, checkpoints with plain keys that a resumed run continues
-from with the same losses, and ``torch_compile=True`` refused with the fix."""
+from with the same losses, and ``torch_compile=True`` refused with the fix. The LoRA
+recipe on 2 processes: DDP, and FSDP2 sharded by aotdist with a checkpoint saved and
+resumed, each with eager's losses."""
 
 from __future__ import annotations
 
@@ -122,6 +124,16 @@ def test_torch_compile_true_is_refused_with_the_fix(tmp_path):
         )
 
 
+def test_float8_and_the_trainers_own_fsdp_are_refused_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="remove float8 here"):
+        TrainerRegionalCompile(config={"float8": {"enabled": True}})
+    # (the Trainer itself refuses fsdp on one process: call the hook it would call)
+    callback = TrainerRegionalCompile(backend="aot_eager")
+    state, control = transformers.TrainerState(), transformers.TrainerControl()
+    with pytest.raises(ConfigError, match="fsdp': {'enabled': True}"):
+        callback.on_init_end(_args(tmp_path, fsdp="full_shard"), state, control, model=_model())
+
+
 def _recipe(*args: str) -> dict:
     recipe = Path(__file__).parents[2] / "recipes" / "train_hf_lora.py"
     proc = subprocess.run(
@@ -146,11 +158,16 @@ def _recipe(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
-def test_the_lora_recipe_under_ddp_on_two_processes_matches_eager():
+@pytest.fixture(scope="module")
+def eager_ddp() -> dict:
     pytest.importorskip("peft")
-    compiled, eager = _recipe(), _recipe("--eager")
-    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-6, abs=1e-6)
+    return _recipe("--eager")
+
+
+@pytest.mark.slow
+def test_the_lora_recipe_under_ddp_on_two_processes_matches_eager(eager_ddp):
+    compiled = _recipe()
+    assert compiled["losses"] == pytest.approx(eager_ddp["losses"], rel=1e-6, abs=1e-6)
     stats = compiled["aotdist"]
     # the first layer inline (torch 2.14+), or its own subgraph (2.11)
     layer = (
@@ -158,3 +175,26 @@ def test_the_lora_recipe_under_ddp_on_two_processes_matches_eager():
         stats["aotdist/LlamaDecoderLayer/subgraphs"],
     )
     assert layer in ((3, 1), (4, 2)), stats
+
+
+@pytest.mark.slow
+def test_the_lora_recipe_sharded_with_fsdp2_matches_eager_and_resumes(eager_ddp, tmp_path):
+    # aotdist shards the PeftModel with FSDP2 inside the Trainer (no DDP wrapper); the
+    # Trainer's checkpoints hold the full adapter tensors, and a run resumed from step 2
+    # (adapters, Adam's moments, the scheduler) goes on with the same losses
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "run")
+    sharded = _recipe("--fsdp", "--out", out, "--save-steps", "2")
+    assert sharded["losses"] == pytest.approx(eager_ddp["losses"], rel=1e-6, abs=1e-6)
+    assert sharded["aotdist"]["aotdist/LlamaDecoderLayer/call_sites"] == 4, sharded
+    saved = load_file(tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors")
+    assert saved and all("lora_" in k and "_orig_mod" not in k for k in saved), sorted(saved)
+    assert {tuple(v.shape) for k, v in saved.items() if "lora_A" in k} == {(8, 64)}, saved
+    optimizer = torch.load(tmp_path / "run" / "checkpoint-2" / "optimizer.pt")
+    moments = [s["exp_avg"] for s in optimizer["state"].values()]
+    assert moments and all(type(m) is torch.Tensor for m in moments)  # full, not DTensor
+    resumed = _recipe(
+        "--fsdp", "--out", out, "--resume-from", str(tmp_path / "run" / "checkpoint-2")
+    )
+    assert resumed["losses"] == pytest.approx(sharded["losses"], rel=1e-6, abs=1e-6)
