@@ -28,7 +28,7 @@ from aotdist.backends.named import make_backend
 from aotdist.backends.recording import RecordingBackend
 from aotdist.backends.regional import resolve_outer
 from aotdist.compile.frames import compile_frames
-from aotdist.compile.guard import RegionGuardedCall
+from aotdist.compile.guard import RefusedModuleCompile, RegionGuardedCall
 from aotdist.compile.marking import is_compiled, mark_regions, unmark_regions
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode, RegionState
 from aotdist.compile.verify import install_frames_check
@@ -178,6 +178,8 @@ def compile_regions(
         compiled = functools.partial(compiled, model)  # compiled(model, *args, **kwargs)
         state.call_fn, state.call_bound = root, (model,)
         _compat.wrap_compiled_call(model, RegionGuardedCall(model, state, compiled))
+    # model.compile() would overwrite the compiled call silently: refused, with the fix
+    model.compile = RefusedModuleCompile(type(model).__name__)
     state.compiled = True
     return model
 
@@ -301,5 +303,7 @@ def restore(model: nn.Module) -> nn.Module:
     unmark_regions(model, neutralize=True)
     # every aotdist wrapper of the call goes (graph-mode FSDP's shards stay, around eager)
     _compat.unwrap_compiled_call(model)
+    if isinstance(vars(model).get("compile"), RefusedModuleCompile):
+        del model.__dict__["compile"]
     del model.__dict__[STATE_ATTR]
     return model

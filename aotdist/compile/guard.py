@@ -31,10 +31,12 @@ from aotdist.log import get_logger, rank_zero_info, rank_zero_warn
 
 __all__ = [
     "CallModes",
+    "RefusedModuleCompile",
     "RegionGuardedCall",
     "compiled_graphs",
     "is_training",
     "mark_dynamic_inputs",
+    "outer_compile_error",
     "replay_outcomes",
 ]
 
@@ -328,10 +330,9 @@ def _stores_into_an_argument(reason: str) -> bool:
     return "side effect" in reason or "does not belong to this Graph" in reason
 
 
-@torch.compiler.disable  # runs (and raises) for real, not as a traced graph break
-def _refuse_outer_compile(model: nn.Module) -> None:
-    name = type(model).__name__
-    raise OrderingError(
+def outer_compile_error(name: str) -> OrderingError:
+    """The error for a whole-model compile of a model aotdist compiled already."""
+    return OrderingError(
         f"torch.compile is tracing a {name} that aotdist.compile_regions compiled already: "
         "the outer compile traces into aotdist's own call (graph breaks, recompiles) and "
         "compiles nothing aotdist has not. Fix: drop the outer torch.compile "
@@ -339,6 +340,26 @@ def _refuse_outer_compile(model: nn.Module) -> None:
         "have the glue between the regions lowered too, set compile.outer: inductor "
         "(compile_regions(model, outer='inductor'))."
     )
+
+
+@torch.compiler.disable  # runs (and raises) for real, not as a traced graph break
+def _refuse_outer_compile(model: nn.Module) -> None:
+    raise outer_compile_error(type(model).__name__)
+
+
+class RefusedModuleCompile:
+    """Stands in for ``model.compile`` on a model aotdist compiled: ``nn.Module.compile``
+    would replace aotdist's compiled call with a whole-model compile, silently.
+
+    Raises:
+        OrderingError: When called, naming the fix.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise outer_compile_error(self.name)
 
 
 def _regions_text(state: RegionState) -> str:

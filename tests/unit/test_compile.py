@@ -260,6 +260,22 @@ def test_an_outer_torch_compile_of_a_compiled_model_is_refused_with_the_fix():
     torch._dynamo.reset()  # the outer compile's frames, not to be seen by other tests
 
 
+def test_model_compile_on_a_compiled_model_is_refused_and_restore_lifts_it():
+    # nn.Module.compile() would replace aotdist's compiled call: once silently
+    model = aotdist.compile_regions(TinyGPT(depth=2), backend="aot_eager")
+    with pytest.raises(aotdist.OrderingError, match="compiled already.*model.compile()"):
+        model.compile(backend="eager")
+    (x,), _ = example_inputs(model)
+    with metrics.track(model) as m:
+        model(x)
+    assert m.regions["GPTBlock"].call_sites == 2, m.summary()  # aotdist's call still runs
+    aotdist.restore(model)
+    assert "compile" not in vars(model)  # nn.Module.compile again
+    model.compile(backend="eager")
+    model(x)
+    torch._dynamo.reset()
+
+
 def test_bad_backend_arguments():
     with pytest.raises(aotdist.ConfigError, match="unknown compile backend"):
         aotdist.compile_regions(TinyGPT(depth=2), backend="no_such_backend")
