@@ -42,6 +42,9 @@ class RegionStats:
     # torch inlines it there), and how many of its instances ran so
     within: str = ""
     within_instances: int = 0
+    # instances in none of the window's graphs (neither called, inlined nor within another
+    # region's subgraph): not called by the forward, or run eager after a graph break
+    unseen: tuple[str, ...] = ()
 
 
 @dataclass
@@ -105,6 +108,9 @@ class CompileMetrics:
                 extra += f", {st.standalone_graphs} standalone frame graph(s)"
             if st.within:
                 extra += f", {st.within_instances} compiled inside {st.within}'s subgraph"
+            if st.unseen:
+                extra += f", {len(st.unseen)} in no graph ({', '.join(st.unseen[:2])}"
+                extra += ", ...)" if len(st.unseen) > 2 else ")"
             lines.append(
                 f"  region {name}: {st.instances} instances, {st.call_sites} call sites, "
                 f"{st.subgraphs} distinct subgraph(s){extra}"
@@ -315,15 +321,19 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
     subgraphs: dict[str, set[str]] = {}
     inlined: dict[str, set[str]] = {}
     within: dict[str, tuple[str, set[str]]] = {}
+    seen: set[str] = set()
     for rec in records:
         for name, sites in rec.call_sites.items():
             metrics.regions.setdefault(name, RegionStats(instances=0)).call_sites += len(sites)
+            seen.update(sites)
         for name, ids in rec.subgraphs.items():
             subgraphs.setdefault(name, set()).update(ids)
         for name, fqns in rec.inlined.items():
             inlined.setdefault(name, set()).update(fqns)
+            seen.update(fqns)
         for name, (holder, fqns) in rec.within.items():
             within.setdefault(name, (holder, set()))[1].update(fqns)
+            seen.update(fqns)
     for name, (holder, fqns) in within.items():
         st = metrics.regions.setdefault(name, RegionStats(instances=0))
         st.within, st.within_instances = holder, len(fqns)
@@ -343,6 +353,11 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
         for name, st in metrics.regions.items():
             st.call_sites = len(state.frame_calls.get(name, ()))
             st.subgraphs = st.standalone_graphs
+    elif state is not None and seen:  # a window that compiled the model's graph
+        for region in state.plan:
+            if region.name in metrics.regions and region.name not in (*state.demoted, *state.eager):
+                unseen = tuple(f for f in region.fqns if f not in seen)
+                metrics.regions[region.name].unseen = unseen
 
 
 def model_records(model: nn.Module) -> list[GraphRecord]:

@@ -128,10 +128,20 @@ def _classify(result: CheckResult, m, caught: list[str]) -> None:
             "call_sites": st.call_sites,
             "subgraphs": st.subgraphs,
             "inlined": st.inlined,
+            **({"unseen": list(st.unseen)} if st.unseen else {}),
         }
     for source in (m.reuse, m.demoted, m.eager):
         for name, why in source.items():
             result.notes.setdefault(name, why.splitlines()[0][:300])
+    for name, st in m.regions.items():
+        if st.unseen:
+            unseen = (
+                f"{len(st.unseen)} instance(s) in no compiled graph ({', '.join(st.unseen[:3])}"
+                f"{', ...' if len(st.unseen) > 3 else ''}): not called by this batch's "
+                "forward, or run eager after a graph break"
+            )
+            note = result.notes.get(name)
+            result.notes[name] = f"{note}; {unseen}" if note else unseen
     silent = [n for n in m.eager if not any(f"'{n}'" in w for w in caught)]
     if silent:
         result.status = "eager!"
