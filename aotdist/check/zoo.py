@@ -29,8 +29,9 @@ __all__ = [
     "source_specs",
 ]
 
-# Families the zoo also checks under FSDP2 hooks mode on 2 ranks: dense, MoE, encoder.
-FSDP_FAMILIES = ("llama", "qwen3_moe", "bert")
+# Families the zoo also checks under FSDP2 hooks mode on 2 ranks: dense, MoE, encoder, and
+# dense with transformers' default KV cache (use_cache=True: each layer compiles anew, named).
+FSDP_FAMILIES = ("llama", "qwen3_moe", "bert", "llama+cache")
 
 # What ``aotdist zoo --source`` checks: the listed families, timm's, torchtitan's,
 # diffusers' denoisers, peft's adapters.

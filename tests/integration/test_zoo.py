@@ -74,6 +74,17 @@ def test_families_under_fsdp_hooks_run_every_instance_compiled(name):
 
 @pytest.mark.zoo
 @pytest.mark.timeout(900)
+def test_the_default_kv_cache_under_fsdp_hooks_is_named_with_its_fix():
+    # transformers' default use_cache=True: each layer's frame writes its own cache slot
+    result = check_fsdp("llama+cache", 2, timeout=600)
+    assert result.status == "partly reused", result.line() + "\n" + result.error
+    assert "KV cache" in result.notes["LlamaDecoderLayer"], result.notes
+    assert any("model.config.use_cache = False" in w for w in result.warnings), result.warnings
+    assert result.max_grad_diff < 1e-4 and result.steps == 3, result.line()
+
+
+@pytest.mark.zoo
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["qwen3_moe", "hf:llama4_text"])
 def test_families_under_graph_mode_fsdp_stay_one_reused_subgraph_and_train_like_eager(name):
     # graph mode: the collectives in the one compiled graph (bucketed by default); Llama 4's
