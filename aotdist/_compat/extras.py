@@ -18,12 +18,14 @@ __all__ = ["EXTRAS", "require"]
 # top-level module -> the extra that installs it
 EXTRAS = {
     "accelerate": "accelerate",
+    "diffusers": "zoo",
     "jsonargparse": "lightning",
     "lightning": "lightning",
     "matplotlib": "bench",
     "torchao": "float8",
     "torchvision": "bench",
     "transformers": "hf",
+    "trl": "trl",
 }
 
 

@@ -242,7 +242,15 @@ def _seed_isa_probes(
 
 
 # strategies the paired runs time
-PAIRED = ("aotdist", "aotdist+lowered", "full", "accelerate", "per_block", "eager")
+PAIRED = (
+    "aotdist",
+    "aotdist+lowered",
+    "full",
+    "accelerate",
+    "per_block",
+    "repeated_blocks",
+    "eager",
+)
 
 
 def _paired_cells(cases: Sequence[Case]) -> list[Case]:
@@ -292,7 +300,8 @@ def _check_model_dependencies(cases: Sequence[Case]) -> None:
     """Refuses, before any run, a model whose package is missing (not 20 minutes in).
 
     Raises:
-        MissingDependencyError: transformers is missing and a cell builds ``llama``.
+        MissingDependencyError: transformers is missing and a cell builds ``llama``, or
+            diffusers and a cell builds ``flux``.
     """
     if any(c.model == "llama" for c in cases) and importlib.util.find_spec("transformers") is None:
         raise MissingDependencyError(
@@ -300,6 +309,12 @@ def _check_model_dependencies(cases: Sequence[Case]) -> None:
             "installed. Fix: pip install 'aotdist[bench]' (or pip install transformers), or "
             "leave the model out: aotdist bench --model gpt,dictgpt.",
             extra="bench",
+        )
+    if any(c.model == "flux" for c in cases) and importlib.util.find_spec("diffusers") is None:
+        raise MissingDependencyError(
+            "the bench model 'flux' needs diffusers, which is not installed. Fix: pip "
+            "install 'aotdist[zoo]' (or pip install diffusers), or leave the model out.",
+            extra="zoo",
         )
 
 

@@ -26,7 +26,20 @@ MODELS = {
     "seq 16, vocab 128, random weights; decoder layers in a ModuleList",
     "dictgpt": "TinyGPT with its blocks in an nn.ModuleDict (Accelerate's compile_regions "
     "finds no ModuleList there and compiles the whole model)",
+    "flux": "diffusers FluxTransformer2DModel from a config: depth double-stream and depth "
+    "single-stream blocks, 2 heads x 16, a packed 4x4 latent of 16 channels, 6 text tokens, "
+    "random weights; both block classes are its _repeated_blocks (what "
+    "compile_repeated_blocks compiles)",
 }
+_FLUX = {
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "in_channels": 16,
+    "joint_attention_dim": 16,
+    "pooled_projection_dim": 16,
+    "axes_dims_rope": (4, 6, 6),
+}
+_FLUX_PATCHES, _FLUX_TEXT = 16, 6
 _LLAMA = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -79,6 +92,10 @@ def build_bench_model(name: str, *, depth: int) -> nn.Module:
         return _LogitsOnly(tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
     if name == "dictgpt":
         return _DictGPT(depth=depth)
+    if name == "flux":
+        diffusers = require("diffusers", feature="the bench model 'flux'")
+        flux = diffusers.FluxTransformer2DModel(num_layers=depth, num_single_layers=depth, **_FLUX)
+        return _FluxSample(flux)
     raise ConfigError(f"unknown bench model {name!r}; choose one of {', '.join(MODELS)} (--model)")
 
 
@@ -89,6 +106,10 @@ def synthetic_batch(
     if name == "llama":
         x = torch.randint(0, _LLAMA["vocab_size"], (batch, _SEQ), generator=generator)
         return x, torch.randint(0, _LLAMA["vocab_size"], (batch, _SEQ), generator=generator)
+    if name == "flux":  # the loss: cross-entropy of each patch's 16 channels
+        channels = _FLUX["in_channels"]
+        x = torch.randn(batch, _FLUX_PATCHES, channels, generator=generator)
+        return x, torch.randint(0, channels, (batch, _FLUX_PATCHES), generator=generator)
     if name == "vit":
         size, classes = _VIT["image_size"], _VIT["num_classes"]
         x = torch.randn(batch, 3, size, size, generator=generator)
@@ -114,6 +135,35 @@ class _LogitsOnly(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=input_ids).logits
+
+
+class _FluxSample(nn.Module):
+    """Flux at one fixed timestep, text embedding and positions, returning its sample (the
+    bench's loss takes one tensor). The denoiser stays a child as it is."""
+
+    def __init__(self, denoiser: nn.Module):
+        super().__init__()
+        self.denoiser = denoiser
+        g = torch.Generator().manual_seed(0)
+        text = torch.randn(1, _FLUX_TEXT, _FLUX["joint_attention_dim"], generator=g)
+        self.register_buffer("text", text, persistent=False)
+        pooled = torch.randn(1, _FLUX["pooled_projection_dim"], generator=g)
+        self.register_buffer("pooled", pooled, persistent=False)
+        rows = torch.arange(4).repeat_interleave(4)
+        img_ids = torch.stack([torch.zeros(16), rows, torch.arange(4).repeat(4)], -1)
+        self.register_buffer("img_ids", img_ids.float(), persistent=False)
+        self.register_buffer("txt_ids", torch.zeros(_FLUX_TEXT, 3), persistent=False)
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        batch = latents.shape[0]
+        return self.denoiser(
+            hidden_states=latents,
+            encoder_hidden_states=self.text.expand(batch, -1, -1),
+            pooled_projections=self.pooled.expand(batch, -1),
+            timestep=torch.full((batch,), 0.5, device=latents.device),
+            img_ids=self.img_ids,
+            txt_ids=self.txt_ids,
+        ).sample
 
 
 class _DictGPT(TinyGPT):

@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # The peers aotdist is measured against: every compiling strategy that is not aotdist's.
-PEERS = ("full", "accelerate", "per_block")
+PEERS = ("full", "accelerate", "per_block", "repeated_blocks")
 
 
 def fresh_start_s(result: dict) -> float:

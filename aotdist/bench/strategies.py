@@ -267,6 +267,47 @@ def _per_block(model: nn.Module, setup: Setup) -> nn.Module:
     return model
 
 
+def _declaring(model: nn.Module) -> list[nn.Module]:
+    """The diffusers models inside ``model`` that declare ``_repeated_blocks``."""
+    return [
+        m
+        for m in model.modules()
+        if getattr(m, "_repeated_blocks", None) and hasattr(m, "compile_repeated_blocks")
+    ]
+
+
+def _no_diffusers() -> str:
+    import importlib.util
+
+    return (
+        "" if importlib.util.find_spec("diffusers") else "needs diffusers (pip install diffusers)"
+    )
+
+
+@register_strategy(
+    "repeated_blocks",
+    description="diffusers' compile_repeated_blocks(fullgraph=True): block.compile() on "
+    "each block class a diffusers model declares in _repeated_blocks (the regional "
+    "compile diffusers documents); no FSDP2 or Float8 here",
+    unavailable=_no_diffusers,
+)
+def _repeated_blocks(model: nn.Module, setup: Setup) -> nn.Module:
+    declaring = _declaring(model)
+    if not declaring:
+        raise ConfigError(
+            "bench strategy repeated_blocks found no diffusers model declaring "
+            "_repeated_blocks. Fix: use --model flux, or strategy per_block."
+        )
+    if setup.fsdp or setup.float8:
+        raise ConfigError(
+            "bench strategy repeated_blocks runs in one process without Float8 (diffusers' "
+            "own regional compile). Fix: drop --nproc / --float8 for it, or use per_block."
+        )
+    for m in declaring:
+        m.compile_repeated_blocks(fullgraph=True, **setup.compile_kwargs())
+    return model
+
+
 @register_strategy(
     "aotdist-graph",
     description="aotdist.parallelize with fsdp.mode: graph "

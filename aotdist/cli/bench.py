@@ -92,7 +92,8 @@ def register(sub) -> None:
         type=cli.csv,
         default=None,
         help="gpt, vit, resnet, llama "
-        "(transformers), dictgpt (blocks in a ModuleDict); comma-separated",
+        "(transformers), dictgpt (blocks in a ModuleDict), flux (diffusers; with the "
+        "repeated_blocks strategy); comma-separated",
     )
     b.add_argument("--depths", type=cli.ints, default=None, help="e.g. 2,8,32")
     cli.add_ranks(

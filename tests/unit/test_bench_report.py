@@ -382,6 +382,34 @@ def test_bench_models_a_transformers_llama_and_blocks_in_a_module_dict():
         plan_cases(models=["nope"])
 
 
+def test_flux_under_diffusers_own_regional_compile_compiles_its_declared_blocks():
+    # repeated_blocks: diffusers' compile_repeated_blocks, block.compile() on each block of
+    # the classes Flux declares (double- and single-stream), and the model trains as eager
+    import copy
+
+    from aotdist.bench.models import build_bench_model, synthetic_batch, training_loss
+    from aotdist.bench.strategies import Setup, get_strategy
+
+    pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = build_bench_model("flux", depth=2)
+    reference = copy.deepcopy(model)
+    declared = model.denoiser._repeated_blocks
+    assert set(declared) == {"FluxTransformerBlock", "FluxSingleTransformerBlock"}
+    run = get_strategy("repeated_blocks").apply(model, Setup(backend="aot_eager"))
+    blocks = [m for m in model.modules() if type(m).__name__ in declared]
+    assert len(blocks) == 4 and all(b._compiled_call_impl is not None for b in blocks)
+    x, y = synthetic_batch("flux", model, batch=2, generator=torch.Generator().manual_seed(1))
+    loss, ref = training_loss(run(x), y), training_loss(reference(x), y)
+    torch.testing.assert_close(loss, ref)
+    loss.backward(), ref.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with pytest.raises(ConfigError, match="no diffusers model declaring"):
+        get_strategy("repeated_blocks").apply(build_bench_model("gpt", depth=2), Setup())
+    torch._dynamo.reset()
+
+
 def test_mesh_option_asks_for_matching_ranks(tmp_path):
     from aotdist.bench import run_bench
     from aotdist.cli.parser import mesh
