@@ -52,7 +52,13 @@ def fsdp_modes() -> tuple[str, ...]:
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Shows each option's default, where it has one its help does not state already."""
+    """Shows each option's default, where it has one its help does not state already, and
+    never wraps a line inside a hyphenated name (``aotdist-graph``)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
