@@ -131,6 +131,30 @@ def test_lora_on_a_frozen_llama_trains_as_eager_and_names_the_inlined_first_laye
     assert "frozen embedding" in split[0] and "enable_input_require_grads()" in split[0], split
 
 
+def test_lora_adapters_merged_then_unmerged_give_eager_logits_and_train_on():
+    # peft's merge_adapter() folds B @ A into the frozen weights and flips each LoRA
+    # layer's `merged` flag; unmerge_adapter() undoes both: the compiled model follows
+    model = _lora_llama()
+    ref = copy.deepcopy(model)
+    batches = [*_token_batches(), *_token_batches()[:1]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", aotdist.RegionCompileWarning)
+        aotdist.compile_regions(model, backend="aot_eager")
+        assert_training_parity(model, ref, batches[:2])
+        for m in (model, ref):
+            m.merge_adapter()
+            m.eval()
+        (x,) = batches[2]
+        with torch.no_grad():
+            torch.testing.assert_close(model(x).logits, ref(x).logits, rtol=1e-5, atol=1e-6)
+        for m in (model, ref):
+            m.unmerge_adapter()
+            m.train()
+        assert_training_parity(model, ref, batches[2:])
+    merged = [n for n, m in model.named_modules() if getattr(m, "merged", False)]
+    assert not merged, merged
+
+
 def test_transformers_default_kv_cache_under_fsdp2_is_named_with_its_fix(tmp_path):
     """transformers' default ``use_cache=True`` builds a KV cache in training; under FSDP2
     (one frame per layer) each layer's frame specialises on the index it writes the cache
