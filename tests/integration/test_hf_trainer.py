@@ -148,7 +148,7 @@ def _recipe(*args: str, recipe: str = "train_hf_lora.py") -> dict:
             str(free_port()),
             str(recipe),
             "--steps",
-            "4",
+            str(STEPS),
             *args,
         ],
         capture_output=True,
