@@ -179,7 +179,9 @@ def compile_regions(
         state.call_fn, state.call_bound = root, (model,)
         _compat.wrap_compiled_call(model, RegionGuardedCall(model, state, compiled))
     # model.compile() would overwrite the compiled call silently: refused, with the fix
-    model.compile = RefusedModuleCompile(type(model).__name__)
+    # (a model class with a compile method of its own keeps it)
+    if type(model).compile is nn.Module.compile:
+        model.compile = RefusedModuleCompile(type(model).__name__)
     state.compiled = True
     return model
 

@@ -276,6 +276,15 @@ def test_model_compile_on_a_compiled_model_is_refused_and_restore_lifts_it():
     torch._dynamo.reset()
 
 
+def test_a_model_class_with_its_own_compile_method_keeps_it():
+    class Compiles(TinyGPT):
+        def compile(self, *args, **kwargs):  # a user method of the same name
+            return "own"
+
+    model = aotdist.compile_regions(Compiles(depth=2), backend="aot_eager")
+    assert model.compile() == "own" and "compile" not in vars(model)
+
+
 def test_bad_backend_arguments():
     with pytest.raises(aotdist.ConfigError, match="unknown compile backend"):
         aotdist.compile_regions(TinyGPT(depth=2), backend="no_such_backend")
