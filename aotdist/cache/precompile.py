@@ -30,11 +30,11 @@ from aotdist.backends.recording import RecordingBackend
 from aotdist.cache.examples import record, release_examples
 from aotdist.cache.loaded import Precompiled
 from aotdist.compile.guard import compiled_graphs, replay_outcomes
-from aotdist.compile.per_process import made_per_process, pickled_with_region_depth
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode
 from aotdist.errors import CacheWarning, first_line
 from aotdist.fsdp.graph import local_shards
 from aotdist.log import get_logger
+from aotdist.per_process import made_per_process, pickled_with_region_depth
 
 __all__ = ["ENTRY", "Precompiled", "attach", "build", "guard_filter", "unavailable_reason"]
 

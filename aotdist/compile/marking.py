@@ -21,9 +21,9 @@ from torch import nn
 from aotdist import _compat
 from aotdist.compile.fixes import apply_fixes, restore_fixes
 from aotdist.compile.fixes.forward import INSIDE, OUTSIDE, wrap_forward
-from aotdist.compile.per_process import made_class
 from aotdist.compile.state import STATE_ATTR, RegionState
 from aotdist.errors import ConfigError, OrderingError
+from aotdist.per_process import made_class
 from aotdist.regions import RegionPlan, find_regions
 
 __all__ = ["is_compiled", "mark_regions", "unmark_regions"]

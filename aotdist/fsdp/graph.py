@@ -26,11 +26,11 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist._compat.checkpoint import quiet_checkpoint_notice
-from aotdist.compile.per_process import made_class
 from aotdist.config import AOTDistConfig, torch_dtype
 from aotdist.errors import ConfigError, RegionCompileWarning
 from aotdist.float8 import float8_linears
 from aotdist.log import rank_zero_warn
+from aotdist.per_process import made_class
 from aotdist.regions import RegionPlan, find_regions
 from aotdist.version import __version__
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import aotdist
-from aotdist import _compat
+from aotdist import _compat, per_process
 from aotdist.cache import CacheWarning, precompile
-from aotdist.compile import mark_regions, per_process
+from aotdist.compile import mark_regions
 from aotdist.compile.frames import frame_example
 from aotdist.compile.state import STATE_ATTR
 from aotdist.testing import build_model, example_inputs

@@ -139,7 +139,8 @@ def test_a_swapped_stochastic_depth_pickles_as_made_again_while_saving():
 
     from torchvision.ops import StochasticDepth
 
-    from aotdist.compile import mark_regions, per_process
+    from aotdist import per_process
+    from aotdist.compile import mark_regions
 
     class Block(nn.Module):
         def __init__(self, p):

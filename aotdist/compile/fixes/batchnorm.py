@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aotdist import _compat
-from aotdist.compile.per_process import made_class
+from aotdist.per_process import made_class
 
 __all__ = ["restore", "swap", "update_op"]
 
@@ -88,7 +88,7 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _class(base: type) -> type:
     # remake: a saved graph pickles its instances as made again from ``base``
-    # (aotdist.compile.per_process.pickled_with_region_depth)
+    # (aotdist.per_process.pickled_with_region_depth)
     return made_class(
         base, {"forward": _forward, "_aotdist_bn_base": base}, remake=(_class, (base,))
     )

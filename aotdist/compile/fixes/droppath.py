@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from aotdist.compile.fixes import droppath_reference as reference
-from aotdist.compile.per_process import made_class
+from aotdist.per_process import made_class
 
 __all__ = ["restore", "same_code", "swap"]
 
