@@ -9,8 +9,8 @@ repeat, then reported as a median with its spread (:mod:`aotdist.bench.stats`,
 process (*paired* runs, :func:`aotdist.bench.runner.measure_paired`).
 
 Entry point: :func:`run_bench`. The main job (``aotdist bench`` with no arguments) is
-:data:`MAIN_JOB` with :data:`~aotdist.bench.plan.MAIN_SETTINGS`; ``--quick`` is
-:data:`QUICK_JOB` with :data:`~aotdist.bench.plan.QUICK_SETTINGS`. The method:
+:data:`MAIN_JOB` with :data:`~aotdist.bench.cells.MAIN_SETTINGS`; ``--quick`` is
+:data:`QUICK_JOB` with :data:`~aotdist.bench.cells.QUICK_SETTINGS`. The method:
 docs/internals.md and docs/bench/.
 """
 
@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from aotdist.bench.plan import (
+from aotdist.bench.cells import (
     ALL_STRATEGIES,
     FULL_JOB,
     MAIN_JOB,

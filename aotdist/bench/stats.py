@@ -2,7 +2,7 @@
 and verdicts on targets that noise cannot flip.
 
 A *run* is one measurement (one fresh process) of a cell, tagged with its ``repeat``
-index. Runs of the same repeat ran side by side (:func:`aotdist.bench.plan.interleave`),
+index. Runs of the same repeat ran side by side (:func:`aotdist.bench.cells.interleave`),
 so every ratio is computed within one repeat, from two runs of that repeat, and the
 report gives the median of those per-repeat ratios with their min-max spread. A target
 is *met* when every repeat's ratio meets it, *missed* when none does, and *noisy* when

@@ -27,7 +27,7 @@ _DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``aotdist`` parser with every subcommand."""
-    from aotdist.cli import bench, capture, check, plan
+    from aotdist.cli import bench, check, inspect, plan
     from aotdist.cli.parser import HelpFormatter
     from aotdist.version import __version__
 
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     check.register(sub)  # check, zoo
     bench.register(sub)
-    capture.register(sub)  # inspect
+    inspect.register(sub)
     plan.register(sub)
     return parser
 

@@ -1,5 +1,5 @@
 """``aotdist plan``: per-rank memory and per-step collectives of a job at N ranks,
-simulated on this CPU from the compile the job runs (:func:`aotdist.plan.plan`)."""
+simulated on this CPU from the compile the job runs (:func:`aotdist.simulate.plan`)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def _key_value(text: str) -> tuple[str, str]:
 
 def _run(args: argparse.Namespace) -> int:
     from aotdist.config import as_config
-    from aotdist.plan import plan
+    from aotdist.simulate import plan
 
     mesh = (args.world,) if args.mesh is None else args.mesh
     config = as_config(args.config).to_dict()  # the job's config; the flags below win
@@ -129,7 +129,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Adds ``plan`` to the subcommands."""
-    from aotdist.plan import OPTIMIZER_STATES
+    from aotdist.simulate import OPTIMIZER_STATES
 
     p = cli.add_command(
         sub,

@@ -33,7 +33,7 @@ CONFIGS = {
 
 
 def _capture_all(rank: int, world_size: int, out_dir: str) -> dict:
-    from aotdist.cli.capture import inspect_rank
+    from aotdist.cli.inspect import inspect_rank
 
     results = {}
     for name, config in CONFIGS.items():

@@ -180,7 +180,7 @@ def _real(rank: int, world_size: int, case: str) -> dict:
     import aotdist
     from aotdist.backends.bucketing import graphs_observed
     from aotdist.bench.saved import SavedBytes
-    from aotdist.plan import Plan, _memory
+    from aotdist.simulate import Plan, _memory
 
     _, shape, fsdp, *_ = CASES[case]
     dims = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
@@ -225,7 +225,7 @@ def _real(rank: int, world_size: int, case: str) -> dict:
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_plan_is_what_the_ranks_run(case):
     """Same model, config and mesh: simulated at N ranks, and run on N gloo ranks."""
-    from aotdist.plan import plan
+    from aotdist.simulate import plan
 
     world, shape, *_ = CASES[case]
     simulated = plan(_build, world=world, mesh=shape, config=_config(case))
@@ -246,7 +246,7 @@ def test_checkpointed_regions_in_graph_mode_gather_no_more_than_without_checkpoi
     forward, its gathers included, and the region's backward uses those gathered weights:
     as many all-gathers per step as without checkpointing (it gathered each region's
     weights a third time, 1.4x the bytes), the hooks mode count plus the root's regather."""
-    from aotdist.plan import plan
+    from aotdist.simulate import plan
 
     def gathers(mode, ac):
         config = {"fsdp": {"mode": mode}, "ac": {"enabled": ac}}
@@ -261,7 +261,7 @@ def test_checkpointed_regions_in_graph_mode_gather_no_more_than_without_checkpoi
 
 def test_a_mesh_that_does_not_give_the_world_is_refused():
     from aotdist.errors import ConfigError
-    from aotdist.plan import plan
+    from aotdist.simulate import plan
 
     with pytest.raises(ConfigError, match="does not give 64 ranks"):
         plan(_build, world=64, mesh=(3, 8))

@@ -15,7 +15,7 @@ import torch
 
 import aotdist.bench as bench
 from aotdist.bench import Case, plan_cases
-from aotdist.bench.plan import MAIN_JOB
+from aotdist.bench.cells import MAIN_JOB
 from aotdist.bench.report import write_report
 from aotdist.bench.stats import TARGETS, verdict
 from aotdist.bench.strategies import STRATEGIES, Setup, get_strategy
