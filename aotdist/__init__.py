@@ -7,6 +7,7 @@ torchvision are imported where they are used.
 from aotdist import cache, metrics
 from aotdist.capture import Capture, capture
 from aotdist.compile import compile_regions, restore
+from aotdist.compile.configured import compile_from_config
 from aotdist.config import AOTDistConfig
 from aotdist.errors import (
     AOTDistError,
@@ -49,6 +50,7 @@ __all__ = [
     "TorchFeatureUnavailable",
     "cache",
     "capture",
+    "compile_from_config",
     "compile_regions",
     "find_regions",
     "metrics",

@@ -11,15 +11,15 @@ from typing import Any
 from torch import nn
 
 from aotdist._compat.deprecation import positional_after_first_deprecated
-from aotdist.backends.regional import configured_outer
 from aotdist.cache import load as load_cache
-from aotdist.compile import check_not_compiled, compile_regions
+from aotdist.compile import check_not_compiled
+from aotdist.compile.configured import compile_from_config
 from aotdist.compile.marking import mark_regions
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR
 from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import OrderingError
 from aotdist.float8 import convert_to_float8, warn_unverified_combination
-from aotdist.fsdp.modes import sharding_for
+from aotdist.fsdp.modes import record_sharding, sharding_for
 from aotdist.fsdp.replaced import record_replaced
 from aotdist.log import get_logger
 from aotdist.regions import RegionPlan, find_regions
@@ -134,24 +134,13 @@ def parallelize(
     before = list(model.parameters())
     sharded = sharding.shard(model, plan, config, mesh)
     record_replaced(model, before)  # an optimizer built before this holds the old ones
+    record_sharding(model, sharding, sharded)  # compile, capture and the cache ask it
 
     # 5. Compile last, so FSDP2's hooks (installed in 4) stay outside compiled code and
     #    fire per instance: with FSDP2 each region is compiled once as its own graph,
     #    otherwise the whole model is one graph calling each region's subgraph
     #    (graph-mode FSDP's backend buckets its collectives: fsdp.bucket_mb, fsdp.overlap).
-    if config.compile.enabled:
-        cc = config.compile
-        backend, options = sharding.backend(config, mesh)
-        compile_regions(
-            model,
-            plan=plan,
-            backend=backend,
-            mode=cc.mode,
-            dynamic=cc.dynamic,
-            options=options,
-            verify=cc.verify,
-            outer=configured_outer(config),
-        )
+    compile_from_config(model, config, plan=plan, mesh=mesh)  # the backend: sharding's
     sharding.finish(model, config)
 
     model.__dict__[INFO_ATTR] = ParallelizeInfo(

@@ -12,15 +12,12 @@ from typing import Any
 
 from torch import nn
 
+from aotdist import RegionPlan, compile_from_config, find_regions, parallelize, parallelize_info
 from aotdist._compat.enums import StrEnum
-from aotdist.backends.regional import configured_outer
-from aotdist.compile import compile_regions
-from aotdist.compile.state import INFO_ATTR, STATE_ATTR
+from aotdist.compile import is_compiled
 from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fsdp import fsdp_modules
-from aotdist.parallelize import parallelize, parallelize_info
-from aotdist.regions import RegionPlan, find_regions
 
 __all__ = [
     "Applied",
@@ -154,7 +151,7 @@ class Applied:
 
 def _find_user_applied(root: nn.Module) -> tuple[str, nn.Module] | None:
     for fqn, m in root.named_modules():
-        if INFO_ATTR in vars(m) or STATE_ATTR in vars(m):
+        if parallelize_info(m) is not None or is_compiled(m):
             return fqn, m
     return None
 
@@ -226,18 +223,7 @@ def apply_aotdist(
                 "before sharding. Fix: call aotdist.parallelize(model, config=config) where you "
                 "shard now (e.g. in configure_model) instead of fully_shard."
             )
-        if config.compile.enabled:
-            cc = config.compile
-            compile_regions(
-                target,
-                plan=find_regions(target, include=exact["include"]),
-                backend=cc.backend,
-                mode=cc.mode,
-                dynamic=cc.dynamic,
-                options=cc.options,
-                verify=cc.verify,
-                outer=configured_outer(config),
-            )
+        compile_from_config(target, config, plan=find_regions(target, include=exact["include"]))
         return Applied(target, fqn, ApplyHow.COMPILE_IN_USER_FSDP, config)
     effective = config.replace(regions=exact)
     parallelize(target, config=effective, mesh=mesh if config.fsdp.enabled else None)

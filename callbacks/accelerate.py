@@ -31,15 +31,11 @@ from aotdist.callbacks._common import (
 )
 from torch import nn
 
-from aotdist import _compat, cache, metrics
-from aotdist.backends.regional import configured_outer
-from aotdist.cache import store
-from aotdist.compile import compile_callable, restore
+from aotdist import _compat, cache, compile_from_config, metrics, restore
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
-from aotdist.fsdp import fsdp_modules, is_fsdp_module
-from aotdist.fsdp.hooks import require_process_group
+from aotdist.fsdp import fsdp_modules, is_fsdp_module, require_process_group
 from aotdist.log import get_logger
 
 __all__ = ["RegionalCompileHook", "prepare"]
@@ -162,16 +158,7 @@ class RegionalCompileHook(ModelHook):
         )
         if cc.enabled and self.applied.how != ApplyHow.USER:
             self._plain_forward = _compat.accelerate_old_forward(module)
-            compiled = compile_callable(
-                module,
-                self._plain_forward,
-                backend=cc.backend,
-                mode=cc.mode,
-                dynamic=cc.dynamic,
-                options=cc.options,
-                verify=cc.verify,
-                outer=configured_outer(self.config),
-            )
+            compiled = compile_from_config(module, self.config, fn=self._plain_forward)
             _compat.set_accelerate_old_forward(module, _FirstCallMetrics(self, module, compiled))
         return module
 
@@ -316,7 +303,7 @@ def prepare(
     new_params = dict(model.named_parameters())
     float8_all_gather = uses_fsdp_float8_all_gather(model)
     if cfg.cache.mode != "off" and optimizers:
-        _save_cache_after_first_step(optimizers[0], model)
+        cache.save_after_first_step(optimizers[0], model)
     for opt in optimizers:
         _rebind(opt, old_names, new_params)
         if float8_all_gather:  # after every real step (not the skipped accumulation ones)
@@ -396,24 +383,6 @@ def _mixed_precision(cfg: AOTDistConfig, accelerator: Any) -> AOTDistConfig:
             f"then computes in {dtype}), or set mixed_precision to match or to 'no'."
         )
     return cfg.replace(fsdp={"param_dtype": dtype, "reduce_dtype": cfg.fsdp.reduce_dtype or dtype})
-
-
-def _save_cache_after_first_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """``aotdist.cache.save(model)`` after the first real optimizer step, and once more
-    after the first step that follows the first eval call compiled after that save (an
-    eval loop: its kernels and saved graph join the bundle); then the hook goes."""
-    holders: list[nn.Module] = []
-
-    def hook(*_):
-        if not holders:  # the first step
-            holders.extend(store.holders(model) or [model])
-            cache.save(model)
-        elif any(store.pending(h) for h in holders):
-            cache.save(model)
-        if not any(store.watching(h) for h in holders):
-            handle.remove()
-
-    handle = optimizer.register_step_post_hook(hook)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str]) -> None:

@@ -39,7 +39,15 @@ from aotdist.log import get_logger, rank_zero_warn
 from aotdist.regions import RegionPlan
 from aotdist.version import __version__
 
-__all__ = ["STATE_ATTR", "CacheLoad", "CacheStatus", "cache_key", "load", "save"]
+__all__ = [
+    "STATE_ATTR",
+    "CacheLoad",
+    "CacheStatus",
+    "cache_key",
+    "load",
+    "save",
+    "save_after_first_step",
+]
 
 _log = get_logger(__name__)
 
@@ -324,6 +332,28 @@ def watching(holder: nn.Module) -> bool:
         and state["entries"] is not None
         and watches_eval(regions)
     )
+
+
+def save_after_first_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Calls :func:`save` after ``optimizer``'s first step, and once more after the first
+    step that follows the first eval call compiled after that save (an eval loop: its
+    kernels and saved graph join the bundle); then the step hook removes itself.
+
+    For training loops that own no callback system (Accelerate's ``prepare`` uses it);
+    a no-op save unless ``cache.mode`` is ``local`` or ``shared``.
+    """
+    saved_by: list[nn.Module] = []
+
+    def hook(*_):
+        if not saved_by:  # the first step
+            saved_by.extend(holders(model) or [model])
+            save(model)
+        elif any(pending(h) for h in saved_by):
+            save(model)
+        if not any(watching(h) for h in saved_by):
+            handle.remove()
+
+    handle = optimizer.register_step_post_hook(hook)
 
 
 def _save_one(model: nn.Module, *, force: bool) -> str | None:

@@ -31,7 +31,7 @@ from aotdist.compile.marking import copy_function, mark_regions, unmark_regions
 from aotdist.compile.state import STATE_ATTR, CompileMode
 from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.errors import ConfigError, OrderingError
-from aotdist.fsdp import fsdp_modules, fsdp_params
+from aotdist.fsdp import fsdp_params, sharding_of
 from aotdist.fsdp.graph import local_shards
 from aotdist.metrics import track
 
@@ -92,7 +92,7 @@ def capture(
     """
     report = Capture(backend=str(backend_name(backend) or backend))
     state = vars(model).get(STATE_ATTR)
-    frames = bool(fsdp_modules(model))
+    frames = sharding_of(model).compile_mode is CompileMode.FRAMES
     if state is None and frames:
         raise OrderingError(
             "this model holds FSDP2 units but aotdist has not marked its regions; marking "

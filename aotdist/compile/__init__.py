@@ -33,7 +33,7 @@ from aotdist.compile.marking import is_compiled, mark_regions, unmark_regions
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode, RegionState
 from aotdist.compile.verify import install_frames_check
 from aotdist.errors import OrderingError, RegionCompileWarning
-from aotdist.fsdp import fsdp_modules
+from aotdist.fsdp import sharding_of
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan
 
@@ -158,7 +158,7 @@ def compile_regions(
         assert (m.regions["Block"].call_sites, m.regions["Block"].subgraphs) == (4, 1)
     """
     state = _prepare(model, plan, backend, mode, dynamic, options, verify, outer)
-    if fsdp_modules(model):  # FSDP2's hooks would break the whole graph: see module doc
+    if sharding_of(model).compile_mode is CompileMode.FRAMES:  # FSDP2 hooks: module doc
         state.mode = CompileMode.FRAMES
         compile_frames(
             model,
@@ -214,7 +214,7 @@ def compile_callable(
             (use :func:`compile_regions`, which compiles inside them).
         ConfigError: As :func:`compile_regions`.
     """
-    if fsdp_modules(model):
+    if sharding_of(model).compile_mode is CompileMode.FRAMES:
         raise OrderingError(
             "compile_callable compiles a whole call path, which FSDP2's hooks would break; "
             "use aotdist.compile_regions(model), which compiles inside the FSDP units."

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from aotdist._compat.enums import StrEnum
+from aotdist.fsdp.modes import CompileMode  # the sharding answers it; re-exported here
 from aotdist.regions import RegionPlan
 
 __all__ = [
@@ -32,19 +32,6 @@ __all__ = [
 
 STATE_ATTR = "_aotdist_state"
 INFO_ATTR = "_aotdist_parallelized"  # aotdist.parallelize's ParallelizeInfo
-
-
-class CompileMode(StrEnum):
-    """How a model was compiled (:mod:`aotdist.compile`).
-
-    Attributes:
-        GRAPH: No FSDP2: the whole model is one graph, each region an ``invoke_subgraph``.
-        FRAMES: FSDP2 units: each region's forward is one compiled graph shared by its
-            instances, inside FSDP2's eager hooks.
-    """
-
-    GRAPH = "graph"
-    FRAMES = "frames"
 
 
 @dataclass

@@ -23,11 +23,22 @@ from aotdist.fsdp.hooks import (
     fsdp_modules,
     fsdp_params,
     is_fsdp_module,
+    require_process_group,
     shard,
 )
-from aotdist.fsdp.modes import GraphSharding, HooksSharding, NoSharding, Sharding, sharding_for
+from aotdist.fsdp.modes import (
+    CompileMode,
+    GraphSharding,
+    HooksSharding,
+    NoSharding,
+    Sharding,
+    record_sharding,
+    sharding_for,
+    sharding_of,
+)
 
 __all__ = [
+    "CompileMode",
     "GraphSharding",
     "HooksSharding",
     "NoSharding",
@@ -41,8 +52,11 @@ __all__ = [
     "graph_plan",
     "is_fsdp_module",
     "local_shards",
+    "record_sharding",
+    "require_process_group",
     "shard",
     "shard_graph",
     "sharded_call",
     "sharding_for",
+    "sharding_of",
 ]

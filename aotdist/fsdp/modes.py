@@ -4,29 +4,67 @@
 FSDP2 units per region instance) and :class:`GraphSharding` (``fsdp.mode: graph``:
 graph-mode FSDP, DTensor shards and the collectives inside the compiled graph) are siblings
 that answer the same steps, so ``parallelize`` is the recipe with no branch on the mode;
-the mesh (1-D, or HSDP's 2-D) is one of those steps.
+the mesh (1-D, or HSDP's 2-D) is one of those steps. Each also answers how a model so
+sharded is compiled (:class:`CompileMode`) and how its call sees its parameters
+(:meth:`Sharding.local_view`); :func:`sharding_of` tells which one a model has, so
+compile, capture and the cache ask it instead of looking for FSDP themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
+from aotdist._compat.enums import StrEnum
 from aotdist.config import AOTDistConfig
 from aotdist.errors import ConfigWarning
-from aotdist.fsdp.graph import check_graph_config, graph_plan, shard_graph, sharded_call
-from aotdist.fsdp.hooks import check_not_sharded, fsdp_mesh, shard
+from aotdist.fsdp.graph import (
+    check_graph_config,
+    graph_plan,
+    local_shards,
+    shard_graph,
+    sharded_call,
+)
+from aotdist.fsdp.hooks import check_not_sharded, fsdp_mesh, fsdp_modules, shard
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan
 
-__all__ = ["GraphSharding", "HooksSharding", "NoSharding", "Sharding", "sharding_for"]
+__all__ = [
+    "SHARDING_ATTR",
+    "CompileMode",
+    "GraphSharding",
+    "HooksSharding",
+    "NoSharding",
+    "Sharding",
+    "record_sharding",
+    "sharding_for",
+    "sharding_of",
+]
+
+SHARDING_ATTR = "_aotdist_sharding"  # the Sharding that parallelize sharded a model with
+
+
+class CompileMode(StrEnum):
+    """How a model is compiled (:mod:`aotdist.compile`), as its sharding asks.
+
+    Attributes:
+        GRAPH: No FSDP2: the whole model is one graph, each region an ``invoke_subgraph``.
+        FRAMES: FSDP2 units: each region's forward is one compiled graph shared by its
+            instances, inside FSDP2's eager hooks.
+    """
+
+    GRAPH = "graph"
+    FRAMES = "frames"
 
 
 class Sharding(ABC):
     """The steps ``parallelize`` takes for one FSDP setting, in its order; the defaults
     leave the plan, the backend and the compiled model as they are."""
+
+    compile_mode: ClassVar[CompileMode] = CompileMode.GRAPH
 
     @abstractmethod
     def check(self, model: nn.Module, config: AOTDistConfig) -> None:
@@ -54,6 +92,10 @@ class Sharding(ABC):
         """The last step, after compile."""
         return None  # nothing by default
 
+    def local_view(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Within: the parameters as the model's compiled call reads them."""
+        return contextlib.nullcontext()
+
 
 class NoSharding(Sharding):
     """FSDP off: nothing sharded; the user's own ``fully_shard`` units are kept (aotdist
@@ -80,6 +122,8 @@ class NoSharding(Sharding):
 class HooksSharding(Sharding):
     """FSDP2 (``fully_shard``) per region instance, then the root; compiled inside its
     hooks (:mod:`aotdist.fsdp.hooks`)."""
+
+    compile_mode = CompileMode.FRAMES
 
     def check(self, model: nn.Module, config: AOTDistConfig) -> None:
         check_not_sharded(model, allow_fsdp2=False)
@@ -128,9 +172,27 @@ class GraphSharding(Sharding):
     def finish(self, model: nn.Module, config: AOTDistConfig) -> None:
         sharded_call(model, config)  # outermost, eager: local shards for each forward
 
+    def local_view(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return local_shards(model)  # the regions read local shards, as ShardedCall runs
+
 
 def sharding_for(config: AOTDistConfig) -> Sharding:
     """The :class:`Sharding` strategy for ``config.fsdp``."""
     if not config.fsdp.enabled:
         return NoSharding()
     return GraphSharding() if config.fsdp.mode == "graph" else HooksSharding()
+
+
+def record_sharding(model: nn.Module, sharding: Sharding, sharded: list[str]) -> None:
+    """Records on ``model`` the sharding it was sharded with (none if nothing was)."""
+    if sharded:
+        model.__dict__[SHARDING_ATTR] = sharding
+
+
+def sharding_of(model: nn.Module) -> Sharding:
+    """The sharding ``model`` has now: the one ``parallelize`` recorded, else hooks mode
+    for a model holding FSDP2 units (the user's own ``fully_shard``), else none."""
+    recorded = vars(model).get(SHARDING_ATTR)
+    if recorded is not None:
+        return recorded
+    return HooksSharding() if fsdp_modules(model) else NoSharding()

@@ -254,18 +254,14 @@ def test_a_frames_mode_eval_call_after_the_save_in_several_graphs_says_why_it_is
     assert not watches_eval(state) and state.cache.frame_eval_examples == {}
 
 
-def test_the_accelerate_hook_saves_after_the_first_step_and_after_the_first_eval(
-    tmp_path, monkeypatch
-):
-    from aotdist.callbacks import accelerate as acc
-
-    from aotdist.cache import store
+def test_the_cache_saves_after_the_first_step_and_after_the_first_eval(tmp_path, monkeypatch):
+    from aotdist.cache import save_after_first_step, store
 
     calls = []
     monkeypatch.setattr(store, "pack", lambda key, entries: calls.append(len(calls)) or b"x")
     model = _cached(tmp_path)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    acc._save_cache_after_first_step(opt, model)
+    save_after_first_step(opt, model)  # as the Accelerate hook calls it
     (x,), _ = example_inputs(model, 2)
     for _ in range(2):
         model(x).sum().backward()
