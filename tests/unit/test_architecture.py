@@ -125,6 +125,166 @@ def test_no_import_cycles_in_the_package():
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 
+# The layers, lowest first: a module may import its own layer and those below it, never
+# one above. The tools (the last group) may import the core; the core never imports them.
+LAYERS = (
+    ("aotdist.errors", "aotdist.version", "aotdist.log", "aotdist.config", "aotdist._compat"),
+    ("aotdist.regions", "aotdist.float8", "aotdist.per_process"),
+    ("aotdist.fixes", "aotdist.backends"),
+    ("aotdist.fsdp",),
+    ("aotdist.compile",),
+    ("aotdist.metrics", "aotdist.capture", "aotdist.cache"),
+    ("aotdist.parallelize",),
+    ("aotdist",),
+    ("aotdist.callbacks",),
+    ("aotdist.launch",),
+    ("aotdist.testing",),
+    ("aotdist.bench", "aotdist.simulate"),
+    ("aotdist.check",),
+    ("aotdist.cli",),
+)
+TOOLS = ("aotdist.launch", "aotdist.testing", "aotdist.bench", "aotdist.simulate")
+TOOLS += ("aotdist.check", "aotdist.cli")
+
+# What the integrations (callbacks/) may import: the public faces, and the compatibility
+# layer for host-library accessors.
+PUBLIC_FACES = (
+    "aotdist",
+    "aotdist.cache",
+    "aotdist.compile",
+    "aotdist.config",
+    "aotdist.errors",
+    "aotdist.float8",
+    "aotdist.fsdp",
+    "aotdist.log",
+    "aotdist.metrics",
+    "aotdist.testing",
+)
+
+
+def _layer(module: str) -> int:
+    """The index in :data:`LAYERS` of the group holding ``module`` (its longest prefix)."""
+    best, found = -1, None
+    for i, group in enumerate(LAYERS):
+        for prefix in group:
+            hit = module == prefix or (prefix != "aotdist" and module.startswith(prefix + "."))
+            if hit and len(prefix) > best:
+                best, found = len(prefix), i
+    if found is None and module.startswith("aotdist"):
+        found = LAYERS.index(("aotdist",)) if module == "aotdist" else None
+    assert found is not None, f"{module} is in no layer: add it to LAYERS"
+    return found
+
+
+def _root_names() -> set[str]:
+    """Names the root binds to a function of the module of that name
+    (``from aotdist.parallelize import parallelize``): importing them is the root's face."""
+    return {
+        a.name
+        for node in ast.parse((ROOT / "aotdist" / "__init__.py").read_text()).body
+        if isinstance(node, ast.ImportFrom)
+        for a in node.names
+        if node.module == f"aotdist.{a.name}"
+    }
+
+
+def _direct_imports(module: str, path: Path, files: dict[str, Path]) -> set[str]:
+    """The package's modules ``module`` names in its imports: ``from aotdist import cache``
+    is ``aotdist.cache``, not the root (the root's own ``__init__`` runs for any import)."""
+    root_names = _root_names()
+    found = set()
+    for name in _imports(module, path):
+        if name in files:
+            found.add(name)
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):  # the root's parallelize is the function, not the module
+        if isinstance(node, ast.ImportFrom) and node.module == "aotdist" and not node.level:
+            shadowed = {f"aotdist.{a.name}" for a in node.names if a.name in root_names}
+            found = (found - shadowed) | ({"aotdist"} if shadowed else set())
+    # "from aotdist.x import y": drop aotdist.x when only its submodules were named
+    explicit = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            subs = {f"{node.module}.{a.name}" for a in node.names}
+            if subs <= set(files):
+                continue
+            explicit.add(node.module)
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            explicit.add("<relative>")
+        elif isinstance(node, ast.Import):
+            explicit.update(a.name for a in node.names)
+    resolved = set()
+    for name in found:
+        subs_only = name not in explicit and any(f.startswith(name + ".") for f in found)
+        if not subs_only or "<relative>" in explicit:
+            resolved.add(name)
+    return {n for n in resolved if n != module}
+
+
+def test_layer_order_has_no_upward_import():
+    files = _files()
+    upward = []
+    for module, path in files.items():
+        mine = _layer(module)
+        for dep in _direct_imports(module, path, files):
+            if module.startswith(dep + "."):  # a package's __init__ runs first anyway
+                continue
+            if _layer(dep) > mine:
+                upward.append(f"{module} -> {dep}")
+    assert not upward, f"upward imports (see LAYERS): {upward}"
+
+
+def test_the_core_never_imports_the_tools():
+    files = _files()
+    bad = [
+        f"{module} -> {dep}"
+        for module, path in files.items()
+        if not module.startswith(TOOLS)
+        for dep in _direct_imports(module, path, files)
+        if dep.startswith(TOOLS)
+    ]
+    assert not bad, f"the core imports a tool: {bad}"
+
+
+def test_layer_check_sees_an_upward_import(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from aotdist import cache\nfrom aotdist.compile.state import X\n")
+    files = {"aotdist.cache": path, "aotdist.compile.state": path, "aotdist.backends.x": path}
+    deps = _direct_imports("aotdist.backends.x", path, files)
+    assert deps == {"aotdist.cache", "aotdist.compile.state"}
+    assert _layer("aotdist.compile.state") > _layer("aotdist.backends.x")
+
+
+def test_no_cycles_between_packages():
+    """Between top-level packages too (compile <-> fsdp was one), not only modules."""
+    files = _files()
+
+    def package(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:3] if parts[1:2] == ["callbacks"] else parts[:2])
+
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        for dep in _direct_imports(module, path, files):
+            a, b = package(module), package(dep)
+            if a != b and a != "aotdist" and b != "aotdist":
+                graph.setdefault(a, set()).add(b)
+    cycle = _cycle(graph)
+    assert cycle is None, f"package cycle: {' -> '.join(cycle)}"
+
+
+def test_integrations_import_only_public_faces():
+    files = _files()
+    bad = [
+        f"{module} -> {dep}"
+        for module, path in files.items()
+        if module.startswith("aotdist.callbacks")
+        for dep in _direct_imports(module, path, files)
+        if not dep.startswith(("aotdist.callbacks", "aotdist._compat")) and dep not in PUBLIC_FACES
+    ]
+    assert not bad, f"callbacks/ imports aotdist internals (use a public face): {bad}"
+
+
 def test_import_aotdist_is_light():
     code = (
         "import sys, json, aotdist; print(json.dumps(sorted(m for m in sys.modules "
