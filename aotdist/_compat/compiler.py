@@ -43,6 +43,7 @@ __all__ = [
     "inductor_buffer_reuse_default",
     "inductor_takes_pass_lists",
     "inductor_wrapper",
+    "is_storage_resize",
     "is_traceable_wrapper_subclass",
     "lookup_backend",
     "named_backend_wrapper",
@@ -359,6 +360,12 @@ def compiled_graph_callable(compiled: Callable) -> Callable:
     any other kind of output."""
     run = getattr(compiled, "current_callable", None)
     return run if callable(run) else compiled
+
+
+def is_storage_resize(node: torch.fx.Node) -> bool:
+    """Whether ``node`` resizes a storage (``inductor.resize_storage_bytes_``, matched by
+    name: torch 2.11, 2.15)."""
+    return node.op == "call_function" and "resize_storage_bytes_" in str(node.target)
 
 
 def is_traceable_wrapper_subclass(t: Any) -> bool:

@@ -29,18 +29,12 @@ __all__ = [
     "aot_backend",
     "backend_name",
     "fix_storage_resizes",
-    "is_storage_resize",
     "resolve_conjugate_inputs",
     "storage_resized_inputs",
 ]
 
 # on_graph(gm, kind) with kind "forward", "backward" or "inference"
 GraphHook = Callable[[torch.fx.GraphModule, str], None]
-
-
-def is_storage_resize(node: torch.fx.Node) -> bool:
-    """Whether ``node`` resizes a storage (``inductor.resize_storage_bytes_``)."""
-    return node.op == "call_function" and "resize_storage_bytes_" in str(node.target)
 
 
 def storage_resized_inputs(gm: torch.fx.GraphModule) -> list[str]:
@@ -52,7 +46,11 @@ def storage_resized_inputs(gm: torch.fx.GraphModule) -> list[str]:
     """
     found: list[str] = []
     for node in gm.graph.nodes:
-        if is_storage_resize(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+        if (
+            _compat.is_storage_resize(node)
+            and node.args
+            and isinstance(node.args[0], torch.fx.Node)
+        ):
             targets = [node.args[0]]
         elif node.op == "call_function" and node.args and _body(gm, node.args[0]) is not None:
             inner = storage_resized_inputs(_body(gm, node.args[0]))
@@ -100,7 +98,7 @@ def fix_storage_resizes(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[str]:
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     fixed = []
     for node in list(graph.nodes):
-        if not (is_storage_resize(node) and len(node.args) >= 2 and node.args[1] == 0):
+        if not (_compat.is_storage_resize(node) and len(node.args) >= 2 and node.args[1] == 0):
             continue
         value = node.args[0]
         if not isinstance(value, torch.fx.Node) or value.op == "placeholder":

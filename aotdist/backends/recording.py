@@ -31,10 +31,10 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist.backends.aot import REBUILT, aot_backend, backend_name, storage_resized_inputs
-from aotdist.backends.hoist import hoist_buffer_updates
-from aotdist.backends.layouts import merge_layout_variants
 from aotdist.backends.recompute import saving_checkpoint_boundaries
 from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_chain
+from aotdist.fixes.hoist import hoist_buffer_updates
+from aotdist.fixes.layouts import merge_layout_variants
 from aotdist.log import rank_zero_warn
 
 __all__ = [

@@ -6,7 +6,7 @@ classes the same way); other instances of the user's class are untouched. The cl
 keeps ``self`` a real argument of the region, so Dynamo lifts each instance's own
 parameters: binding a marked function per instance runs the first block's weights for
 every block on torch 2.15 (docs/internals.md). The region class's forward carries the
-forward fixes (:data:`aotdist.compile.fixes.forward.FORWARD_FIXES`), activation
+forward fixes (:data:`aotdist.fixes.forward.FORWARD_FIXES`), activation
 checkpointing among them.
 """
 
@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from aotdist import _compat
-from aotdist.compile.fixes import apply_fixes, restore_fixes
-from aotdist.compile.fixes.forward import INSIDE, OUTSIDE, wrap_forward
 from aotdist.compile.state import STATE_ATTR, RegionState
 from aotdist.errors import ConfigError, OrderingError
+from aotdist.fixes import apply_fixes, restore_fixes
+from aotdist.fixes.forward import INSIDE, OUTSIDE, wrap_forward
 from aotdist.per_process import made_class
 from aotdist.regions import RegionPlan, find_regions
 

@@ -130,7 +130,8 @@ def test_no_import_cycles_in_the_package():
 LAYERS = (
     ("aotdist.errors", "aotdist.version", "aotdist.log", "aotdist.config", "aotdist._compat"),
     ("aotdist.regions", "aotdist.float8", "aotdist.per_process"),
-    ("aotdist.fixes", "aotdist.backends"),
+    ("aotdist.fixes",),
+    ("aotdist.backends",),
     ("aotdist.fsdp",),
     ("aotdist.compile",),
     ("aotdist.metrics", "aotdist.capture", "aotdist.cache"),

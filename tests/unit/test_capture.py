@@ -333,7 +333,7 @@ def test_a_region_that_cannot_be_a_subgraph_is_demoted_and_reported():
 
 def test_a_region_reading_its_buffer_after_writing_it_stays_one_subgraph_in_capture():
     # the write runs on a copy in the region and is written back by the caller
-    # (aotdist.backends.hoist); capture reports it as the outer graph's buffer write
+    # (aotdist.fixes.hoist); capture reports it as the outer graph's buffer write
     model = nn.Sequential(nn.Linear(8, 8), *[ReadAfterUpdateBlock() for _ in range(3)]).train()
     x = torch.randn(2, 8)
     stats = {n: b.clone() for n, b in model.named_buffers()}

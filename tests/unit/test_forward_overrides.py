@@ -6,7 +6,7 @@ the function the fix reproduces. A subclass that overrides ``forward`` (an activ
 after the norm, as timm's ``BatchNormAct2d``; a SyncBatchNorm-style variant; a custom
 DropPath) runs as written: its losses, gradients and running statistics stay eager's over
 several optimizer steps. A BatchNorm subclass's region stays one reused subgraph (its
-running statistics are written back by the caller, aotdist.backends.hoist); a custom
+running statistics are written back by the caller, aotdist.fixes.hoist); a custom
 DropPath's rate specializes the graph as written.
 """
 

@@ -1,4 +1,4 @@
-"""The buffer-write pass (aotdist.backends.hoist) on its own, on graphs Dynamo makes from
+"""The buffer-write pass (aotdist.fixes.hoist) on its own, on graphs Dynamo makes from
 ``nested_compile_region`` functions: a BatchNorm subclass with its own forward inside a
 region nested in another region, whose subgraph is also called at the top level, trains
 as eager does (losses, gradients, running statistics) with every region one subgraph."""
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from aotdist import _compat
-from aotdist.backends.hoist import hoist_buffer_updates
+from aotdist.fixes.hoist import hoist_buffer_updates
 from aotdist.testing.models import BatchNormRelu
 
 

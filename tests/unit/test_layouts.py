@@ -1,4 +1,4 @@
-"""Region call sites that differ only in an input's layout (aotdist.backends.layouts): a
+"""Region call sites that differ only in an input's layout (aotdist.fixes.layouts): a
 CaiT-style class-token block, handed the token expanded over the batch first and a block's
 output after, is one subgraph and trains as eager does; an input that needs no gradient is
 never copied, so such a region keeps its second subgraph, and trains as eager does too.

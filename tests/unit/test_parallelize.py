@@ -114,7 +114,7 @@ def test_activation_checkpointing_updates_batchnorm_statistics_once_per_step(nor
     # the checkpointed region call is recomputed in backward; BatchNorm's running
     # statistics follow eager without checkpointing (one update a step), and stay reused:
     # torch's class through its swap, a subclass with its own forward through the copy
-    # written back after the call (aotdist.backends.hoist)
+    # written back after the call (aotdist.fixes.hoist)
     torch.manual_seed(0)
     model = build_model("resnet", depth=3)
     for m in model.modules():

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import aotdist
-from aotdist.compile.fixes import batchnorm
+from aotdist.fixes import batchnorm
 from aotdist.testing import assert_training_parity, record_logs
 from aotdist.testing.models import BatchNormRelu, ConvNormBlock
 

@@ -21,7 +21,7 @@ import types
 import torch
 from torch import nn
 
-from aotdist.compile.fixes import droppath_reference as reference
+from aotdist.fixes import droppath_reference as reference
 from aotdist.per_process import made_class
 
 __all__ = ["restore", "same_code", "swap"]

@@ -6,7 +6,7 @@ Each runs either inside the region (``INSIDE``: traced into its subgraph) or aro
 call (``OUTSIDE``), on the subgraph's forward, on a region compiled inline
 (``nested=False``: a demoted or isolated one) and on frames mode's plain forward as its
 entry says, and where named only with its option on. A new forward fix is one function
-here and one entry in :data:`FORWARD_FIXES`; module swaps are in :mod:`aotdist.compile.fixes`.
+here and one entry in :data:`FORWARD_FIXES`; module swaps are in :mod:`aotdist.fixes`.
 """
 
 from __future__ import annotations

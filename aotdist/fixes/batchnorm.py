@@ -9,7 +9,7 @@ non-mutating on purpose (nothing in a training step reads them after the update)
 outside a compile and in a recompute in backward, BatchNorm runs as the user's class does.
 Only a module whose ``forward`` is torch's own ``_BatchNorm.forward`` (function identity)
 is swapped: a subclass with a forward of its own (timm's ``BatchNormAct2d``) runs as
-written, and the buffer-write pass (aotdist.backends.hoist) keeps its region reused.
+written, and the buffer-write pass (aotdist.fixes.hoist) keeps its region reused.
 Details: docs/internals.md.
 """
 

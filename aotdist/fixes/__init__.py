@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from aotdist.compile.fixes import batchnorm, droppath
+from aotdist.fixes import batchnorm, droppath
 
 __all__ = ["FIXES", "apply_fixes", "restore_fixes"]
 

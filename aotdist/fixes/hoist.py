@@ -23,7 +23,6 @@ import torch
 from torch import fx
 
 from aotdist import _compat
-from aotdist.backends.aot import is_storage_resize
 from aotdist.log import get_logger
 
 __all__ = ["hoist_buffer_updates"]
@@ -189,7 +188,7 @@ def _take_edge_resizes(body: fx.GraphModule, name: str, *, recomputed: bool) -> 
     inputs = [n for n in nodes if n.op == "placeholder"]
     before, after, edge = [], [], []
     for node in nodes:
-        if not is_storage_resize(node):
+        if not _compat.is_storage_resize(node):
             continue
         target, nbytes = node.args[0], node.args[1] if len(node.args) > 1 else None
         if (
@@ -201,7 +200,7 @@ def _take_edge_resizes(body: fx.GraphModule, name: str, *, recomputed: bool) -> 
         ):
             _log.debug("subgraph %s resizes a storage it cannot move: left alone", name)
             return None
-        uses = [u for u in target.users if not is_storage_resize(u)]
+        uses = [u for u in target.users if not _compat.is_storage_resize(u)]
         index = inputs.index(target)
         if all(order[u] > order[node] for u in uses):
             before.append((index, node.target, nbytes))

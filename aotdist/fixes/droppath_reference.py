@@ -1,6 +1,6 @@
 """Verbatim copies of the library stochastic-depth code that ``droppath`` reproduces.
 
-Never called: :func:`aotdist.compile.fixes.droppath.same_code` compares a library's current
+Never called: :func:`aotdist.fixes.droppath.same_code` compares a library's current
 function with these, so a module is swapped only while its library still draws exactly
 as the copy does (torchvision 0.26-0.29, timm 1.0, transformers 5). A release that
 changes the draw no longer matches and its modules run as written. Names, order and
