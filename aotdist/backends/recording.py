@@ -33,8 +33,7 @@ from aotdist import _compat
 from aotdist.backends.aot import REBUILT, aot_backend, backend_name, storage_resized_inputs
 from aotdist.backends.recompute import saving_checkpoint_boundaries
 from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_chain
-from aotdist.fixes.hoist import hoist_buffer_updates
-from aotdist.fixes.layouts import merge_layout_variants
+from aotdist.fixes import run_graph_passes
 from aotdist.log import rank_zero_warn
 
 __all__ = [
@@ -241,12 +240,7 @@ class RecordingBackend:
         return getattr(self.inner, name)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        # One subgraph per region where call sites differ only in an input's layout, then
-        # what is still called once inlined, as Dynamo does where it is not deferred.
-        merge_layout_variants(gm)
-        _compat.inline_single_use_regions(gm)
-        if torch.is_grad_enabled():  # a training graph: buffer updates leave the regions
-            hoist_buffer_updates(gm)
+        run_graph_passes(gm)  # aotdist.fixes: layout merge, single-use inlining, buffer writes
         if self.dry_run:  # a trial (aotdist.compile.isolate): trace the joint graph, stop
             if not storage_resized_inputs(gm):
                 aot_eager, _ = _compat.aot_eager_parts()

@@ -32,6 +32,7 @@ from aotdist.cache.loaded import Precompiled
 from aotdist.compile.guard import compiled_graphs, replay_outcomes
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode
 from aotdist.errors import CacheWarning, first_line
+from aotdist.fixes import SAVE, dynamo_patches
 from aotdist.fsdp.graph import local_shards
 from aotdist.log import get_logger
 from aotdist.per_process import made_per_process, pickled_with_region_depth
@@ -225,8 +226,7 @@ def _save_call(model: nn.Module, state, args: tuple, kwargs: dict) -> tuple[byte
     with (
         pickled_with_region_depth(model),
         _as_sharded_call_runs(model),
-        _compat.single_use_inlining_deferred(),  # the graph the live call compiles
-        _compat.subclass_intermediates_inside(),
+        dynamo_patches(SAVE),  # the graph the live call compiles
     ):
         data, modules = _compat.aot_compile(
             state.call_fn,

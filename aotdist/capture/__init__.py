@@ -31,6 +31,7 @@ from aotdist.compile.marking import copy_function, mark_regions, unmark_regions
 from aotdist.compile.state import STATE_ATTR, CompileMode
 from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.errors import ConfigError, OrderingError
+from aotdist.fixes import CAPTURE, dynamo_patches
 from aotdist.fsdp import fsdp_params, sharding_of
 from aotdist.fsdp.graph import local_shards
 from aotdist.metrics import track
@@ -178,7 +179,7 @@ def _run_demoting(model: nn.Module, state, recorder: Recorder, recording, compil
     report = recorder.report
 
     def run():  # the backend sees every region call, as under compile_regions
-        with _compat.single_use_inlining_deferred(), _compat.subclass_intermediates_inside():
+        with dynamo_patches(CAPTURE):
             return compiled(model, args, kwargs)
 
     for _ in range(2 * len(state.plan) + 1):

@@ -26,6 +26,7 @@ from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.compile.verify import first_step_check
 from aotdist.errors import OrderingError, RegionCaptureError, RegionCompileWarning
 from aotdist.errors import exception_chain as _chain
+from aotdist.fixes import COMPILE, dynamo_patches
 from aotdist.fsdp import fsdp_modules
 from aotdist.log import get_logger, rank_zero_info, rank_zero_warn
 
@@ -206,13 +207,7 @@ class RegionGuardedCall(_compat.CallWrapper):
             if not self._state.reuse_checked
             else contextlib.nullcontext()
         )
-        with (
-            _compat.tolerant_subgraph_dedup(),
-            _compat.cached_subgraph_schemas(),
-            _compat.single_use_inlining_deferred(),
-            _compat.subclass_intermediates_inside(),
-            why,
-        ):
+        with dynamo_patches(COMPILE), why:
             return self._compiled(*args, **kwargs)  # dedup: reuse, not a crash (2.11)
 
     def handle(self, exc: Exception, run: Callable[[], Any]) -> bool:

@@ -6,7 +6,7 @@ classes the same way); other instances of the user's class are untouched. The cl
 keeps ``self`` a real argument of the region, so Dynamo lifts each instance's own
 parameters: binding a marked function per instance runs the first block's weights for
 every block on torch 2.15 (docs/internals.md). The region class's forward carries the
-forward fixes (:data:`aotdist.fixes.forward.FORWARD_FIXES`), activation
+forward fixes (:data:`aotdist.fixes.FIXES`), activation
 checkpointing among them.
 """
 
@@ -21,8 +21,7 @@ from torch import nn
 from aotdist import _compat
 from aotdist.compile.state import STATE_ATTR, RegionState
 from aotdist.errors import ConfigError, OrderingError
-from aotdist.fixes import apply_fixes, restore_fixes
-from aotdist.fixes.forward import INSIDE, OUTSIDE, wrap_forward
+from aotdist.fixes import INSIDE, OUTSIDE, apply_fixes, restore_fixes, wrap_forward
 from aotdist.per_process import made_class
 from aotdist.regions import RegionPlan, find_regions
 
@@ -63,7 +62,7 @@ def _region_class(
     checkpoint: bool = False,
     nested: bool = True,
 ) -> type:
-    """The region class of ``base``: its forward with :data:`FORWARD_FIXES` applied, inside
+    """The region class of ``base``: its forward with :data:`aotdist.fixes.FIXES`' forward wrappers applied, inside
     ``nested_compile_region`` (``nested``) and as frames mode's plain forward."""
     on = {"clone_aliases": clone_aliases, "checkpoint": checkpoint}
     fwd = wrap_forward(copy_function(base.forward), INSIDE, on, nested=nested)

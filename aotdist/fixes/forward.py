@@ -1,12 +1,12 @@
 """Forward fixes: wrappers of a region's forward that keep what it computes and make it a
 reusable ``invoke_subgraph`` (or a frame that compiles once), applied by
-:func:`aotdist.compile.marking` in the order of :data:`FORWARD_FIXES`.
+:func:`aotdist.compile.marking` in the order of :data:`aotdist.fixes.FIXES`.
 
 Each runs either inside the region (``INSIDE``: traced into its subgraph) or around its
 call (``OUTSIDE``), on the subgraph's forward, on a region compiled inline
 (``nested=False``: a demoted or isolated one) and on frames mode's plain forward as its
 entry says, and where named only with its option on. A new forward fix is one function
-here and one entry in :data:`FORWARD_FIXES`; module swaps are in :mod:`aotdist.fixes`.
+here and one entry in :data:`aotdist.fixes.FIXES`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,16 @@ from torch.utils.checkpoint import checkpoint
 
 from aotdist import _compat
 
-__all__ = ["FORWARD_FIXES", "INSIDE", "OUTSIDE", "ForwardFix", "wrap_forward"]
+__all__ = [
+    "INSIDE",
+    "OUTSIDE",
+    "ForwardFix",
+    "checkpointed",
+    "clone_aliasing_outputs",
+    "contiguous_stream",
+    "dealiased_inputs",
+    "detach_no_grad_outputs",
+]
 
 INSIDE, OUTSIDE = "inside", "outside"
 
@@ -160,25 +169,3 @@ class ForwardFix:
     subgraph: bool = True  # the invoke_subgraph forward
     inline: bool = False  # a region compiled inline (nested=False)
     frames: bool = False  # frames mode's plain forward
-
-
-# In the order they wrap (the first is innermost).
-FORWARD_FIXES = (
-    ForwardFix(clone_aliasing_outputs, INSIDE, when="clone_aliases", inline=True),
-    ForwardFix(contiguous_stream, INSIDE, frames=True),
-    ForwardFix(detach_no_grad_outputs, INSIDE),
-    ForwardFix(dealiased_inputs, OUTSIDE, when="clone_aliases"),
-    ForwardFix(checkpointed, OUTSIDE, when="checkpoint", inline=True, frames=True),
-)
-
-
-def wrap_forward(
-    fn: Callable, where: str, on: dict[str, bool], *, nested: bool = True, frames: bool = False
-) -> Callable:
-    """``fn`` wrapped by every fix of :data:`FORWARD_FIXES` that runs ``where`` on this
-    kind of forward, with its option in ``on``."""
-    for fix in FORWARD_FIXES:
-        applies = fix.frames if frames else fix.subgraph if nested else fix.inline
-        if fix.where == where and applies and (fix.when is None or on.get(fix.when)):
-            fn = fix.wrap(fn)
-    return fn
