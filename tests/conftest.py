@@ -13,6 +13,9 @@ import torch
 
 # Two cores: keep intra-op threads from oversubscribing when tests spawn processes.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Ranks forked from one process that imported torch once, not spawned (seconds each):
+# aotdist.launch.runner.START_ENV. A test that changes the environment gets spawned ranks.
+os.environ.setdefault("AOTDIST_RANK_START", "forkserver")
 
 
 @pytest.fixture(autouse=True)

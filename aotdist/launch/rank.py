@@ -1,4 +1,4 @@
-"""The rank side of :func:`aotdist.launch.run_distributed`: one spawned process.
+"""The rank side of :func:`aotdist.launch.run_distributed`: one spawned (or forked) process.
 
 Sets the ``torch.distributed`` environment, dies with its parent, initializes the process
 group, runs the function and reports the result (pickled) or the traceback, then leaves
@@ -34,8 +34,32 @@ def _die_with_parent(parent_pid: int) -> None:
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+    if os.getppid() != parent_pid and not _alive(parent_pid):  # died before prctl took effect
+        os._exit(1)  # (under forkserver the parent is the server, which dies with the caller)
+
+
+def _caller_output(parent_pid: int) -> None:
+    """Under ``forkserver`` (the parent is the server): stdout and stderr are the caller's
+    current ones, as a spawned rank's are, not the server's from when it started."""
+    if os.getppid() == parent_pid or not sys.platform.startswith("linux"):
+        return
+    for fd in (1, 2):
+        try:
+            target = os.open(f"/proc/{parent_pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue  # (a socket, say): the server's stays
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def rank_main(
@@ -49,9 +73,14 @@ def rank_main(
     stack_file: str,
     parent_pid: int,
     skip_teardown: bool = False,
+    env: dict[str, str] | None = None,
 ) -> None:
     """Entry point of one spawned rank."""
     _die_with_parent(parent_pid)
+    _caller_output(parent_pid)
+    if env is not None:  # the caller's, as a spawned rank's (a forked one has the server's)
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -18,6 +18,7 @@ import pickle
 import queue as queue_module
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,7 +29,13 @@ import torch
 from aotdist.errors import ConfigError, DistributedTestError, DistributedTimeoutError
 from aotdist.launch.rank import rank_main
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = ["START_ENV", "free_port", "run_distributed"]
+
+# "forkserver": ranks are forked from a server process that imported torch and aotdist
+# once (start-up in well under a second instead of seconds); anything else: spawn.
+START_ENV = "AOTDIST_RANK_START"
+_server_env: dict[str, str] | None = None  # the environment the forkserver started with
+_PER_CALL = ("PYTEST_CURRENT_TEST",)  # differs per call and is read by nothing at import
 
 _POLL_S = 0.05  # how often the parent checks the result queue and the processes
 _STOP_GRACE_S = 2.0  # between SIGTERM and SIGKILL when stopping ranks
@@ -62,7 +69,9 @@ def run_distributed(
 ) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks.
 
-    Each rank is a fresh process (``spawn`` start method) with ``MASTER_ADDR``,
+    Each rank is a fresh process (``spawn`` start method; ``forkserver`` with
+    ``AOTDIST_RANK_START=forkserver``, as the tests run, which forks each rank from one
+    process that imported torch once) with ``MASTER_ADDR``,
     ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set, and
     ``OMP_NUM_THREADS=1`` unless the caller set it. It initializes the default process
     group with ``backend`` (for ``"nccl"`` it first selects ``cuda:<rank>``), waits at a
@@ -105,7 +114,7 @@ def run_distributed(
     _check_config(fn, world_size, backend, timeout)
     payload = _pickle_call(fn, args, kwargs)
     name = _describe(fn)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     result_queue = ctx.Queue()
     procs: list[Any] = []
@@ -126,6 +135,7 @@ def run_distributed(
                         os.path.join(stack_dir, f"rank{rank}.stack"),
                         os.getpid(),
                         skip_teardown,
+                        dict(os.environ),
                     ),
                     name=f"aotdist-rank{rank}",
                 )
@@ -137,6 +147,20 @@ def run_distributed(
             _stop(procs)
             result_queue.close()
             result_queue.join_thread()
+
+
+def _context():
+    """``spawn``, or ``forkserver`` where :data:`START_ENV` asks for it and the environment
+    is the one the server started with (the modules it imported read their settings from
+    that environment; a call under another one is spawned, so it sees its own)."""
+    global _server_env
+    if os.environ.get(START_ENV) != "forkserver" or sys.platform != "linux":
+        return mp.get_context("spawn")
+    env = {k: v for k, v in os.environ.items() if k not in _PER_CALL}
+    if _server_env is None:
+        _server_env = env
+        mp.set_forkserver_preload(["aotdist.launch.rank"])
+    return mp.get_context("forkserver" if env == _server_env else "spawn")
 
 
 def _check_config(fn: Any, world_size: Any, backend: Any, timeout: Any) -> None:

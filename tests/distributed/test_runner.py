@@ -259,3 +259,20 @@ def test_free_port_is_a_usable_port():
     del store
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", free_port()))
+
+
+def _env_and_parent(rank: int, world_size: int, name: str) -> tuple[str | None, int]:
+    return os.environ.get(name), os.getppid()
+
+
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_either_start_method_runs_the_ranks_in_the_callers_environment(monkeypatch, start):
+    monkeypatch.setenv("AOTDIST_RANK_START", start)
+    first = run_distributed(_env_and_parent, 2, "AOTDIST_PROBE")
+    monkeypatch.setenv("AOTDIST_PROBE", "changed")  # after a forkserver started: spawned
+    second = run_distributed(_env_and_parent, 2, "AOTDIST_PROBE")
+    assert [env for env, _ in first] == [None, None]
+    forked = [parent != os.getpid() for _, parent in first]  # from the server
+    assert forked == [start == "forkserver"] * 2
+    assert [env for env, _ in second] == ["changed", "changed"]
+    assert all(parent == os.getpid() for _, parent in second)  # spawned by this process
