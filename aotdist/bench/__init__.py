@@ -48,6 +48,7 @@ from aotdist.errors import BenchError, ConfigError, MissingDependencyError
 
 __all__ = [
     "ALL_STRATEGIES",
+    "BenchError",
     "FULL_JOB",
     "MAIN_JOB",
     "MAIN_SETTINGS",

@@ -127,13 +127,21 @@ def test_metrics_is_part_of_the_public_face(name):
     assert "metrics" in aotdist.__all__ and hasattr(aotdist.metrics, name)
 
 
-def test_every_public_error_and_warning_is_exported_at_the_root():
+def test_every_error_and_warning_is_on_one_face():
+    """The library's errors and warnings on the root face; the tools' errors (a benchmark
+    that failed, a rank of a multi-process test) on the tool's own face only."""
     import aotdist
+    import aotdist.bench
     import aotdist.errors
+    import aotdist.testing
 
+    tools = {"BenchError": aotdist.bench, "DistributedTestError": aotdist.testing}
+    tools["DistributedTimeoutError"] = aotdist.testing
     classes = [n for n in aotdist.errors.__all__ if isinstance(getattr(aotdist.errors, n), type)]
-    missing = [n for n in classes if n not in aotdist.__all__]
+    missing = [n for n in classes if n not in tools and n not in aotdist.__all__]
     assert not missing, f"add to aotdist.__all__: {missing}"
+    for name, face in tools.items():
+        assert name in face.__all__ and name not in aotdist.__all__, name
 
 
 def test_arguments_after_the_first_are_keyword_only_with_the_old_form_deprecated():
