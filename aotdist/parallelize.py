@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -108,9 +107,7 @@ def parallelize(
     #    final modules: region signatures include their classes, and FSDP2 must shard the
     #    Float8Linear weights (with float8 all-gather they become torchao's weight subclass).
     #    Graph-mode FSDP gathers in float8 itself (aotdist.fsdp.graph): plain weights.
-    f8 = config.float8
-    if f8.fsdp_all_gather and config.fsdp.enabled and config.fsdp.mode == "graph":
-        f8 = dataclasses.replace(f8, fsdp_all_gather=False)
+    f8 = sharding.float8(config)
     float8_fqns = convert_to_float8(model, f8) if f8.enabled else []
     warn_unverified_combination(config)
 

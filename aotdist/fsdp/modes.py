@@ -13,13 +13,14 @@ compile, capture and the cache ask it instead of looking for FSDP themselves.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from torch import nn
 
 from aotdist._compat.enums import StrEnum
-from aotdist.config import AOTDistConfig
+from aotdist.config import AOTDistConfig, Float8Config
 from aotdist.errors import ConfigWarning
 from aotdist.fsdp.graph import (
     check_graph_config,
@@ -73,6 +74,10 @@ class Sharding(ABC):
     @abstractmethod
     def mesh(self, model: nn.Module, mesh: Any, config: AOTDistConfig) -> Any:
         """The mesh to shard over (``None``: no sharding)."""
+
+    def float8(self, config: AOTDistConfig) -> Float8Config:
+        """The Float8 conversion this setting takes (the config's own by default)."""
+        return config.float8
 
     def plan(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> RegionPlan:
         """The region plan this setting can compile."""
@@ -148,6 +153,10 @@ class GraphSharding(Sharding):
 
     def mesh(self, model: nn.Module, mesh: Any, config: AOTDistConfig) -> Any:
         return fsdp_mesh(model, mesh, config.fsdp)  # the same 1-D or HSDP mesh as hooks
+
+    def float8(self, config: AOTDistConfig) -> Float8Config:
+        # It gathers in float8 itself (aotdist.fsdp.graph): the weights stay plain.
+        return dataclasses.replace(config.float8, fsdp_all_gather=False)
 
     def plan(self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> RegionPlan:
         return graph_plan(model, plan, config)  # drops (with a warning) what it cannot feed
