@@ -1,12 +1,12 @@
 """Every private torch / Accelerate internal aotdist touches, in one place.
 
-Each accessor names the torch versions it was checked on (2.11 and 2.15), probes for the
-feature (``hasattr`` / try-import) rather than comparing versions, and when the internal
-is missing it says so: it returns ``None`` (the caller reports "unavailable" / "n/a") or
-raises :class:`~aotdist.errors.TorchFeatureUnavailable` naming the versions it works
-on, never a guessed value. ``tests/unit/test_architecture.py`` fails on a private access
-anywhere else in the library. Public APIs are used where they exist
-(``torch.compiler.list_backends``, ``torch.distributed.fsdp.FSDPModule``...).
+Each accessor records the torch versions it was checked on (:func:`checked_on`: some of
+:data:`CHECKED_ON`, 2.11 and 2.14, what CI runs), probes for the feature (``hasattr`` /
+try-import) rather than comparing versions, and when the internal is missing returns
+``None`` (the caller reports "n/a") or raises :class:`~aotdist.errors.TorchFeatureUnavailable`,
+never a guessed value. ``tests/unit/test_compat.py`` fails on an accessor without the
+record, ``tests/unit/test_architecture.py`` on a private access anywhere else. Public APIs
+are used where they exist (``torch.distributed.fsdp.FSDPModule``...).
 
 Grouped by what they reach into: :mod:`~aotdist._compat.calls` (``nn.Module``'s compiled
 call slot, aotdist's wrappers in it), :mod:`~aotdist._compat.compiler` (Dynamo, AOTAutograd,
@@ -15,7 +15,7 @@ Inductor), :mod:`~aotdist._compat.caches` (compile caches, FSDP2, the process gr
 :mod:`~aotdist._compat.precompile` (``aot_compile``), ``autograd`` (the engine), ``accelerate``.
 """
 
-from aotdist._compat._base import CHECKED_ON
+from aotdist._compat._base import CHECKED_ON, checked_on
 from aotdist._compat.accelerate import (
     accelerate_old_forward,
     accelerator_state_initialized,
@@ -120,6 +120,7 @@ __all__ = [
     "maybe_mark_dynamic",
     "dynamo_error_types",
     "CHECKED_ON",
+    "checked_on",
     "CallWrapper",
     "unwrap_compiled_call",
     "wrap_compiled_call",

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from aotdist._compat._base import attr, unavailable
+from aotdist._compat._base import attr, checked_on, unavailable
 
 __all__ = [
     "autograd_cache_off",
@@ -30,12 +30,12 @@ __all__ = [
 # --------------------------------------------------------------------- AOTAutograd
 
 
+@checked_on("2.11", "2.14")
 def autograd_cache_off() -> contextlib.AbstractContextManager:
     """A scope in which AOTAutograd's cache is neither read nor written
-    (``torch._functorch.config.enable_autograd_cache = False``; run on torch 2.11, 2.14
-    and 2.15). A hit in that cache skips the graph compiler, so a hook on the
-    compiler sees no graph; its key does not cover a custom ``inner_compile``. Where the
-    key is missing: a no-op."""
+    (``torch._functorch.config.enable_autograd_cache = False``). A hit in that cache skips
+    the graph compiler, so a hook on the compiler sees no graph; its key does not cover a
+    custom ``inner_compile``. Where the key is missing: a no-op."""
     import torch._functorch.config as functorch_config
 
     if not hasattr(functorch_config, "enable_autograd_cache"):
@@ -46,13 +46,14 @@ def autograd_cache_off() -> contextlib.AbstractContextManager:
 # --------------------------------------------------------------------- FSDP2
 
 
+@checked_on("2.11", "2.14")
 def fsdp_params_of(module: nn.Module) -> list[dict] | None:
     """FSDP2 parameters of one ``fully_shard``-ed module: for each, the unsharded tensor,
     the owning module and parameter name, and sharded / unsharded shapes.
 
     Reads ``module._get_fsdp_state()._fsdp_param_group.fsdp_params`` and each
     ``FSDPParam``'s ``_unsharded_param``, ``_module_info``, ``sharded_size`` and
-    ``_orig_size`` (torch 2.11, 2.15). ``None`` when these internals are missing;
+    ``_orig_size``. ``None`` when these internals are missing;
     parameters not yet unsharded are left out.
     """
     get_state = getattr(module, "_get_fsdp_state", None)
@@ -80,9 +81,10 @@ def fsdp_params_of(module: nn.Module) -> list[dict] | None:
     return out
 
 
+@checked_on("2.11", "2.14")
 def default_store() -> Any:
     """The default process group's key-value store
-    (``torch.distributed.distributed_c10d._get_default_store``; torch 2.11, 2.15).
+    (``torch.distributed.distributed_c10d._get_default_store``).
 
     Raises:
         TorchFeatureUnavailable: It is missing.
@@ -96,9 +98,9 @@ def default_store() -> Any:
 # --------------------------------------------------------------------- compile caches
 
 
+@checked_on("2.11", "2.14")
 def inductor_cache_dir() -> str:
-    """Inductor's cache directory (``torch._inductor.runtime.cache_dir_utils.cache_dir``;
-    torch 2.11, 2.15).
+    """Inductor's cache directory (``torch._inductor.runtime.cache_dir_utils.cache_dir``).
 
     Raises:
         TorchFeatureUnavailable: It is missing.
@@ -109,10 +111,11 @@ def inductor_cache_dir() -> str:
     return fn()
 
 
+@checked_on("2.11", "2.14")
 def cpp_code_cache_keys() -> set[str] | None:
     """Keys of the C++ kernels this process compiled or loaded: the ``cache`` dicts of
     ``torch._inductor.codecache.CppCodeCache`` and its subclasses; a key's files are
-    ``<cache_dir>/<key[1:3]>/<key>*`` (torch 2.11, 2.15). ``None`` when missing."""
+    ``<cache_dir>/<key[1:3]>/<key>*``. ``None`` when missing."""
     root = attr("torch._inductor.codecache", "CppCodeCache")
     if root is None:
         return None
@@ -129,12 +132,13 @@ _PROBE_SYMBOL = b"_chk_kernel"  # every probe program defines __<isa>_chk_kernel
 PROBE_LOAD_MARKER = ".so.load_ok"
 
 
+@checked_on("2.11", "2.14")
 def isa_probe_keys(root: str) -> set[str]:
     """Keys of the vector-ISA probe programs built in the Inductor cache dir ``root``: the
     ``<key>.cpp`` files that define one of ``torch._inductor.cpu_vec_isa``'s
     ``__*_chk_kernel`` functions (AVX2/AVX512 and the bf16, VNNI and AMX checks), plus
-    the keys with a ``<key>.so.load_ok`` marker (torch 2.11, 2.15; 2.11 writes markers
-    only inside :func:`remembered_isa_loads`)."""
+    the keys with a ``<key>.so.load_ok`` marker (torch 2.11 writes markers only inside
+    :func:`remembered_isa_loads`)."""
     keys: set[str] = set()
     for sub in os.listdir(root) if os.path.isdir(root) else ():
         folder = os.path.join(root, sub)
@@ -175,6 +179,7 @@ def _probe_library(isa: Any, code: str) -> str | None:
         return None
 
 
+@checked_on("2.11", "2.14", note="2.11: wraps the check; 2.14: a no-op, torch remembers")
 @contextlib.contextmanager
 def remembered_isa_loads():
     """A scope in which Inductor's CPU vector-ISA load check is remembered across
@@ -187,8 +192,8 @@ def remembered_isa_loads():
     On a torch whose ``VecISA.check_build`` writes no marker, this scope wraps it: a
     library with its marker passes, and a check that passes writes the marker, the same
     file the newer torch writes (the cache bundle carries it to machines with the same
-    CPU only). A check that fails writes nothing. Checked on torch 2.11 (wraps) and 2.15
-    (torch remembers; a no-op).
+    CPU only). A check that fails writes nothing. On torch 2.11 the scope wraps the check;
+    on 2.14 torch remembers itself and the scope is a no-op.
     """
     cls = attr("torch._inductor.cpu_vec_isa", "VecISA")
     check = vars(cls).get("check_build") if cls is not None else None
@@ -216,6 +221,7 @@ def remembered_isa_loads():
         cls.check_build = check
 
 
+@checked_on("2.11", "2.14", note="the same code on both")
 @contextlib.contextmanager
 def rerooted_autotune_lookups():
     """A scope in which a Triton kernel loaded from a cache entry looks up its autotuning
@@ -229,8 +235,7 @@ def rerooted_autotune_lookups():
     autotuning result the Mega-Cache installed under this one, benchmarks every config
     again, and writes the result back under the old path. This scope re-roots
     ``filename`` to ``<cache dir>/<its folder>/<its name>``, where the Mega-Cache installs
-    it (``AutotuneCacheArtifact.populate_cache``). Checked on torch 2.11, 2.14 and 2.15
-    (the same code there); a no-op where the method is missing.
+    it (``AutotuneCacheArtifact.populate_cache``). A no-op where the method is missing.
     """
     cls = attr("torch._inductor.runtime.triton_heuristics", "CachingAutotuner")
     recheck = vars(cls).get("recheck_autotune_cache") if cls is not None else None
@@ -264,13 +269,14 @@ def _reroot_kernel_file(kernel: Any) -> None:
     kernel.filename = os.path.join(root, os.path.basename(folder), name)
 
 
+@checked_on("2.11", "2.14")
 def merge_mega_cache(saved: bytes) -> bytes:
     """``torch.compiler.save_cache_artifacts()`` bytes with the records merged by kind.
 
     Those bytes append one ``(kind, artifacts)`` record per call since the process began,
     and ``load_cache_artifacts`` keeps only the *last* record of each kind; merging keeps
     every artifact. Uses ``torch.compiler._cache`` (``AppendingByteSerializer``,
-    ``CacheArtifactManager``, ``_(de)serialize_single_cache``; torch 2.11, 2.15).
+    ``CacheArtifactManager``, ``_(de)serialize_single_cache``).
 
     Raises:
         TorchFeatureUnavailable: Those internals are missing.
@@ -296,13 +302,14 @@ def merge_mega_cache(saved: bytes) -> bytes:
     return out.to_bytes()
 
 
+@checked_on("2.11", "2.14")
 def wrap_fx_graph_cache(
     wrap_lookup: Callable[[Callable], Callable],
     wrap_save: Callable[[Callable], Callable] | None = None,
 ) -> Callable[[], None]:
     """Wraps Inductor's FX graph cache lookup (``FxGraphCache.load_with_key``) and, if
     given, its save (``FxGraphCache._save_graph``), process-wide until the returned
-    function puts the originals back (torch 2.11, 2.15).
+    function puts the originals back.
 
     Raises:
         TorchFeatureUnavailable: The class or those static methods are missing.
@@ -326,12 +333,13 @@ def wrap_fx_graph_cache(
 _AUTOGRAD_FUNCTION_HOP = "torch.ops.higher_order.autograd_function_apply"
 
 
+@checked_on("2.11", "2.14")
 def cacheable_autograd_functions(tag: str) -> dict:
     """Inductor options under which graphs that hold custom ``autograd.Function``s (traced
     as the ``autograd_function_apply`` higher-order op, forward and backward subgraphs in
     the graph) are cached by AOTAutograd and the FX graph cache, which otherwise bypass
     them; ``tag`` goes into the cache key. Keeps what Inductor's config marks already.
-    ``{}`` where this torch has no such option (torch 2.11, 2.15 have it)."""
+    ``{}`` where this torch has no such option."""
     config = attr("torch._inductor", "config")
     marked = getattr(config, "unsafe_marked_cacheable_functions", None)
     if not isinstance(marked, dict):

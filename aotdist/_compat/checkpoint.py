@@ -16,6 +16,8 @@ import logging
 import sys
 from collections.abc import Callable
 
+from aotdist._compat._base import checked_on
+
 __all__ = ["quiet_checkpoint_notice"]
 
 # checked on torch 2.11 and 2.14.1: the logger of torch._higher_order_ops.wrap, the function
@@ -43,6 +45,7 @@ class _OwnCheckpointNotice(logging.Filter):
         return not (isinstance(meta, dict) and meta.get(_META_KEY) in self.context_fns)
 
 
+@checked_on("2.11", "2.14")
 def quiet_checkpoint_notice(context_fn: Callable) -> None:
     """torch's notice is not logged for checkpoints passed ``context_fn`` (idempotent; a
     filter on torch's logger that lets every other record through)."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from aotdist._compat._base import attr, unavailable
+from aotdist._compat._base import attr, checked_on, unavailable
 
 __all__ = [
     "dynamo_error_types",
@@ -27,13 +27,14 @@ __all__ = [
 _CODE_SERIAL = itertools.count()
 
 
+@checked_on("2.11", "2.14")
 def unique_code_function(fn: Callable, label: str) -> Callable:
     """A copy of ``fn`` whose code object has a name of its own (``<name>__<label>_<n>``).
 
     Dynamo keys per-code state by code *name*, file and line (``torch._dynamo.pgo.CodeId``:
-    automatic-dynamic profiles) and the ``invoke_subgraph`` reuse cache by code *value*
-    (torch 2.11, 2.15): two copies of one function share both. A name per model /
-    per region keeps one model's shapes, and one region's reuse entries, out of another's.
+    automatic-dynamic profiles) and the ``invoke_subgraph`` reuse cache by code *value*:
+    two copies of one function share both. A name per model / per region keeps one model's
+    shapes, and one region's reuse entries, out of another's.
     """
     if isinstance(fn, types.MethodType):  # keep it bound
         return types.MethodType(unique_code_function(fn.__func__, label), fn.__self__)
@@ -58,9 +59,10 @@ def _identifier(label: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in label)[:60] or "x"
 
 
+@checked_on("2.11", "2.14")
 def maybe_mark_dynamic(t: torch.Tensor) -> None:
-    """``torch._dynamo.maybe_mark_dynamic`` on every dimension of ``t`` (torch 2.11, 2.15):
-    a hint, specialized without error where the program needs a static size."""
+    """``torch._dynamo.maybe_mark_dynamic`` on every dimension of ``t``: a hint,
+    specialized without error where the program needs a static size."""
     fn = attr("torch._dynamo", "maybe_mark_dynamic")
     if fn is None:
         raise unavailable("torch._dynamo.maybe_mark_dynamic")
@@ -68,26 +70,29 @@ def maybe_mark_dynamic(t: torch.Tensor) -> None:
         fn(t, dim)
 
 
+@checked_on("2.11", "2.14")
 def region_options(max_reuse_entries: int) -> dict:
     """Keyword arguments for ``torch.compiler.nested_compile_region``: ``max_reuse_entries``
-    where it exists (torch 2.14, 2.15), else none (torch 2.11: no cap on reuse entries)."""
+    where it exists (torch 2.14), else none (torch 2.11: no cap on reuse entries)."""
     import inspect
 
     params = inspect.signature(torch.compiler.nested_compile_region).parameters
     return {"max_reuse_entries": max_reuse_entries} if "max_reuse_entries" in params else {}
 
 
+@checked_on("2.11", "2.14")
 def dynamo_error_types() -> tuple[type, ...]:
     """``torch._dynamo.exc.TorchDynamoException``: the base of every error Dynamo raises
-    while tracing or compiling (torch 2.11, 2.15), before any of the frame ran."""
+    while tracing or compiling, before any of the frame ran."""
     cls = attr("torch._dynamo.exc", "TorchDynamoException")
     return (cls,) if cls is not None else ()
 
 
+@checked_on("2.11", "2.14")
 def is_region_code(co_name: str, label: str) -> bool:
     """Whether ``co_name`` names a code object :func:`unique_code_function` made for
-    ``label`` (not one made for another label, such as ``<label>_frame``). aotdist's own
-    naming: the same on torch 2.11 to 2.15."""
+    ``label`` (not one made for another label, such as ``<label>_frame``): aotdist's own
+    naming, not torch's."""
     return re.fullmatch(rf".+__{re.escape(_identifier(label))}_\d+", co_name) is not None
 
 
@@ -151,6 +156,7 @@ class _Refusals(logging.Handler):
             pass
 
 
+@checked_on("2.11", "2.14", note="2.14.1; on 2.11 a no-op (no such log)")
 @contextlib.contextmanager
 def reuse_refusals(sink: dict[str, str]) -> Iterator[None]:
     """Within: each reason Dynamo gives for not reusing a traced region body (torch's
@@ -158,8 +164,7 @@ def reuse_refusals(sink: dict[str, str]) -> Iterator[None]:
     types", "... subgraph has side effects", an input's metadata mismatch with what
     differs, ...) goes into ``sink``, keyed by the region function's code name. Only
     this handler receives them unless the user enabled that log; the logger's level is
-    restored on exit. Checked on torch 2.14.1, and on torch 2.11, where it is a no-op (no
-    such log); not run on 2.15 (not installable here)."""
+    restored on exit. A no-op on torch 2.11 (no such log)."""
     try:
         import torch._dynamo.variables.invoke_subgraph  # noqa: F401
 

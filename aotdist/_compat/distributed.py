@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from aotdist._compat._base import attr, unavailable
+from aotdist._compat._base import attr, checked_on, unavailable
 
 __all__ = ["fake_store", "fake_tensor_mode", "is_fake", "storage_id"]
 
 
+@checked_on("2.11", "2.14")
 def fake_store() -> Any:
     """A store for torch's ``fake`` process-group backend, whose collectives do nothing
-    (``torch.testing._internal.distributed.fake_pg.FakeStore``; torch 2.11, 2.15).
+    (``torch.testing._internal.distributed.fake_pg.FakeStore``).
 
     Raises:
         TorchFeatureUnavailable: This torch has none.
@@ -23,10 +24,11 @@ def fake_store() -> Any:
     return store()
 
 
+@checked_on("2.11", "2.14")
 def fake_tensor_mode() -> Any:
-    """A ``FakeTensorMode`` that also takes real tensors (``torch._subclasses.fake_tensor``;
-    torch 2.11, 2.15): tensors made inside hold no memory, and fake tensors that alias
-    one another share one storage, as real ones do.
+    """A ``FakeTensorMode`` that also takes real tensors (``torch._subclasses.fake_tensor``):
+    tensors made inside hold no memory, and fake tensors that alias one another share one
+    storage, as real ones do.
 
     The mode is made without its dispatch cache (``fake_tensor_cache_enabled``, read
     when the mode is made): outputs rebuilt from a cache entry get a storage each, so
@@ -44,14 +46,16 @@ def fake_tensor_mode() -> Any:
         return mode(allow_non_fake_inputs=True)
 
 
+@checked_on("2.11", "2.14")
 def is_fake(t: Any) -> bool:
     """Whether ``t`` is a fake tensor, or a tensor subclass over fake ones
-    (``torch._subclasses.fake_tensor.is_fake``; torch 2.11, 2.15)."""
+    (``torch._subclasses.fake_tensor.is_fake``)."""
     check = attr("torch._subclasses.fake_tensor", "is_fake")
     return bool(check is not None and check(t))
 
 
+@checked_on("2.11", "2.14")
 def storage_id(storage: Any) -> int:
-    """An identity of ``storage`` (its ``StorageImpl``: ``UntypedStorage._cdata``; torch
-    2.11, 2.15) that also tells fake tensors' storages apart, whose ``data_ptr()`` is 0."""
+    """An identity of ``storage`` (its ``StorageImpl``: ``UntypedStorage._cdata``) that
+    also tells fake tensors' storages apart, whose ``data_ptr()`` is 0."""
     return storage._cdata

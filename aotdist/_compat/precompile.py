@@ -4,8 +4,9 @@
 ``fn`` once and returns a function that can be serialized; loaded in another process it
 checks its guards and calls the compiled code directly (no Dynamo trace, no AOTAutograd
 cache lookup). aotdist saves one with the cache bundle (:mod:`aotdist.cache.precompile`).
-Checked on torch 2.11 (where :func:`precompile_unavailable` says why not: it saves the
-output of Inductor's own backend only, not of one that wraps it), 2.14 and 2.15.
+On torch 2.11 :func:`precompile_unavailable` says why not: it saves the output of
+Inductor's own backend only, not of one that wraps it. Each accessor's ``checked_on``
+record names the torch versions it was checked on.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aotdist._compat._base import attr
+from aotdist._compat._base import attr, checked_on
 
 __all__ = [
     "PrecompiledFunction",
@@ -40,10 +41,11 @@ __all__ = [
 _saving = False  # inside aot_compile: see unsaved_in_guards
 
 
+@checked_on("2.11", "2.14")
 @functools.cache
 def precompile_unavailable() -> str | None:
     """Why this torch cannot save aotdist's whole-model graph, or ``None`` when it can
-    (torch 2.14, 2.15; 2.11 cannot)."""
+    (torch 2.14; 2.11 cannot)."""
     fullgraph = attr("torch._dynamo.aot_compile", "aot_compile_fullgraph")
     if fullgraph is None:
         return f"torch {torch.__version__} has no aot_compile"
@@ -59,16 +61,16 @@ def precompile_unavailable() -> str | None:
     return None
 
 
+@checked_on("2.11", "2.14")
 def unserializable_guard_types() -> frozenset[str]:
-    """Guard kinds torch cannot save with a precompiled graph (object identities; torch
-    2.11, 2.15)."""
+    """Guard kinds torch cannot save with a precompiled graph (object identities)."""
     cfm = attr("torch._dynamo.guards", "CheckFunctionManager")
     return frozenset(getattr(cfm, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", ()))
 
 
 @contextlib.contextmanager
 def _grads_detached(model: nn.Module):
-    """Parameters without ``.grad`` while guards are saved: torch 2.14 and 2.15 pickle a
+    """Parameters without ``.grad`` while guards are saved: torch 2.14 pickles a
     parameter's gradient as a placeholder that fails to load ("assigned grad expected
     to be a Tensor or None")."""
     grads = {p: p.grad for p in model.parameters() if p.is_leaf}  # not graph-mode FSDP's
@@ -88,7 +90,7 @@ def _closures_saved_by_code(fn: Callable):
     ``deprecate_kwarg`` on a decoder layer's ``forward``) that pickle would look up by a
     name that finds another object (the decorated one) carry ``<locals>`` in their
     qualified name, which makes torch's pickler save them by code and closure instead
-    (torch 2.14, 2.15)."""
+    (torch 2.14)."""
     renamed, seen, todo = [], set(), [fn]
     while todo:
         f = todo.pop()
@@ -121,12 +123,13 @@ def _by_name(fn: types.FunctionType) -> Any:
     return obj
 
 
+@checked_on("2.11", "2.14")
 @contextlib.contextmanager
 def stand_in_parameters(module: nn.Module, params: dict[str, torch.Tensor]):
     """Inside, each parameter of ``module`` named in ``params`` (``"sub.name"`` -> an empty
     tensor with its metadata) is that tensor as a parameter (``requires_grad`` as the
     tensor's); the originals are back after. A trace reads metadata, not values: FSDP2's
-    unsharded parameters, gone after a step, are traced this way (torch 2.11, 2.15)."""
+    unsharded parameters, gone after a step, are traced this way."""
     swapped = []
     for name, empty in params.items():
         owner, _, leaf = name.rpartition(".")
@@ -144,12 +147,13 @@ def _unsaved() -> None:
     return None
 
 
+@checked_on("2.14", note="2.11 saves no graph of aotdist's: never called there")
 def unsaved_in_guards(self, protocol: int):
     """``__reduce_ex__`` of a run-time object that a module holds as a callable attribute
     (aotdist's compiled-call wrappers): torch's guard pickler saves a module's callable
     attributes whole, so inside :func:`aot_compile` such objects pickle as ``None`` (no
     guard reads them; their state, a shared cache's store for one, cannot be pickled).
-    torch 2.14 (2.15 not run yet; 2.11 saves no graph of aotdist's: never called there)."""
+    Never called on torch 2.11, which saves no graph of aotdist's."""
     if _saving:
         return (_unsaved, ())
     return object.__reduce_ex__(self, protocol)
@@ -168,6 +172,7 @@ def _run_state_unsaved() -> Iterator[None]:
 _MODULE_REF = re.compile(r"^___module_\w+?_(\d+)_c\d+$")
 
 
+@checked_on("2.14", note="2.11 saves no graph of aotdist's: never called there")
 def aot_compile(
     fn: Callable,
     args: tuple,
@@ -181,9 +186,9 @@ def aot_compile(
     """Traces ``fn(*args, **kwargs)`` as one graph with ``backend``; returns the serialized
     precompiled function and the modules its code reaches through globals Dynamo made up
     (``___module_<name>_<id>_c<n>``: name -> module name; the loader must pass them).
-    torch 2.14, 2.15; not 2.11. Raises what torch raises (a graph break, a guard that
-    cannot be saved, an output it cannot serialize), and ``RuntimeError`` for code that
-    reaches another made-up global."""
+    Not on torch 2.11 (:func:`precompile_unavailable`). Raises what torch raises (a graph
+    break, a guard that cannot be saved, an output it cannot serialize), and
+    ``RuntimeError`` for code that reaches another made-up global."""
     compiled = torch.compile(
         fn,
         fullgraph=True,
@@ -224,9 +229,10 @@ def aot_compile(
         return type(result).serialize(result).serialized_data, modules
 
 
+@checked_on("2.14", note="2.11 saves none for aotdist: never made there")
 class PrecompiledFunction:
     """A loaded precompiled function: its guard check, why a check failed, the call
-    (torch 2.14, 2.15; 2.11 saves none for aotdist)."""
+    (torch 2.11 saves none for aotdist)."""
 
     def __init__(self, data: bytes, modules: dict[str, str]):
         cls = attr("torch._dynamo.aot_compile", "AOTCompiledFunction")

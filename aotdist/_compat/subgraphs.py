@@ -1,6 +1,6 @@
 """Scoped fixes to how Dynamo and AOTAutograd handle ``invoke_subgraph``, each active for
-a compiled call only and a no-op where the torch function it wraps does not exist (checked
-on torch 2.11 and 2.15):
+a compiled call only and a no-op where the torch function it wraps does not exist (each
+function's ``checked_on`` record names the torch versions it was checked on):
 
 - :func:`tolerant_subgraph_dedup`: Dynamo's body comparison tolerates placeholders without
   ``example_value`` and per-trace trampolines of one autograd function.
@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable, Iterator
+
+from aotdist._compat._base import checked_on
 
 __all__ = [
     "cached_subgraph_schemas",
@@ -97,11 +99,11 @@ def _tolerant(original: Callable) -> Callable:
     return are_same_graph_modules
 
 
+@checked_on("2.11", "2.14")
 @contextlib.contextmanager
 def tolerant_subgraph_dedup() -> Iterator[None]:
     """Within: Dynamo's subgraph comparison tolerates unused placeholders without
-    ``example_value`` (see the module docstring; checked on torch 2.11 and 2.15); restored
-    on exit. Nested use is a no-op."""
+    ``example_value`` (see the module docstring); restored on exit. Nested use is a no-op."""
     try:
         module = importlib.import_module(_MODULE)
     except ImportError:
@@ -168,10 +170,11 @@ def _memoized(original: Callable, cache: dict) -> Callable:
     return gen_schema
 
 
+@checked_on("2.11", "2.14")
 @contextlib.contextmanager
 def cached_subgraph_schemas() -> Iterator[None]:
     """Within: ``invoke_subgraph``'s ``gen_schema`` is memoized per subgraph, identifier
-    and operand metadata (see the module docstring; checked on torch 2.11 and 2.15), so
+    and operand metadata (see the module docstring), so
     AOTAutograd traces a region body for its schema once, not at every call site; the
     cache is dropped and the method restored on exit. Nested use is a no-op."""
     try:
@@ -190,11 +193,12 @@ def cached_subgraph_schemas() -> Iterator[None]:
         cls.gen_schema = original
 
 
+@checked_on("2.11", "2.14")
 @contextlib.contextmanager
 def recomputable_reductions() -> Iterator[None]:
     """Within: AOTAutograd's min-cut partitioner may recompute reductions in the backward
     (``torch._functorch.config.ban_recompute_reductions = False``; see the module
-    docstring; checked on torch 2.11 and 2.15); restored on exit. A no-op where the option
+    docstring); restored on exit. A no-op where the option
     is missing or already off."""
     try:
         import torch._functorch.config as functorch_config
@@ -208,6 +212,7 @@ def recomputable_reductions() -> Iterator[None]:
         yield
 
 
+@checked_on("2.11", "2.14")
 @contextlib.contextmanager
 def flat_nested_subgraph_refs() -> Iterator[None]:
     """Within: when AOTAutograd's tracer (``PythonKeyTracer``) emits a ``get_attr`` of a
@@ -215,7 +220,7 @@ def flat_nested_subgraph_refs() -> Iterator[None]:
     inside another's: ``repeated_subgraph16.repeated_subgraph1``), the node refers to a
     top-level alias of that module instead; ``create_node`` reads the target back with a
     plain ``getattr``, which raised AttributeError for the dotted name (a region nested in
-    another: timm's LeViT, ResNeXt, FastViT; checked on torch 2.11 and 2.15); restored on
+    another: timm's LeViT, ResNeXt, FastViT); restored on
     exit. Nested use and a torch without the tracer: a no-op."""
     try:
         module = importlib.import_module("torch.fx.experimental.proxy_tensor")
@@ -262,10 +267,11 @@ def _flat_alias(tracer, target: str) -> str:
 _INLINING_DEFERRED: list[bool] = []  # non-empty within single_use_inlining_deferred
 
 
+@checked_on("2.11", "2.14", note="2.11 has no such pass: a no-op there")
 @contextlib.contextmanager
 def single_use_inlining_deferred() -> Iterator[None]:
     """Within: Dynamo leaves a region subgraph that is called once as a call
-    (``inline_single_use_invoke_subgraph`` off: torch 2.14 and 2.15 inline it before the
+    (``inline_single_use_invoke_subgraph`` off: torch 2.14 inlines it before the
     backend sees it; torch 2.11 has no such pass), so that the recording backend sees every
     call site of a region, and calls :func:`inline_single_use_regions` after merging the
     subgraphs that differ only in an input's layout. A no-op where the option does not
@@ -286,9 +292,10 @@ def single_use_inlining_deferred() -> Iterator[None]:
         _INLINING_DEFERRED.pop()
 
 
+@checked_on("2.11", "2.14", note="2.11 has no such pass: a no-op there")
 def inline_single_use_regions(gm) -> None:
     """torch's own inlining of region subgraphs called once, applied to ``gm`` in place
-    where :func:`single_use_inlining_deferred` put it off (torch 2.14, 2.15); else a no-op
+    where :func:`single_use_inlining_deferred` put it off (torch 2.14); else a no-op
     (torch 2.11 has no such pass and inlines nothing)."""
     if not _INLINING_DEFERRED:
         return
@@ -304,13 +311,14 @@ def inline_single_use_regions(gm) -> None:
 _TRACKER = "StorageAliasingTracker"
 
 
+@checked_on("2.11", "2.14", note="needed on 2.11; a no-op on 2.14")
 @contextlib.contextmanager
 def subclass_intermediates_inside() -> Iterator[None]:
     """Within: Dynamo keeps a tensor subclass that a region's body makes (graph-mode FSDP's
     ``Float8TrainingTensor`` of float8-gathered bytes) inside the region. torch 2.11 offers
     every intermediate of an ``invoke_subgraph`` body as a possible extra output and asserts
     each is a ``FakeTensor`` (``_collect_fake_inputs``: "Expected FakeTensor, got
-    Float8TrainingTensor"); 2.14 and 2.15 look inside subclasses and need nothing. An
+    Float8TrainingTensor"); 2.14 looks inside subclasses and needs nothing. An
     intermediate refused this way is one no output may alias, as torch filters them
     already. Restored on exit; a no-op where the tracker does not exist."""
     try:

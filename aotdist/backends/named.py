@@ -51,7 +51,7 @@ def overlap_options() -> dict:
     """Inductor's compute/communication overlap keys, probed on this torch's config.
 
     The overlap scheduler (``aten_distributed_optimizations.enable_overlap_scheduling``,
-    an FX pass that reorders collectives against compute; torch 2.11 and 2.15 have it)
+    an FX pass that reorders collectives against compute; torch 2.11 and 2.14 have it)
     where the key exists, with its FSDP pre-bucketing off where this torch has that key
     (with it, two CPU ranks issued all-gathers of different sizes); otherwise the older
     scheduler-level reordering torchtitan's SimpleFSDP used

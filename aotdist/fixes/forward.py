@@ -132,7 +132,7 @@ def detach_no_grad_outputs(fn: Callable) -> Callable:
     pass-through of a tensor that needs no gradient). Semantically a no-op; it keeps
     AOTAutograd's view of the output consistent with Dynamo's on torch releases whose
     ``InvokeSubgraphAutogradOp`` marks every output as requiring grad (torch 2.11; fixed
-    by pytorch/pytorch#181208, which calls ``mark_non_differentiable``; 2.15 has it).
+    by pytorch/pytorch#181208, which calls ``mark_non_differentiable``; 2.14 has it).
     There, the next call site gets that output as an input requiring grad, the reused
     subgraph's joint graph then wants a tangent the forward metadata did not plan for, and
     AOTAutograd fails with ``outs_to_grad length (2) != tangents length (1)``.
