@@ -23,8 +23,6 @@ from aotdist.fsdp.replaced import record_replaced
 from aotdist.log import get_logger
 from aotdist.regions import RegionPlan, find_regions
 
-__all__ = ["INFO_ATTR", "ParallelizeInfo", "parallelize", "parallelize_info"]
-
 _log = get_logger(__name__)
 
 

@@ -16,8 +16,6 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["made_class", "made_per_process", "pickled_with_region_depth"]
-
 
 def made_class(
     base: type,

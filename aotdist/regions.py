@@ -26,8 +26,6 @@ from torch import nn
 from aotdist._compat.deprecation import positional_after_first_deprecated
 from aotdist.errors import ConfigError
 
-__all__ = ["Region", "RegionPlan", "find_regions", "structural_signature"]
-
 # Containers that have no forward of their own: never a region.
 _NO_FORWARD = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)

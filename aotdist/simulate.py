@@ -27,8 +27,6 @@ from aotdist._compat.distributed import fake_store, fake_tensor_mode
 from aotdist.bench.saved import SavedBytes
 from aotdist.errors import ConfigError
 
-__all__ = ["Collective", "Plan", "plan"]
-
 # optimizer -> float32 state tensors per parameter element
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
 _KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")

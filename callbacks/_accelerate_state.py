@@ -10,8 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["full_state_checkpoints"]
-
 
 class _AlreadyLoaded:
     """Stands in for a model whose state a load hook restored itself: Accelerate's loader

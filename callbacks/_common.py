@@ -19,16 +19,6 @@ from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fsdp import fsdp_modules
 
-__all__ = [
-    "Applied",
-    "ApplyHow",
-    "apply_aotdist",
-    "compile_only_config",
-    "enable_fsdp_for_host",
-    "merge_config",
-    "metric_values",
-]
-
 
 class ApplyHow(StrEnum):
     """How the Lightning callback / Accelerate hook applied aotdist to a model.

@@ -15,13 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "gather_for_save",
-    "inner_optimizer",
-    "load_full_model_state",
-    "shard_loaded_optimizer_state",
-]
-
 _GATHERED = "_aotdist_gathered_state"
 
 

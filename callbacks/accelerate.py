@@ -38,8 +38,6 @@ from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
 from aotdist.fsdp import fsdp_modules, is_fsdp_module, require_process_group
 from aotdist.log import get_logger
 
-__all__ = ["RegionalCompileHook", "prepare"]
-
 _log = get_logger(__name__)
 
 

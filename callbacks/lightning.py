@@ -30,8 +30,6 @@ from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigError
 from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
 
-__all__ = ["RegionalCompile"]
-
 _WRAPPED = "_aotdist_configure_model_wrapped"
 
 

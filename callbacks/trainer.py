@@ -37,8 +37,6 @@ from aotdist.log import get_logger
 
 _log = get_logger("callbacks.trainer")
 
-__all__ = ["TrainerRegionalCompile"]
-
 
 class TrainerRegionalCompile(TrainerCallback):
     """Regional compile for a Hugging Face ``Trainer``, in one line.

@@ -10,8 +10,6 @@ import torch
 
 from aotdist.errors import TorchFeatureUnavailable
 
-__all__ = ["CHECKED_ON", "checked_on"]
-
 # The torch versions CI runs (.ci/run: 2.11.0 and 2.14.1); an accessor names the ones it
 # was checked on with :func:`checked_on`. pyproject.toml admits <2.16, but 2.15 cannot be
 # installed on the CI machines, so it is not listed.

@@ -9,15 +9,6 @@ from torch import nn
 
 from aotdist._compat._base import checked_on
 
-__all__ = [
-    "accelerate_old_forward",
-    "accelerator_state_initialized",
-    "is_accelerate_prepared",
-    "mark_accelerate_prepared",
-    "set_accelerate_old_forward",
-]
-
-
 # --------------------------------------------------------------------- Accelerate
 
 

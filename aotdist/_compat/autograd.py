@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from aotdist._compat._base import attr, checked_on
 
-__all__ = ["in_autograd_backward"]
-
 
 @checked_on("2.11", "2.14")
 def in_autograd_backward() -> bool | None:

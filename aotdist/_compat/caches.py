@@ -12,21 +12,6 @@ from torch import nn
 
 from aotdist._compat._base import attr, checked_on, unavailable
 
-__all__ = [
-    "autograd_cache_off",
-    "cacheable_autograd_functions",
-    "cpp_code_cache_keys",
-    "default_store",
-    "fsdp_params_of",
-    "inductor_cache_dir",
-    "isa_probe_keys",
-    "merge_mega_cache",
-    "remembered_isa_loads",
-    "rerooted_autotune_lookups",
-    "wrap_fx_graph_cache",
-]
-
-
 # --------------------------------------------------------------------- AOTAutograd
 
 

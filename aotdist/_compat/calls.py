@@ -18,15 +18,6 @@ from torch import nn
 
 from aotdist._compat._base import checked_on, unavailable
 
-__all__ = [
-    "CallWrapper",
-    "call_impl",
-    "compiled_call",
-    "set_compiled_call",
-    "unwrap_compiled_call",
-    "wrap_compiled_call",
-]
-
 
 @checked_on("2.11", "2.14")
 def call_impl(model: nn.Module) -> Callable:

@@ -18,8 +18,6 @@ from collections.abc import Callable
 
 from aotdist._compat._base import checked_on
 
-__all__ = ["quiet_checkpoint_notice"]
-
 # checked on torch 2.11 and 2.14.1: the logger of torch._higher_order_ops.wrap, the function
 # that logs the notice, and where it reads the context_fn (gmod.meta) before logging
 _LOGGER = "torch._higher_order_ops.wrap"

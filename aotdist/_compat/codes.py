@@ -15,15 +15,6 @@ import torch
 
 from aotdist._compat._base import attr, checked_on, unavailable
 
-__all__ = [
-    "dynamo_error_types",
-    "is_region_code",
-    "maybe_mark_dynamic",
-    "region_options",
-    "reuse_refusals",
-    "unique_code_function",
-]
-
 _CODE_SERIAL = itertools.count()
 
 

@@ -19,42 +19,6 @@ except ImportError:  # a torch built without distributed support
 
 from aotdist._compat._base import attr, checked_on, unavailable
 
-__all__ = [
-    "aot_eager_parts",
-    "boxed_function",
-    "compilation_metric_fields",
-    "compilation_metrics",
-    "compilation_time_metrics",
-    "compiled_graph_callable",
-    "current_frame_locals",
-    "custom_graph_pass_base",
-    "fake_mode_of",
-    "recorded_writes",
-    "dynamo_config_patch",
-    "dynamo_counters",
-    "functorch_joint_pass",
-    "higher_order_operator_type",
-    "import_compiler_stack",
-    "inductor_compile_fx",
-    "inductor_disable_buffer_reuse",
-    "inductor_joint_post_pass",
-    "inductor_joint_pre_pass",
-    "inductor_post_grad_post_pass",
-    "inductor_buffer_reuse_default",
-    "inductor_takes_pass_lists",
-    "inductor_wrapper",
-    "is_storage_resize",
-    "is_traceable_wrapper_subclass",
-    "lookup_backend",
-    "named_backend_wrapper",
-    "optimized_module_type",
-    "own_tracing_context",
-    "tracing_context",
-    "tree_leaves",
-    "tree_map",
-]
-
-
 # --------------------------------------------------------------------- nn.Module internals
 
 

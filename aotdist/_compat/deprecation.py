@@ -8,8 +8,6 @@ import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["positional_after_first_deprecated"]
-
 F = TypeVar("F", bound=Callable)
 
 

@@ -7,8 +7,6 @@ from typing import Any
 
 from aotdist._compat._base import attr, checked_on, unavailable
 
-__all__ = ["fake_store", "fake_tensor_mode", "is_fake", "storage_id"]
-
 
 @checked_on("2.11", "2.14")
 def fake_store() -> Any:

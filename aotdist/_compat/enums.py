@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["StrEnum"]
-
 
 class StrEnum(str, Enum):
     """A ``str`` enum whose ``str()`` and ``format()`` are its value (as Python 3.11's

@@ -13,8 +13,6 @@ from types import ModuleType
 
 from aotdist.errors import MissingDependencyError
 
-__all__ = ["EXTRAS", "require"]
-
 # top-level module -> the extra that installs it
 EXTRAS = {
     "accelerate": "accelerate",

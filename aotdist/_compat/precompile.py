@@ -29,15 +29,6 @@ from torch import nn
 
 from aotdist._compat._base import attr, checked_on
 
-__all__ = [
-    "PrecompiledFunction",
-    "aot_compile",
-    "precompile_unavailable",
-    "stand_in_parameters",
-    "unsaved_in_guards",
-    "unserializable_guard_types",
-]
-
 _saving = False  # inside aot_compile: see unsaved_in_guards
 
 

@@ -23,16 +23,6 @@ from collections.abc import Callable, Iterator
 
 from aotdist._compat._base import checked_on
 
-__all__ = [
-    "cached_subgraph_schemas",
-    "flat_nested_subgraph_refs",
-    "inline_single_use_regions",
-    "recomputable_reductions",
-    "single_use_inlining_deferred",
-    "subclass_intermediates_inside",
-    "tolerant_subgraph_dedup",
-]
-
 _MODULE = "torch._dynamo.variables.higher_order_ops"
 _NAME = "are_same_graph_modules"
 

@@ -24,15 +24,6 @@ from aotdist.backends.named import add_joint_pass, inductor_options
 from aotdist.backends.recompute import boundaries_saved
 from aotdist.backends.regional import regional_inner_compile
 
-__all__ = [
-    "REBUILT",
-    "aot_backend",
-    "backend_name",
-    "fix_storage_resizes",
-    "resolve_conjugate_inputs",
-    "storage_resized_inputs",
-]
-
 # on_graph(gm, kind) with kind "forward", "backward" or "inference"
 GraphHook = Callable[[torch.fx.GraphModule, str], None]
 

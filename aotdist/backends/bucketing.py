@@ -24,15 +24,6 @@ import torch
 
 from aotdist import _compat
 
-__all__ = [
-    "bucket_collectives",
-    "bucketing_aot_eager",
-    "bucketing_pass",
-    "count_collectives",
-    "graphs_observed",
-    "is_bucketing_pass",
-]
-
 _DONE = "aotdist_bucketed"
 
 

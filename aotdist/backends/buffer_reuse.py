@@ -20,8 +20,6 @@ import torch
 
 from aotdist import _compat
 
-__all__ = ["AliasReport", "forward_aliased_outputs", "reuse_pass"]
-
 
 @dataclass
 class AliasReport:

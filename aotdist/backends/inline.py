@@ -15,8 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["inline_backend", "inline_regions"]
-
 
 def _calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [

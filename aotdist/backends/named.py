@@ -20,15 +20,6 @@ from aotdist.errors import ConfigError, ConfigWarning, RegionCompileWarning
 from aotdist.log import rank_zero_warn
 from aotdist.version import __version__
 
-__all__ = [
-    "add_joint_pass",
-    "make_backend",
-    "graph_fsdp_backend",
-    "inductor_options",
-    "overlap_options",
-]
-
-
 _REUSE_PASS_ON = [True]
 
 

@@ -25,16 +25,6 @@ import torch
 
 from aotdist import _compat
 
-__all__ = [
-    "boundaries_pass",
-    "boundaries_saved",
-    "is_recompute_pass",
-    "recompute_pass",
-    "save_checkpoint_boundaries",
-    "saving_checkpoint_boundaries",
-    "tag_index_derived",
-]
-
 _aten = torch.ops.aten
 _CHEAP = {
     _aten.full.default,

@@ -36,18 +36,6 @@ from aotdist.errors import RegionCaptureError, RegionCompileWarning, exception_c
 from aotdist.fixes import run_graph_passes
 from aotdist.log import rank_zero_warn
 
-__all__ = [
-    "DryRunDone",
-    "GraphRecord",
-    "RecordingBackend",
-    "append_record",
-    "graph_log_cursor",
-    "module_path_to_fqn",
-    "records_since",
-    "stack_regions",
-    "submodule",
-]
-
 # Every RecordingBackend appends here, so track() can see graphs compiled in its window;
 # readers hold a cursor (graph_log_cursor) and ask for the records since (records_since).
 _GRAPH_LOG: list[GraphRecord] = []

@@ -29,15 +29,6 @@ from aotdist.config.validation import did_you_mean
 from aotdist.errors import ConfigError, ConfigWarning
 from aotdist.log import rank_zero_warn
 
-__all__ = [
-    "OUTER_MODES",
-    "RegionBody",
-    "compile_region_bodies",
-    "configured_outer",
-    "regional_inner_compile",
-    "resolve_outer",
-]
-
 _GRAPHED_MODES = ("reduce-overhead", "max-autotune")  # CUDA graphs: one graph, lowered
 _OVERLAP_KEYS = (
     "aten_distributed_optimizations.enable_overlap_scheduling",

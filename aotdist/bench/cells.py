@@ -19,19 +19,6 @@ from dataclasses import dataclass
 
 from aotdist.errors import ConfigError
 
-__all__ = [
-    "ALL_STRATEGIES",
-    "FULL_JOB",
-    "MAIN_JOB",
-    "QUICK_JOB",
-    "WARM_SUFFIX",
-    "Case",
-    "JobSettings",
-    "SubBench",
-    "interleave",
-    "plan_cases",
-]
-
 ALL_STRATEGIES = ("eager", "full", "accelerate", "per_block", "aotdist")
 WARM_SUFFIX = "+warm"  # --strategies full+warm: the cell also times a warm restart
 

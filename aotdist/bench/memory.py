@@ -14,8 +14,6 @@ from __future__ import annotations
 import resource
 import sys
 
-__all__ = ["MemoryProbe"]
-
 
 def _status_kib(field: str) -> int | None:
     try:

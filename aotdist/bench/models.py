@@ -15,8 +15,6 @@ from aotdist._compat.extras import require
 from aotdist.errors import ConfigError, MissingDependencyError
 from aotdist.testing.models import TinyGPT
 
-__all__ = ["MODELS", "build_bench_model", "describe_model", "synthetic_batch", "training_loss"]
-
 MODELS = {
     "gpt": "TinyGPT (aotdist.testing): dim 32, 2 heads, seq 16, vocab 64; blocks in a ModuleList",
     "vit": "torchvision VisionTransformer: image 32, patch 8, hidden 32, MLP 64, 2 heads, "

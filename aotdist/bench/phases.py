@@ -19,8 +19,6 @@ from collections.abc import Callable
 
 from aotdist import _compat
 
-__all__ = ["PROFILED_STEPS", "PhaseTimer", "profile_first_step", "profile_steady_steps"]
-
 PROFILED_STEPS = 5  # steady steps under torch.profiler (every rank runs them)
 
 # dynamo_timed sections the split reports (name in the report -> section)

@@ -15,23 +15,12 @@ import statistics
 from pathlib import Path
 
 from aotdist.bench.stats import (
-    TARGETS,
     compute_ratios,
     evaluate_targets,
     group_of,
     summarize_cells,
 )
 from aotdist.bench.timeto import time_to_steps
-
-__all__ = [
-    "TARGETS",
-    "compute_ratios",
-    "evaluate_targets",
-    "group_of",
-    "load_snapshot",
-    "machine_description",
-    "write_report",
-]
 
 
 def load_snapshot() -> dict:

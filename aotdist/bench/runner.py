@@ -32,8 +32,6 @@ from aotdist.bench.phases import (
     profile_steady_steps,
 )
 
-__all__ = ["measure", "measure_paired", "main"]
-
 RESULT_PREFIX = "AOTDIST_RESULT "
 PHASE_PREFIX = "AOTDIST_PHASE "
 

@@ -23,8 +23,6 @@ import torch
 from aotdist import _compat
 from aotdist._compat.distributed import storage_id
 
-__all__ = ["SavedBytes"]
-
 
 def _storages(t: torch.Tensor) -> Iterable[torch.UntypedStorage]:
     if _compat.is_traceable_wrapper_subclass(t):

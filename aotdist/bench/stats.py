@@ -15,19 +15,6 @@ import math
 import operator
 import statistics
 
-__all__ = [
-    "FIGURES",
-    "PEERS",
-    "TARGETS",
-    "compute_ratios",
-    "evaluate_targets",
-    "fresh_start_s",
-    "group_of",
-    "restart_s",
-    "summarize_cells",
-    "verdict",
-]
-
 # The peers aotdist is measured against: every compiling strategy that is not aotdist's.
 PEERS = ("full", "accelerate", "per_block", "repeated_blocks")
 

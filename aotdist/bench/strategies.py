@@ -23,15 +23,6 @@ from aotdist._compat.extras import require
 from aotdist.bench.stats import WHOLE_MODEL_NOTE
 from aotdist.errors import ConfigError
 
-__all__ = [
-    "CUDA_GRAPH_MODES",
-    "STRATEGIES",
-    "Setup",
-    "Strategy",
-    "get_strategy",
-    "register_strategy",
-]
-
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # Inductor's modes with CUDA graphs
 
 

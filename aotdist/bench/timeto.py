@@ -17,15 +17,6 @@ import statistics
 
 from aotdist.bench.stats import PEERS, group_of
 
-__all__ = [
-    "HORIZONS",
-    "SUBJECTS",
-    "WARM_HORIZON",
-    "WARM_SUBJECTS",
-    "crossover_steps",
-    "time_to_steps",
-]
-
 HORIZONS = (100, 1_000, 10_000)  # the N of T(N)
 WARM_HORIZON = 100
 SUBJECTS = ("aotdist", "aotdist+lowered")  # aotdist's cold strategies, each against the peers

@@ -16,17 +16,6 @@ import torch
 from aotdist import _compat
 from aotdist.cache.bundle import encode, write_atomic
 
-__all__ = [
-    "CPU_ENTRY",
-    "ENTRY_PREFIX",
-    "cpu_signature",
-    "install",
-    "isa_probe_files",
-    "kernel_files",
-    "mega_bytes",
-    "pack",
-]
-
 
 def kernel_files() -> dict[str, bytes]:
     """Files of the C++ kernels this process compiled or loaded, by path in the cache dir

@@ -15,8 +15,6 @@ import stat
 import struct
 import tempfile
 
-__all__ = ["FORMAT", "MAGIC", "check_safe", "decode", "encode", "write_atomic"]
-
 MAGIC = b"AOTDIST-CACHE\n"
 FORMAT = 1
 

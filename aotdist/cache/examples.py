@@ -18,8 +18,6 @@ from aotdist.compile.frames import frame_example
 from aotdist.compile.guard import CallModes, compiled_graphs, is_training
 from aotdist.compile.state import CacheRecord, CompiledCall, CompileMode, RegionState
 
-__all__ = ["EvalExample", "eval_pending", "record", "release_examples", "watches_eval"]
-
 
 @dataclass
 class EvalExample:

@@ -11,8 +11,6 @@ from torch import nn
 from aotdist.backends.recording import GraphRecord, RecordingBackend, append_record
 from aotdist.errors import CacheWarning
 
-__all__ = ["Precompiled"]
-
 
 class Precompiled:
     """The loaded graphs on a model: runs a call one covers, else says why not."""

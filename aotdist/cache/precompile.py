@@ -37,8 +37,6 @@ from aotdist.fsdp.graph import local_shards
 from aotdist.log import get_logger
 from aotdist.per_process import made_per_process, pickled_with_region_depth
 
-__all__ = ["ENTRY", "Precompiled", "attach", "build", "guard_filter", "unavailable_reason"]
-
 _log = get_logger(__name__)
 
 ENTRY, RECORDS, SKIPPED = (

@@ -22,8 +22,6 @@ from aotdist.cache.artifacts import install, pack
 from aotdist.cache.bundle import decode
 from aotdist.errors import CacheWarning
 
-__all__ = ["CompileSharing"]
-
 _GENERATION = itertools.count()
 
 

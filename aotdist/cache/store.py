@@ -39,16 +39,6 @@ from aotdist.log import get_logger, rank_zero_warn
 from aotdist.regions import RegionPlan
 from aotdist.version import __version__
 
-__all__ = [
-    "STATE_ATTR",
-    "CacheLoad",
-    "CacheStatus",
-    "cache_key",
-    "load",
-    "save",
-    "save_after_first_step",
-]
-
 _log = get_logger(__name__)
 
 STATE_ATTR = "_aotdist_cache"

@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["GraphCapture", "analyse_graph", "classify_desc", "name_code", "tensor_info"]
-
 # Dynamo-level names of a graph's flat inputs: PlainAOTInput idx -> (kind, name)
 InputNames = dict[int, tuple[str, str]]
 

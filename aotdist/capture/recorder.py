@@ -27,8 +27,6 @@ from aotdist.capture.graphs import GraphCapture, analyse_graph, tensor_info
 from aotdist.capture.report import Capture
 from aotdist.fsdp import fsdp_params
 
-__all__ = ["Recorder"]
-
 
 @dataclass
 class _DynamoGraph:

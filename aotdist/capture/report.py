@@ -17,8 +17,6 @@ from aotdist.capture.graphs import GraphCapture
 from aotdist.compile.state import CompileMode
 from aotdist.metrics import CompileMetrics
 
-__all__ = ["Capture", "RegionCapture"]
-
 
 @dataclass
 class RegionCapture:

@@ -20,19 +20,6 @@ from torch import nn
 
 from aotdist.check.tiny_config import hf_config, text_config
 
-__all__ = [
-    "FAMILIES",
-    "Family",
-    "causal_lm_types",
-    "classification_loss",
-    "family",
-    "hf_family",
-    "loss_of",
-    "stochastic_depth",
-    "torchvision_family",
-    "without_randomness",
-]
-
 
 @dataclass(frozen=True)
 class Family:

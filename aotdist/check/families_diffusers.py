@@ -17,8 +17,6 @@ import torch
 
 from aotdist.check.families import Family
 
-__all__ = ["DIFFUSERS_MODELS", "diffusers_family", "sample_loss"]
-
 
 def sample_loss(output: Any) -> torch.Tensor:
     """The mean square of a denoiser's prediction: the output's ``sample`` (a tuple: its

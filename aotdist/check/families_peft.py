@@ -17,8 +17,6 @@ import torch
 
 from aotdist.check.families import FAMILIES, Family, hf_family
 
-__all__ = ["ATTENTION_PROJECTIONS", "LORA", "PEFT_MODELS", "peft_family"]
-
 # The adapter's settings (peft.LoraConfig's keywords), the attention projections aside.
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.05, "task_type": "CAUSAL_LM"}
 

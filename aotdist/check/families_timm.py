@@ -14,8 +14,6 @@ import torch
 
 from aotdist.check.families import Family, classification_loss
 
-__all__ = ["TIMM_MODELS", "timm_family"]
-
 
 def timm_family(
     arch: str,

@@ -16,8 +16,6 @@ from torch import nn
 from aotdist.check.families import Family
 from aotdist.errors import first_line
 
-__all__ = ["TITAN_MIN_TORCH", "TITAN_MODELS", "titan_family", "titan_unavailable"]
-
 
 def _titan_tiny(name: str):
     """A torchtitan model config at a tiny size: its debug flavor's own code and layer

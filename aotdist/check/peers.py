@@ -20,8 +20,6 @@ from aotdist.check.rounding import as_float64, only_rounding, rounding_errors
 from aotdist.check.steps import Run, train
 from aotdist.errors import first_line
 
-__all__ = ["declares_repeated_blocks", "train_repeated_blocks"]
-
 
 def declares_repeated_blocks(model: nn.Module) -> bool:
     """Whether ``model`` has diffusers' ``compile_repeated_blocks`` and names blocks for it."""

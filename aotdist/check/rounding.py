@@ -21,8 +21,6 @@ from torch import nn
 
 from aotdist.compile.verify import compare_grads
 
-__all__ = ["as_float64", "describe", "only_rounding", "rounding_errors"]
-
 
 def as_float64(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
     """A float64 copy of ``model``, and ``inputs`` with their floating tensors in float64."""

@@ -37,8 +37,6 @@ from aotdist.compile.verify import tolerance
 from aotdist.config import FSDP_MODES
 from aotdist.errors import first_line
 
-__all__ = ["FAILING", "STEPS", "CheckResult", "check_family", "check_fsdp"]
-
 STEPS = 3  # SGD steps each way: a wrong buffer update shows in the next step's loss
 
 # Statuses that fail ``aotdist check`` (non-zero exit) and the zoo's test.

@@ -15,8 +15,6 @@ from aotdist.check.families_peft import PEFT_MODELS, peft_family
 from aotdist.check.families_timm import TIMM_MODELS, timm_family
 from aotdist.check.families_titan import titan_family
 
-__all__ = ["resolve"]
-
 
 def resolve(spec: str) -> Family:
     """A family from a spec: a name in :data:`FAMILIES`, ``hf:TYPE`` (a ``transformers``

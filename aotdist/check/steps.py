@@ -13,8 +13,6 @@ from torch import nn
 from aotdist.check.families import Family
 from aotdist.compile.verify import compare_grads
 
-__all__ = ["LR", "Diff", "Run", "grad_diff", "run_step", "train"]
-
 LR = 0.05
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-__all__ = ["TINY", "hf_config", "text_config"]
-
 # Config attributes that set the size of a transformers model, and their tiny values.
 # Only those a config has are set; a family's own overrides come after.
 TINY = {

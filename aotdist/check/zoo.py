@@ -20,15 +20,6 @@ from aotdist.check.families_timm import TIMM_MODELS
 from aotdist.check.families_titan import TITAN_MODELS
 from aotdist.check.runner import FAILING, STEPS, CheckResult
 
-__all__ = [
-    "SOURCES",
-    "default_memory_limit_gb",
-    "limit_memory",
-    "render",
-    "run_zoo",
-    "source_specs",
-]
-
 # Families the zoo also checks under FSDP2 hooks mode on 2 ranks: dense, MoE, encoder, and
 # dense with transformers' default KV cache (use_cache=True: each layer compiles anew, named).
 FSDP_FAMILIES = ("llama", "qwen3_moe", "bert", "llama+cache")

@@ -15,8 +15,6 @@ import sys
 from aotdist.cli import parser as cli
 from aotdist.cli.errors import UsageError
 
-__all__ = ["register"]
-
 
 def _run(args: argparse.Namespace) -> int:
     from aotdist.bench import MAIN_SETTINGS, QUICK_SETTINGS, plan_cases, run_bench

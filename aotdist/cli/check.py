@@ -16,8 +16,6 @@ import sys
 from aotdist.cli import parser as cli
 from aotdist.cli.errors import UsageError, import_factory, user_code
 
-__all__ = ["register"]
-
 
 def _check(args: argparse.Namespace) -> int:
     import json

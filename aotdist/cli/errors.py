@@ -13,17 +13,6 @@ import os
 import sys
 import traceback
 
-__all__ = [
-    "DEBUG_ENV",
-    "UsageError",
-    "UserCodeError",
-    "debugging",
-    "import_factory",
-    "screen",
-    "set_debug",
-    "user_code",
-]
-
 DEBUG_ENV = "AOTDIST_DEBUG"  # set (not "0") to see tracebacks instead of one screen
 _debug = False  # --debug or DEBUG_ENV: errors propagate as they are
 

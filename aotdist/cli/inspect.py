@@ -14,8 +14,6 @@ import warnings
 from aotdist.cli import parser as cli
 from aotdist.cli.errors import import_factory, user_code
 
-__all__ = ["build", "inspect_rank", "register"]
-
 DEFAULT_TIMEOUT_S = 300.0  # the ranks' start-up, one captured step and the save
 
 

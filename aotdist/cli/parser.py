@@ -18,25 +18,6 @@ from typing import Any
 
 from aotdist.cli.errors import DEBUG_ENV, UsageError
 
-__all__ = [
-    "HelpFormatter",
-    "add_backend",
-    "add_command",
-    "add_float8",
-    "add_fsdp_mode",
-    "add_memory_limit",
-    "add_old_spelling",
-    "add_out",
-    "add_ranks",
-    "add_timeout",
-    "csv",
-    "default_of",
-    "fsdp_modes",
-    "ints",
-    "mesh",
-    "resolve_ranks",
-]
-
 
 def default_of(fn: Callable[..., Any], name: str) -> Any:
     """The default of ``fn``'s keyword ``name``: what runs when the flag is not given."""

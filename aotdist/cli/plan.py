@@ -10,8 +10,6 @@ import sys
 from aotdist.cli import parser as cli
 from aotdist.cli.errors import import_factory, user_code
 
-__all__ = ["register"]
-
 
 def _builder(args: argparse.Namespace):
     """``build() -> (model, inputs)`` for the model the user named, sized as asked."""

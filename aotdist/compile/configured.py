@@ -20,8 +20,6 @@ from aotdist.config import AOTDistConfig, as_config
 from aotdist.fsdp.modes import sharding_for
 from aotdist.regions import RegionPlan
 
-__all__ = ["compile_from_config"]
-
 
 def compile_from_config(
     model: nn.Module,

@@ -24,8 +24,6 @@ from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.errors import RegionCompileWarning
 from aotdist.log import rank_zero_warn
 
-__all__ = ["FrameExample", "TensorMeta", "compile_frames", "frame_example"]
-
 
 def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
     """Installs one compiled forward per region and the first-forward check.

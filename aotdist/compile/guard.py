@@ -30,17 +30,6 @@ from aotdist.fixes import COMPILE, dynamo_patches
 from aotdist.fsdp import fsdp_modules
 from aotdist.log import get_logger, rank_zero_info, rank_zero_warn
 
-__all__ = [
-    "CallModes",
-    "RefusedModuleCompile",
-    "RegionGuardedCall",
-    "compiled_graphs",
-    "is_training",
-    "mark_dynamic_inputs",
-    "outer_compile_error",
-    "replay_outcomes",
-]
-
 _log = get_logger(__name__)
 
 

@@ -18,8 +18,6 @@ from aotdist.compile.marking import apply_region_class, unmark_region
 from aotdist.compile.state import RegionState
 from aotdist.errors import exception_chain
 
-__all__ = ["Trials"]
-
 _CLONE = "clone_aliasing_outputs"
 
 

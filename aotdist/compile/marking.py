@@ -25,8 +25,6 @@ from aotdist.fixes import INSIDE, OUTSIDE, apply_fixes, restore_fixes, wrap_forw
 from aotdist.per_process import made_class
 from aotdist.regions import RegionPlan, find_regions
 
-__all__ = ["is_compiled", "mark_regions", "unmark_regions"]
-
 
 def copy_function(fn: Callable, *, new_code: bool = False) -> types.FunctionType:
     """A fresh function object with ``fn``'s code, so marking never writes attributes on it.

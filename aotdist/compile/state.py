@@ -20,16 +20,6 @@ from torch import nn
 from aotdist.fsdp.modes import CompileMode  # the sharding answers it; re-exported here
 from aotdist.regions import RegionPlan
 
-__all__ = [
-    "INFO_ATTR",
-    "STATE_ATTR",
-    "CacheRecord",
-    "CallWatcher",
-    "CompileMode",
-    "CompiledCall",
-    "RegionState",
-]
-
 STATE_ATTR = "_aotdist_state"
 INFO_ATTR = "_aotdist_parallelized"  # aotdist.parallelize's ParallelizeInfo
 

@@ -18,8 +18,6 @@ from aotdist.compile.state import RegionState
 from aotdist.errors import RegionCompileWarning
 from aotdist.log import rank_zero_warn
 
-__all__ = ["differing_attributes", "distinct_meshes", "report_reuse"]
-
 _SCALARS = (bool, int, float, str, type(None))
 
 

@@ -28,8 +28,6 @@ from aotdist.compile.state import RegionState
 from aotdist.errors import RegionMismatchError
 from aotdist.log import get_logger
 
-__all__ = ["Comparison", "compare_grads", "first_step_check", "install_frames_check", "tolerance"]
-
 _log = get_logger(__name__)
 
 

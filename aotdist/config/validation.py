@@ -15,8 +15,6 @@ from typing import Any
 
 from aotdist.errors import ConfigError
 
-__all__ = ["Section", "did_you_mean", "problems_message"]
-
 
 def _type_problem(value: Any, hint: Any) -> str | None:
     """Why ``value`` does not fit the annotation ``hint`` (the few kinds configs use)."""

@@ -24,8 +24,6 @@ from torch import nn
 from aotdist import _compat
 from aotdist.per_process import made_class
 
-__all__ = ["restore", "swap", "update_op"]
-
 _LIB = "aotdist::update_batch_norm_stats"
 
 

@@ -24,8 +24,6 @@ from torch import nn
 from aotdist.fixes import droppath_reference as reference
 from aotdist.per_process import made_class
 
-__all__ = ["restore", "same_code", "swap"]
-
 _KEEP = "_aotdist_keep"  # the buffer: 1 - rate
 
 

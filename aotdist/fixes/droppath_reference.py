@@ -11,8 +11,6 @@ constants must stay as the libraries wrote them; docstrings are left out.
 # fmt: off
 import torch
 
-__all__ = ["timm_drop_path", "torchvision_stochastic_depth", "transformers_drop_path_forward"]
-
 _log_api_usage_once = Tensor = None  # names the copies read; never called
 
 

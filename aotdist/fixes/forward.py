@@ -20,17 +20,6 @@ from torch.utils.checkpoint import checkpoint
 
 from aotdist import _compat
 
-__all__ = [
-    "INSIDE",
-    "OUTSIDE",
-    "ForwardFix",
-    "checkpointed",
-    "clone_aliasing_outputs",
-    "contiguous_stream",
-    "dealiased_inputs",
-    "detach_no_grad_outputs",
-]
-
 INSIDE, OUTSIDE = "inside", "outside"
 
 

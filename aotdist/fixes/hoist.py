@@ -25,8 +25,6 @@ from torch import fx
 from aotdist import _compat
 from aotdist.log import get_logger
 
-__all__ = ["hoist_buffer_updates"]
-
 _log = get_logger(__name__)
 _IN_PLACE_OPERATORS = {
     operator.iadd: "add_",

@@ -24,8 +24,6 @@ from torch import fx
 from aotdist import _compat
 from aotdist.log import get_logger
 
-__all__ = ["merge_layout_variants"]
-
 _log = get_logger(__name__)
 # ops whose result depends on an input's memory, not only on its values
 _MEMORY_READERS = ("as_strided", "storage", "data_ptr", "stride", "view_as_real")

@@ -34,19 +34,6 @@ from aotdist.per_process import made_class
 from aotdist.regions import RegionPlan, find_regions
 from aotdist.version import __version__
 
-__all__ = [
-    "FLOAT8_SCALE",
-    "GatherSpec",
-    "ShardedCall",
-    "check_graph_config",
-    "graph_plan",
-    "float8_gathered",
-    "local_shards",
-    "refresh_float8_scales",
-    "shard_graph",
-    "sharded_call",
-]
-
 FLOAT8_SCALE = "aotdist_float8_scale"  # a Float8Linear's weight scale (non-persistent buffer)
 
 

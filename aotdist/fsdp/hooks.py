@@ -17,16 +17,6 @@ from aotdist.config import FSDPConfig, torch_dtype
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan
 
-__all__ = [
-    "check_not_sharded",
-    "default_mesh",
-    "fsdp_modules",
-    "fsdp_params",
-    "is_fsdp_module",
-    "require_process_group",
-    "shard",
-]
-
 
 def is_fsdp_module(module: nn.Module) -> bool:
     """Whether ``fully_shard`` (FSDP2) was applied to ``module`` itself."""

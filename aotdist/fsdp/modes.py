@@ -33,18 +33,6 @@ from aotdist.fsdp.hooks import check_not_sharded, fsdp_mesh, fsdp_modules, shard
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan
 
-__all__ = [
-    "SHARDING_ATTR",
-    "CompileMode",
-    "GraphSharding",
-    "HooksSharding",
-    "NoSharding",
-    "Sharding",
-    "record_sharding",
-    "sharding_for",
-    "sharding_of",
-]
-
 SHARDING_ATTR = "_aotdist_sharding"  # the Sharding that parallelize sharded a model with
 
 

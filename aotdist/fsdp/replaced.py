@@ -19,8 +19,6 @@ from torch import nn
 
 from aotdist.errors import OrderingError
 
-__all__ = ["record_replaced"]
-
 _REPLACED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> old param
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers already checked
 _hook = None

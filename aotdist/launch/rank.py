@@ -23,8 +23,6 @@ import torch.distributed as dist
 
 from aotdist.launch.teardown import exit_without_teardown
 
-__all__ = ["rank_main"]
-
 
 def _die_with_parent(parent_pid: int) -> None:
     """On Linux, have the kernel kill this rank if the parent dies (no orphans)."""

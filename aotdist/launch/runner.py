@@ -29,8 +29,6 @@ import torch
 from aotdist.errors import ConfigError, DistributedTestError, DistributedTimeoutError
 from aotdist.launch.rank import rank_main
 
-__all__ = ["START_ENV", "free_port", "run_distributed"]
-
 # "forkserver": ranks are forked from a server process that imported torch and aotdist
 # once (start-up in well under a second instead of seconds); anything else: spawn.
 START_ENV = "AOTDIST_RANK_START"

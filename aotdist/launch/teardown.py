@@ -19,8 +19,6 @@ import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["exit_without_teardown"]
-
 
 def exit_without_teardown(code: int = 0) -> NoReturn:
     """Ends this process with ``code`` after its work, skipping interpreter finalization.

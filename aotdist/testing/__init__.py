@@ -2,7 +2,7 @@
 multi-process runner, and the data-parallel training steps and eager references the
 multi-rank tests compare."""
 
-from aotdist.testing.distributed import (
+from aotdist.launch import (
     DistributedTestError,
     DistributedTimeoutError,
     free_port,

@@ -1,25 +1,10 @@
-"""The multi-process runner, re-exported for tests (it lives in :mod:`aotdist.launch`), and
-process groups in the test's own process: one gloo rank, or a fake world of several."""
+"""Process groups in the test's own process: one gloo rank, or a fake world of several
+(the multi-process runner is :mod:`aotdist.launch`'s, on :mod:`aotdist.testing`'s face)."""
 
 import contextlib
 from collections.abc import Iterator
 
 from aotdist._compat.distributed import fake_store
-from aotdist.launch import (
-    DistributedTestError,
-    DistributedTimeoutError,
-    free_port,
-    run_distributed,
-)
-
-__all__ = [
-    "DistributedTestError",
-    "DistributedTimeoutError",
-    "fake_world",
-    "free_port",
-    "one_rank_group",
-    "run_distributed",
-]
 
 
 @contextlib.contextmanager

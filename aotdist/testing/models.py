@@ -13,20 +13,6 @@ from torch import nn
 
 from aotdist.errors import ConfigError
 
-__all__ = [
-    "AliasingBlock",
-    "AliasingNet",
-    "BasicBlock",
-    "CountingBlock",
-    "EncoderBlock",
-    "GPTBlock",
-    "TinyGPT",
-    "TinyResNet",
-    "TinyViT",
-    "build_model",
-    "example_inputs",
-]
-
 
 class Attention(nn.Module):
     """Multi-head self-attention on ``scaled_dot_product_attention``."""

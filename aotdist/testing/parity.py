@@ -7,8 +7,6 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["assert_parity", "assert_training_parity", "forward_backward"]
-
 
 def forward_backward(model: nn.Module, args: Sequence, loss_fn: Callable | None = None):
     """Runs forward and backward; returns (output, {param name: grad})."""

@@ -14,16 +14,6 @@ from torch import nn
 
 from aotdist.testing.models import build_model, example_inputs
 
-__all__ = [
-    "accumulate_grads",
-    "accumulated_reference",
-    "lm_loss",
-    "rank_batches",
-    "rank_step",
-    "record_logs",
-    "train_steps",
-]
-
 
 def rank_batches(
     model: nn.Module, *, world_size: int, steps: int, batch_per_rank: int = 2, seed: int = 1

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from aotdist.errors import AOTDistError, ConfigError
-from aotdist.testing.distributed import (
+from aotdist.testing import (
     DistributedTestError,
     DistributedTimeoutError,
     free_port,

@@ -1,7 +1,8 @@
 """The package's seams and words: what a newcomer meets first stays readable.
 
-Private names stay private to their module, ``__all__`` lists public names only, the core
-has few top-level entries, module docstrings say what and why in a few lines, and
+Internal helpers keep their leading underscore (shared inside the package, never outside
+it), ``__all__`` lives only on a face and lists public names only, the core has few
+top-level entries, module docstrings say what and why in a few lines, and
 nothing a user reads carries an issue number of this project.
 """
 
@@ -15,6 +16,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"aotdist": ROOT / "aotdist", "aotdist.callbacks": ROOT / "callbacks"}
+# Modules that are faces though not a package's __init__ (each package's __init__ is the
+# face of its package): what users and the integrations import (test_architecture's
+# PUBLIC_FACES). Every other module is internal and carries no __all__.
+LEAF_FACES = ("aotdist.errors", "aotdist.float8", "aotdist.log", "aotdist.metrics")
+# Code outside the package: it uses aotdist's public names only.
+OUTSIDE = [ROOT / "callbacks", ROOT / "recipes", ROOT / "scripts"]
 # Smoke alarms for neglect, not targets (add a package by concept before nearing them).
 MAX_TOP_LEVEL = 25
 MAX_MODULE_DOCSTRING = 15  # lines: what and why; measurements and narratives go to docs/
@@ -65,13 +72,32 @@ def test_private_import_detector_sees_a_private_name():
     assert _private_imports("from aotdist import _compat\n") == []
 
 
-def test_no_private_name_imported_across_library_modules():
+def test_no_private_name_imported_from_outside_the_package():
+    """Inside aotdist a helper shared by two modules keeps its underscore; code outside
+    it (the integrations, the recipes, the scripts) uses public names only."""
     bad = {
         str(p.relative_to(ROOT)): f
-        for p in _modules().values()
+        for folder in OUTSIDE
+        for p in sorted(folder.rglob("*.py"))
         if (f := _private_imports(p.read_text()))
     }
-    assert not bad, f"rename what is really shared (a public name), or keep it local: {bad}"
+    assert not bad, f"outside the package, import public names only: {bad}"
+
+
+def test_dunder_all_detector_reads_the_list():
+    assert _dunder_all("import os\n__all__ = ['a', 'b']\n") == ["a", "b"]
+    assert _dunder_all("def f():\n    __all__ = ['a']\n") == []  # a module's, not a function's
+
+
+def test_dunder_all_only_on_faces():
+    """An internal module's names are not an API: no ``__all__`` to make them look like one."""
+    modules = _modules()
+    faces = {m for m, p in modules.items() if p.name == "__init__.py"} | set(LEAF_FACES)
+    assert set(LEAF_FACES) <= set(modules), set(LEAF_FACES) - set(modules)
+    bad = sorted(m for m, p in modules.items() if m not in faces and _dunder_all(p.read_text()))
+    assert not bad, f"internal modules with an __all__ (drop it, or make the module a face): {bad}"
+    missing = sorted(m for m in LEAF_FACES if not _dunder_all(modules[m].read_text()))
+    assert not missing, f"faces without an __all__: {missing}"
 
 
 def test_no_private_name_in_any_dunder_all():
