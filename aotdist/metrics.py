@@ -268,7 +268,7 @@ def _precompiled_calls(model: nn.Module | None) -> int:
 
 def _saved_graphs(state) -> list:
     """The saved graphs a model loaded from its cache bundle (whole model, or per frame)."""
-    rec = state.cache
+    rec = state.hooks.cache
     if rec is None:  # no cache configured
         return []
     return [s for s in (rec.precompiled, *rec.frame_precompiled.values()) if s is not None]
@@ -310,11 +310,11 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
     if state is not None:
         for region in state.plan:
             metrics.regions[region.name] = RegionStats(instances=region.count)
-        metrics.mode = state.mode
-        metrics.fixes = dict(state.fixes)
-        metrics.demoted = dict(state.demoted)
-        metrics.eager = dict(state.eager)
-        metrics.reuse = dict(state.reuse)
+        metrics.mode = state.settings.mode
+        metrics.fixes = dict(state.applied.fixes)
+        metrics.demoted = dict(state.applied.demoted)
+        metrics.eager = dict(state.log.eager)
+        metrics.reuse = dict(state.log.reuse)
         metrics.precompile_misses = [
             miss for saved in _saved_graphs(state) for miss in saved.misses
         ]
@@ -347,15 +347,18 @@ def _fill_regions(metrics: CompileMetrics, model: nn.Module | None, records) -> 
         metrics.regions[name].subgraphs = len(ids)
     for name, fqns in inlined.items():
         metrics.regions.setdefault(name, RegionStats(instances=0)).inlined = len(fqns)
-    if state is not None and state.mode == CompileMode.FRAMES:
+    if state is not None and state.settings.mode == CompileMode.FRAMES:
         # Each region is its own compiled function: its call sites are the instances that
         # ran it (since compile), its distinct graphs the frames compiled for it.
         for name, st in metrics.regions.items():
-            st.call_sites = len(state.frame_calls.get(name, ()))
+            st.call_sites = len(state.log.frame_calls.get(name, ()))
             st.subgraphs = st.standalone_graphs
     elif state is not None and seen:  # a window that compiled the model's graph
         for region in state.plan:
-            if region.name in metrics.regions and region.name not in (*state.demoted, *state.eager):
+            if region.name in metrics.regions and region.name not in (
+                *state.applied.demoted,
+                *state.log.eager,
+            ):
                 unseen = tuple(f for f in region.fqns if f not in seen)
                 metrics.regions[region.name].unseen = unseen
 

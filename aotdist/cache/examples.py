@@ -1,8 +1,8 @@
 """The calls a save traces again: the cache's record on a model, and its call watcher.
 
 :func:`record` gives a compiled model's :class:`~aotdist.compile.state.CacheRecord`
-(``RegionState.cache``), made on first use with a watcher subscribed to the model's
-compiled calls (``RegionState.call_watchers``). While the cache keeps calls
+(``RegionState.hooks.cache``), made on first use with a watcher subscribed to the
+model's compiled calls (``RegionState.hooks.watchers``). While the cache keeps calls
 (``keep_example``, ``keep_eval``), the watcher keeps the first training call and the
 first eval call that compiled, whole model or per region frame, for
 :mod:`aotdist.cache.precompile` to trace again at the save; otherwise it returns at once.
@@ -32,21 +32,21 @@ class EvalExample:
 
 def record(state: RegionState) -> CacheRecord:
     """``state``'s cache record; the first call makes it and subscribes its watcher."""
-    if state.cache is None:
-        state.cache = CacheRecord()
-        state.call_watchers.append(functools.partial(_watch, state))  # picklable
-    return state.cache
+    if state.hooks.cache is None:
+        state.hooks.cache = CacheRecord()
+        state.hooks.watchers.append(functools.partial(_watch, state))  # picklable
+    return state.hooks.cache
 
 
 def watches_eval(state: RegionState) -> bool:
     """After the cache's save (``keep_eval``): whether a first eval call can still make
     :func:`eval_pending` true."""
-    rec = state.cache
+    rec = state.hooks.cache
     if rec is None or not rec.keep_eval:
         return False
     evals = rec.frame_eval_examples  # frames mode: has every region's first eval call come?
     return (
-        state.mode != CompileMode.FRAMES
+        state.settings.mode != CompileMode.FRAMES
         or len(evals) < len(state.plan)
         or any(e.graphs for e in evals.values())
     )
@@ -55,7 +55,7 @@ def watches_eval(state: RegionState) -> bool:
 def eval_pending(state: RegionState) -> bool:
     """Whether an eval call compiled after the cache's save: a second save adds its graph
     and kernels (``aotdist.cache.precompile.add_eval``)."""
-    rec = state.cache
+    rec = state.hooks.cache
     return (
         rec is not None
         and rec.keep_eval
@@ -67,14 +67,14 @@ def eval_pending(state: RegionState) -> bool:
 
 def release_examples(state: RegionState) -> None:
     """Drops the calls kept for the cache's save and stops keeping them."""
-    if (rec := state.cache) is not None:
+    if (rec := state.hooks.cache) is not None:
         rec.example = rec.eval_example = None
         rec.frame_examples, rec.frame_eval_examples = {}, {}
         rec.keep_example = rec.keep_eval = False
 
 
 def _watch(state: RegionState, call: CompiledCall) -> Callable[[], None] | None:
-    rec = state.cache
+    rec = state.hooks.cache
     if rec is None or not (rec.keep_example or rec.keep_eval):  # nothing kept: the usual case
         return None
     if call.frame is not None:

@@ -85,8 +85,8 @@ def unavailable_reason(model: nn.Module, config) -> str | None:
         return why
     if state is None or not state.compiled:
         return "the model was not compiled by aotdist"
-    frames = state.mode == CompileMode.FRAMES
-    if not frames and state.call_fn is None:
+    frames = state.settings.mode == CompileMode.FRAMES
+    if not frames and state.hooks.call_fn is None:
         return "compiled without one whole-model call (aotdist.capture)"
     if config.cache.mode == "shared" and _world() > 1:
         if not _on_cpu(model):
@@ -130,7 +130,7 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
     saying why there is none. A failure is a ``CacheWarning``, never an error."""
     why = unavailable_reason(model, config)
     state = vars(model).get(STATE_ATTR)
-    if why is None and state.mode == CompileMode.FRAMES:
+    if why is None and state.settings.mode == CompileMode.FRAMES:
         return _build_frames(model, state)
     rec = record(state) if state is not None else None
     example = rec.example if rec is not None else None
@@ -163,7 +163,7 @@ def build(model: nn.Module, config) -> dict[str, bytes]:
             stacklevel=3,
         )
         return {SKIPPED: why.encode()}
-    saved.update(fixes=state.fixes, demoted=state.demoted)
+    saved.update(fixes=state.applied.fixes, demoted=state.applied.demoted)
     entries = {ENTRY: data}
     if eval_example is not None:  # a validation step's graph, in its own modes
         _add_eval(model, state, eval_example, entries, saved)
@@ -227,12 +227,12 @@ def _save_call(model: nn.Module, state, args: tuple, kwargs: dict) -> tuple[byte
         dynamo_patches(SAVE),  # the graph the live call compiles
     ):
         data, modules = _compat.aot_compile(
-            state.call_fn,
-            (*state.call_bound, *args),
+            state.hooks.call_fn,
+            (*state.hooks.call_bound, *args),
             kwargs,
             model=model,
             backend=recorder,
-            dynamic=state.call_dynamic,
+            dynamic=state.settings.dynamic,
             guard_filter=guard_filter,
         )
     seconds = time.perf_counter() - start
@@ -268,7 +268,7 @@ def _build_frames(model: nn.Module, state) -> dict[str, bytes]:
             frames -= ev.graphs
         why = (
             f"region {name!r} is demoted"
-            if name in state.demoted
+            if name in state.applied.demoted
             else f"region {name!r} had no training call before the save"
             if example is None
             else f"a parameter is a tensor subclass ({example.subclass})"
@@ -338,12 +338,12 @@ def _save_frame(model: nn.Module, state, name: str, example) -> tuple[bytes, dic
     args, kwargs = example.inputs()
     with pickled_with_region_depth(model), example.stand_in_parameters():
         data, modules = _compat.aot_compile(
-            state.classes[name]._aotdist_plain_forward,
+            state.applied.classes[name]._aotdist_plain_forward,
             (example.instance, *args),
             kwargs,
             model=example.instance,
             backend=recorder,
-            dynamic=state.call_dynamic,
+            dynamic=state.settings.dynamic,
             guard_filter=guard_filter,
         )
     return data, {
@@ -379,7 +379,7 @@ def attach(model: nn.Module, config, entries: dict[str, bytes]) -> tuple[bool, s
     why = unavailable_reason(model, config)
     if why is not None:
         return False, why, False
-    if vars(model)[STATE_ATTR].mode == CompileMode.FRAMES:
+    if vars(model)[STATE_ATTR].settings.mode == CompileMode.FRAMES:
         return _attach_frames(model, entries)
     if ENTRY not in entries:
         saved = entries.get(SKIPPED, b"the bundle was saved without it").decode(errors="replace")

@@ -51,7 +51,7 @@ def _install_frames(model: nn.Module, state, backend, calls: dict) -> dict[type,
     fqn_of = {id(m): f for f, m in model.named_modules()}
     old = {}
     for region in state.plan:
-        cls = state.classes[region.name]
+        cls = state.applied.classes[region.name]
         old[cls] = cls.__dict__.get("_aotdist_impl")
         fn = torch.compile(
             copy_function(cls._aotdist_plain_forward, new_code=True), backend=backend
@@ -161,10 +161,10 @@ def capture(
         if marked_here:
             _unmark(model)
     report.metrics = metrics
-    report.demoted = dict(state.demoted)
+    report.demoted = dict(state.applied.demoted)
     # a region inlined or traced more than once: warned as compile_regions warns
     metrics.reuse.update(report_reuse(model, state, records=recording.records, found={}))
-    for name, reason in state.demoted.items():
+    for name, reason in state.applied.demoted.items():
         report.regions[name].demoted = reason
     _finish(report, recorder, calls, model)
     return report

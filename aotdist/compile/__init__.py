@@ -30,7 +30,13 @@ from aotdist.backends.regional import resolve_outer
 from aotdist.compile.frames import compile_frames
 from aotdist.compile.guard import RefusedModuleCompile, RegionGuardedCall
 from aotdist.compile.marking import is_compiled, mark_regions, unmark_regions
-from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode, RegionState
+from aotdist.compile.state import (
+    INFO_ATTR,
+    STATE_ATTR,
+    CompileMode,
+    CompileSettings,
+    RegionState,
+)
 from aotdist.compile.verify import install_frames_check
 from aotdist.errors import OrderingError, RegionCompileWarning
 from aotdist.fsdp import sharding_of
@@ -158,8 +164,7 @@ def compile_regions(
         assert (m.regions["Block"].call_sites, m.regions["Block"].subgraphs) == (4, 1)
     """
     state = _prepare(model, plan, backend, mode, dynamic, options, verify, outer)
-    if sharding_of(model).compile_mode is CompileMode.FRAMES:  # FSDP2 hooks: module doc
-        state.mode = CompileMode.FRAMES
+    if state.settings.mode is CompileMode.FRAMES:  # FSDP2 hooks: module doc
         compile_frames(
             model,
             state,
@@ -176,7 +181,7 @@ def compile_regions(
         root = _compat.root_call_function(type(model).__name__)
         compiled = torch.compile(root, backend=state.backend, dynamic=_torch_dynamic(dynamic))
         compiled = functools.partial(compiled, model)  # compiled(model, *args, **kwargs)
-        state.call_fn, state.call_bound = root, (model,)
+        state.hooks.call_fn, state.hooks.call_bound = root, (model,)
         _compat.wrap_compiled_call(model, RegionGuardedCall(model, state, compiled))
     # model.compile() would overwrite the compiled call silently: refused, with the fix
     # (a model class with a compile method of its own keeps it)
@@ -230,7 +235,7 @@ def compile_callable(
     compiled = torch.compile(fn, backend=state.backend, dynamic=_torch_dynamic(dynamic))
     if bound:
         compiled = functools.partial(compiled, *bound)
-    state.call_fn, state.call_bound = fn, bound
+    state.hooks.call_fn, state.hooks.call_bound = fn, bound
     state.compiled = True
     return RegionGuardedCall(model, state, compiled)
 
@@ -272,10 +277,13 @@ def _prepare(
     state.backend = RecordingBackend(
         inner, model=model, plan=state.plan, outer=resolve_outer(outer, backend, mode, options)
     )
-    state.backend_name = backend if isinstance(backend, str) else ""
-    state.verify = verify
-    state.dynamic_inputs = dynamic is True
-    state.call_dynamic = _torch_dynamic(dynamic)
+    state.settings = CompileSettings(
+        mode=sharding_of(model).compile_mode,
+        backend_name=backend if isinstance(backend, str) else "",
+        verify=verify,
+        dynamic_inputs=dynamic is True,
+        dynamic=_torch_dynamic(dynamic),
+    )
     return state
 
 

@@ -30,27 +30,27 @@ def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
 
     Args:
         model: The root module (holding FSDP2 units).
-        state: Its region state; ``state.classes`` are the region classes.
+        state: Its region state; ``state.applied.classes`` are the region classes.
         compile_fn: ``torch.compile`` with the backend and options bound.
     """
     for region in state.plan:
-        cls = state.classes[region.name]
+        cls = state.applied.classes[region.name]
         compiled = compile_fn(cls._aotdist_plain_forward)
-        calls = state.frame_calls.setdefault(region.name, set())
+        calls = state.log.frame_calls.setdefault(region.name, set())
 
         def forward(
             self, *args, _compiled=compiled, _calls=calls, _state=state, _name=region.name, **kwargs
         ):
             _calls.add(id(self))
-            if _state.dynamic_inputs:
+            if _state.settings.dynamic_inputs:
                 mark_dynamic_inputs(args, kwargs)
-            cache = _state.cache
+            cache = _state.hooks.cache
             if cache is not None and (saved := cache.frame_precompiled.get(_name)) is not None:
                 hit, out = saved.run((self, *args), kwargs, _state.backend)  # aotdist.cache's
                 if hit:
                     return out
-            if _state.call_watchers:  # aotdist.cache keeps calls to save
-                called = _state.calling(CompiledCall(self, args, kwargs, frame=_name))
+            if _state.hooks.watchers:  # aotdist.cache keeps calls to save
+                called = _state.hooks.calling(CompiledCall(self, args, kwargs, frame=_name))
                 out = _compiled(self, *args, **kwargs)
                 for done in called:
                     done()
@@ -147,10 +147,10 @@ def _watch_first_forward(model: nn.Module, state: RegionState) -> None:
     def check(module, args, output):
         for handle in handles:
             handle.remove()
-        state.frames_checked = True
+        state.log.frames_checked = True
         for region in state.plan:
-            missed = ran[region.name] - state.frame_calls.get(region.name, set())
-            if not missed or region.name in state.demoted:
+            missed = ran[region.name] - state.log.frame_calls.get(region.name, set())
+            if not missed or region.name in state.applied.demoted:
                 continue
             fqn_of = {id(model.get_submodule(f)): f for f in region.fqns}
             names = sorted(fqn_of.get(i, "?") for i in missed)
@@ -161,7 +161,7 @@ def _watch_first_forward(model: nn.Module, state: RegionState) -> None:
                 "region forward (a wrapper or class created after marking replaced "
                 "forward)"
             )
-            state.eager[region.name] = why
+            state.log.eager[region.name] = why
             rank_zero_warn(
                 f"aotdist region {region.name!r} ran EAGER, not compiled: {why}. Fix: apply "
                 "aotdist.parallelize(model, config=...) to the unwrapped model (it marks, "
@@ -169,8 +169,8 @@ def _watch_first_forward(model: nn.Module, state: RegionState) -> None:
                 RegionCompileWarning,
                 stacklevel=2,
             )
-        if not state.reuse_checked:  # every region frame compiled by now
-            state.reuse_checked = True
+        if not state.log.reuse_checked:  # every region frame compiled by now
+            state.log.reuse_checked = True
             report_reuse(model, state)
         root_handle.remove()
         return output

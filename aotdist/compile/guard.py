@@ -107,31 +107,31 @@ class RegionGuardedCall(_compat.CallWrapper):
         if torch.compiler.is_compiling():  # an outer torch.compile traces this call
             _refuse_outer_compile(self._model_ref)
         state = self._state
-        if not state.fsdp_checked:
+        if not state.log.fsdp_checked:
             _check_no_fsdp_added(self._model_ref)
-            state.fsdp_checked = True
-        if state.verify and is_training(self._model_ref):  # compile.verify, once
-            state.verify = False
+            state.log.fsdp_checked = True
+        if state.settings.verify and not state.log.verified and is_training(self._model_ref):
+            state.log.verified = True  # compile.verify, once
             first_step_check(
                 self._model_ref,
                 state,
                 lambda: self(*args, **kwargs),
-                lambda: state.call_fn(*state.call_bound, *args, **kwargs),
+                lambda: state.hooks.call_fn(*state.hooks.call_bound, *args, **kwargs),
                 fresh=lambda n: torch.compile(
-                    _compat.unique_code_function(state.call_fn, f"verify_{n}"),
+                    _compat.unique_code_function(state.hooks.call_fn, f"verify_{n}"),
                     backend=self._backend or state.backend,
-                    dynamic=state.call_dynamic,
-                )(*state.call_bound, *args, **kwargs),
+                    dynamic=state.settings.dynamic,
+                )(*state.hooks.call_bound, *args, **kwargs),
             )
-        if state.dynamic_inputs:
+        if state.settings.dynamic_inputs:
             mark_dynamic_inputs(args, kwargs)
-        first = not state.reuse_checked
-        saved = state.cache.precompiled if state.cache is not None else None
+        first = not state.log.reuse_checked
+        saved = state.hooks.cache.precompiled if state.hooks.cache is not None else None
         if saved is not None:  # a graph saved by aotdist.cache: no Dynamo trace
-            hit, out = saved.run((*state.call_bound, *args), kwargs, state.backend)
+            hit, out = saved.run((*state.hooks.call_bound, *args), kwargs, state.backend)
             if hit:
                 if first:
-                    state.reuse_checked = True
+                    state.log.reuse_checked = True
                     report_reuse(self._model_ref, state)
                 return out
         started = time.perf_counter()  # a compile is logged with its time (first or again)
@@ -141,11 +141,11 @@ class RegionGuardedCall(_compat.CallWrapper):
                 "compiling %s: %s, backend %s (the first call compiles; the ones after reuse it)",
                 type(self._model_ref).__name__,
                 _regions_text(state),
-                state.backend_name or "a callable",
+                state.settings.backend_name or "a callable",
             )
         called = (
-            state.calling(CompiledCall(self._model_ref, args, kwargs))
-            if state.call_watchers
+            state.hooks.calling(CompiledCall(self._model_ref, args, kwargs))
+            if state.hooks.watchers
             else ()
         )  # aotdist.cache keeps calls to save
         for _ in range(2 * len(state.plan) + 2):
@@ -156,7 +156,7 @@ class RegionGuardedCall(_compat.CallWrapper):
                     raise
                 continue
             if first:
-                state.reuse_checked = True
+                state.log.reuse_checked = True
                 report_reuse(self._model_ref, state)
             if first or len(state.backend.records) != self._recorded:
                 self._log_compiled(started, first)
@@ -192,8 +192,8 @@ class RegionGuardedCall(_compat.CallWrapper):
     def _run(self, *args, **kwargs):
         # until reuse is reported: torch's own reasons for not reusing a region's subgraph
         why = (
-            _compat.reuse_refusals(self._state.refusals)
-            if not self._state.reuse_checked
+            _compat.reuse_refusals(self._state.log.refusals)
+            if not self._state.log.reuse_checked
             else contextlib.nullcontext()
         )
         with dynamo_patches(COMPILE), why:
@@ -203,7 +203,7 @@ class RegionGuardedCall(_compat.CallWrapper):
         """Fixes or demotes the regions behind ``exc``, a failure of the compiled call;
         ``run`` repeats that call (for dry-run trials). Returns whether to try again."""
         state = self._state
-        live = [r.name for r in state.plan if r.name not in state.demoted]
+        live = [r.name for r in state.plan if r.name not in state.applied.demoted]
         captured = next((e for e in _chain(exc) if isinstance(e, RegionCaptureError)), None)
         text = _exception_text(exc)
         if captured is not None:  # the backend rejected named regions
@@ -219,7 +219,7 @@ class RegionGuardedCall(_compat.CallWrapper):
         if not names:
             return False
         for name in names:
-            if aliasing and state.fixes.get(name) != "clone_aliasing_outputs":
+            if aliasing and state.applied.fixes.get(name) != "clone_aliasing_outputs":
                 _fix(self._model_ref, state, name, reason)
             else:
                 _demote(self._model_ref, state, name, reason)
@@ -253,10 +253,10 @@ def replay_outcomes(
     was traced with them so), with the same warnings (:mod:`aotdist.cache.precompile`)."""
     names = {r.name for r in state.plan}
     for name in fixes:
-        if name in names and name not in state.fixes:
+        if name in names and name not in state.applied.fixes:
             _fix(model, state, name, "as in the run that saved the compiled graph")
     for name, reason in demoted.items():
-        if name in names and name not in state.demoted:
+        if name in names and name not in state.applied.demoted:
             _demote(model, state, name, reason)
 
 
@@ -274,7 +274,7 @@ def _fix(
     if apply:
         unmark_region(model, state, name)
         apply_region_class(model, state, name, clone_aliases=True)
-    state.fixes[name] = "clone_aliasing_outputs"
+    state.applied.fixes[name] = "clone_aliasing_outputs"
     rank_zero_warn(
         f"aotdist region {name!r}: an output aliases an input, or inputs share storage "
         f"({reason}). Fixed by cloning the aliasing outputs inside the region and the "
@@ -286,9 +286,9 @@ def _fix(
 
 def _demote(model: nn.Module, state: RegionState, name: str, reason: str) -> None:
     unmark_region(model, state, name)
-    if state.checkpoint:  # inline, but still checkpointed
+    if state.applied.checkpoint:  # inline, but still checkpointed
         apply_region_class(model, state, name, nested=False)
-    state.demoted[name] = reason
+    state.applied.demoted[name] = reason
     hint = (
         " The region writes a tensor into an object passed to it (a KV cache?), and "
         "torch cannot return that tensor from a reused subgraph (it is a view of one the "
@@ -347,7 +347,7 @@ class RefusedModuleCompile:
 
 
 def _regions_text(state: RegionState) -> str:
-    regions = [f"{r.name} x{r.count}" for r in state.plan if r.name not in state.demoted]
+    regions = [f"{r.name} x{r.count}" for r in state.plan if r.name not in state.applied.demoted]
     return (
         f"{len(regions)} region(s) ({', '.join(regions[:4])}{', ...' if len(regions) > 4 else ''})"
     )

@@ -50,7 +50,7 @@ class Trials:
     def fixed_by_cloning(self, name: str) -> bool:
         """Whether ``name`` (inline now) compiles as a reusable subgraph with its outputs
         cloned; if so it is left that way, else inline."""
-        if self._state.fixes.get(name) == _CLONE:
+        if self._state.applied.fixes.get(name) == _CLONE:
             return False
         unmark_region(self._model, self._state, name)
         apply_region_class(self._model, self._state, name, clone_aliases=True)
@@ -77,13 +77,13 @@ class Trials:
     def _set(self, names: list[str], *, nested: bool) -> None:
         for name in names:
             unmark_region(self._model, self._state, name)
-            if nested or self._state.checkpoint:
+            if nested or self._state.applied.checkpoint:
                 apply_region_class(
                     self._model,
                     self._state,
                     name,
                     nested=nested,
-                    clone_aliases=self._state.fixes.get(name) == _CLONE,
+                    clone_aliases=self._state.applied.fixes.get(name) == _CLONE,
                 )
 
     def _passes(self) -> bool:

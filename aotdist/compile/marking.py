@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from aotdist import _compat
-from aotdist.compile.state import STATE_ATTR, RegionState
+from aotdist.compile.state import STATE_ATTR, Applied, RegionState
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fixes import INSIDE, OUTSIDE, apply_fixes, restore_fixes, wrap_forward
 from aotdist.per_process import made_class
@@ -154,7 +154,7 @@ def mark_regions(
             "their class cannot be swapped without losing that wrapper. Fix: rebuild the "
             "model and apply aotdist.parallelize once."
         )
-    state = RegionState(plan=plan, checkpoint=checkpoint)
+    state = RegionState(plan=plan, applied=Applied(checkpoint=checkpoint))
     for region in plan:
         apply_region_class(model, state, region.name)
     model.__dict__[STATE_ATTR] = state
@@ -175,15 +175,15 @@ def apply_region_class(
         name,
         count=region.count,
         clone_aliases=clone_aliases,
-        checkpoint=state.checkpoint,
+        checkpoint=state.applied.checkpoint,
         nested=nested,
     )
-    state.classes[name] = cls
+    state.applied.classes[name] = cls
     for fqn in region.fqns:
         model.get_submodule(fqn).__class__ = cls
         if nested:
             apply_fixes(model.get_submodule(fqn))  # made traceable as one subgraph
-        state.marked[fqn] = name
+        state.applied.marked[fqn] = name
 
 
 def unmark_region(
@@ -199,8 +199,8 @@ def unmark_region(
     for fqn in region.fqns:
         mod = model.get_submodule(fqn)
         if not any(
-            fqn.startswith(outer + ".") and region_name not in state.demoted
-            for outer, region_name in state.marked.items()
+            fqn.startswith(outer + ".") and region_name not in state.applied.demoted
+            for outer, region_name in state.applied.marked.items()
         ):
             restore_fixes(mod)  # inside a live region's instance, the fixes are that region's
         base = getattr(type(mod), "_aotdist_base", None)
@@ -209,7 +209,7 @@ def unmark_region(
         if type(mod).__bases__ != (base,) and neutralize:
             region_cls = next(c for c in type(mod).__mro__ if "_aotdist_region" in vars(c))
             region_cls._aotdist_impl = copy_function(base.forward)
-            state.marked.pop(fqn, None)
+            state.applied.marked.pop(fqn, None)
             continue
         if type(mod).__bases__ != (base,):
             raise OrderingError(
@@ -217,7 +217,7 @@ def unmark_region(
                 "aotdist marked it (by fully_shard?). Restore before applying other wrappers."
             )
         mod.__class__ = base
-        state.marked.pop(fqn, None)
+        state.applied.marked.pop(fqn, None)
 
 
 def unmark_regions(model: nn.Module, *, neutralize: bool = False) -> None:

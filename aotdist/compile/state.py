@@ -5,8 +5,9 @@ under :data:`STATE_ATTR`; :func:`aotdist.parallelize` stores its record
 (``aotdist.parallelize.ParallelizeInfo``) under :data:`INFO_ATTR`. Both names live here,
 below every module that reads them, so that reading a record never needs the module that
 wrote it (``restore`` reads parallelize's record; ``metrics`` reads the region state).
-The artifact cache keeps its own :class:`CacheRecord` there (``RegionState.cache``), and
-hears of each compiled call through ``RegionState.call_watchers`` (a :class:`CompiledCall`).
+The artifact cache keeps its own :class:`CacheRecord` there (``RegionState.hooks.cache``),
+and hears of each compiled call through ``RegionState.hooks.watchers`` (a
+:class:`CompiledCall`).
 """
 
 from __future__ import annotations
@@ -26,42 +27,78 @@ INFO_ATTR = "_aotdist_parallelized"  # aotdist.parallelize's ParallelizeInfo
 
 @dataclass
 class RegionState:
-    """What aotdist did to a model; stored on the root module under ``_aotdist_state``."""
+    """What aotdist did to a model; stored on the root module under ``_aotdist_state``.
+
+    Split by who writes each part: marking and the first step's fixes write ``applied``;
+    ``compile_regions`` writes ``settings`` once; the compiled calls write ``log``, which
+    ``metrics`` and the warnings read; the cache and compile_regions hang their calls on
+    ``hooks``."""
 
     plan: RegionPlan
-    marked: dict[str, str] = field(default_factory=dict)  # instance fqn -> region name
-    fixes: dict[str, str] = field(default_factory=dict)  # region name -> fix applied
-    demoted: dict[str, str] = field(default_factory=dict)  # region name -> reason
     backend: Callable | None = None  # aotdist.backends.recording.RecordingBackend
     compiled: bool = False
+    applied: Applied = field(default_factory=lambda: Applied())
+    settings: CompileSettings = field(default_factory=lambda: CompileSettings())
+    log: RunLog = field(default_factory=lambda: RunLog())
+    hooks: CallHooks = field(default_factory=lambda: CallHooks())
+
+
+@dataclass
+class Applied:
+    """What was done to the regions: marking, then the first step's fixes and demotions."""
+
+    checkpoint: bool = False  # activation checkpointing around each region instance
+    marked: dict[str, str] = field(default_factory=dict)  # instance fqn -> region name
+    classes: dict[str, type] = field(default_factory=dict)  # region name -> its class
+    fixes: dict[str, str] = field(default_factory=dict)  # region name -> fix applied
+    demoted: dict[str, str] = field(default_factory=dict)  # region name -> reason
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How ``compile_regions`` compiled the model; set once, before the first call."""
+
+    mode: CompileMode = CompileMode.GRAPH  # see aotdist.compile
     backend_name: str = ""  # the backend asked for (a name), for the check's tolerance
     verify: bool = False  # compile.verify: the first training call checked against eager
-    checkpoint: bool = False  # activation checkpointing around each region instance
-    mode: CompileMode = CompileMode.GRAPH  # see aotdist.compile
-    classes: dict[str, type] = field(default_factory=dict)  # region name -> its class
-    frame_calls: dict[str, set[int]] = field(default_factory=dict)  # region -> id(instance)
-    fsdp_checked: bool = False
     dynamic_inputs: bool = False  # dynamic=True: inputs' dims marked dynamic at each call
+    dynamic: bool | None = None  # torch.compile's dynamic (verify and precompile trace again)
+
+
+@dataclass
+class RunLog:
+    """What the compiled calls found; ``metrics`` and the warnings read it."""
+
     eager: dict[str, str] = field(default_factory=dict)  # region -> why it ran uncompiled
     reuse: dict[str, str] = field(default_factory=dict)  # region -> why it has >1 subgraph
     # region code name -> torch's reason for not reusing its subgraph (first compile)
     refusals: dict[str, str] = field(default_factory=dict)
+    frame_calls: dict[str, set[int]] = field(default_factory=dict)  # region -> id(instance)
+    # the first calls' one-shot checks, each done once
+    fsdp_checked: bool = False  # no FSDP2 unit added after compiling
+    verified: bool = False  # compile.verify's check against eager ran
     frames_checked: bool = False  # frames mode: the first forward's eager check ran
     reuse_checked: bool = False  # whole-model compile: reuse reported after the first call
-    # graph mode: the function compiled, called as call_fn(*call_bound, *args, **kwargs),
-    # and torch.compile's dynamic (compile.verify and aotdist.cache.precompile trace it again)
+
+
+@dataclass
+class CallHooks:
+    """What others hang on the compiled calls: the function compiled (graph mode), which
+    compile.verify and ``aotdist.cache.precompile`` trace again, and the artifact cache's
+    record and watchers."""
+
+    # graph mode: the function compiled, called as call_fn(*call_bound, *args, **kwargs)
     call_fn: Callable | None = None
     call_bound: tuple = ()
-    call_dynamic: bool | None = None
     # set by aotdist.cache.load (None: no cache): what the cache keeps of the calls
     cache: CacheRecord | None = None
     # told of each compiled call as it starts (aotdist.cache's watcher: CallWatcher)
-    call_watchers: list[CallWatcher] = field(default_factory=list)
+    watchers: list[CallWatcher] = field(default_factory=list)
 
     def calling(self, call: CompiledCall) -> list[Callable[[], None]]:
         """Tells the watchers that ``call`` starts; returns what each wants run once the
         compiled function returned (a call a saved graph served is not told)."""
-        return [done for watch in self.call_watchers if (done := watch(call)) is not None]
+        return [done for watch in self.watchers if (done := watch(call)) is not None]
 
 
 @dataclass(frozen=True)
@@ -80,9 +117,10 @@ CallWatcher = Callable[[CompiledCall], "Callable[[], None] | None"]
 
 @dataclass
 class CacheRecord:
-    """What ``aotdist.cache`` keeps on a compiled model (``RegionState.cache``): the calls its
-    save traces again and the saved graphs it loaded. The cache fills it (``aotdist.cache.
-    examples``); compiling reads only the saved graphs, to run a call one covers."""
+    """What ``aotdist.cache`` keeps on a compiled model (``RegionState.hooks.cache``): the
+    calls its save traces again and the saved graphs it loaded. The cache fills it
+    (``aotdist.cache.examples``); compiling reads only the saved graphs, to run a call one
+    covers."""
 
     keep_example: bool = False  # set by aotdist.cache.load: keep a training call's inputs
     # set by aotdist.cache.save when no eval call came before it: keep the first eval call

@@ -25,11 +25,11 @@ def report_reuse(
     model: nn.Module, state: RegionState, records=None, found: dict[str, str] | None = None
 ) -> dict[str, str]:
     """Warns about each region of ``model`` compiled into more than one subgraph, or
-    inlined; returns ``found`` (``state.reuse`` unless given), region -> why.
+    inlined; returns ``found`` (``state.log.reuse`` unless given), region -> why.
 
     ``records``: the recording backend's graphs (``state.backend``'s unless given).
     """
-    found = state.reuse if found is None else found
+    found = state.log.reuse if found is None else found
     if records is None:
         records = getattr(state.backend, "records", None) or []
     most: dict[str, int] = {}  # per graph: a graph break or a recompile makes graphs anew
@@ -45,7 +45,7 @@ def report_reuse(
     for region in state.plan:
         n = max(most.get(region.name, 0), standalone.get(region.name, 0))
         lost = len(inlined.get(region.name, ()))  # torch inlines a subgraph used once
-        if (n <= 1 and not lost) or region.name in state.demoted or region.name in found:
+        if (n <= 1 and not lost) or region.name in state.applied.demoted or region.name in found:
             continue
         n += lost
         instances = [model.get_submodule(f) for f in region.fqns]
@@ -54,7 +54,7 @@ def report_reuse(
         refused = next(
             (
                 why
-                for code, why in state.refusals.items()
+                for code, why in state.log.refusals.items()
                 if _compat.is_region_code(code, region.name)
             ),
             None,

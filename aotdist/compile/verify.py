@@ -276,7 +276,7 @@ def first_step_check(
     ``fresh(n)`` makes it through a new compile (``n``: the trial), for isolation.
     ``frames``: per-region frames (FSDP2 hooks mode), whose region instances run their
     hooks eagerly: the culprit is the first instance whose output differs."""
-    rtol = tolerance(state.backend_name)
+    rtol = tolerance(state.settings.backend_name)
     start = time.perf_counter()
     with _dropout_off(model), _same_state(model) as put_back:
         with _instance_outputs(model, state, frames) as calls:
@@ -316,7 +316,7 @@ def _instance_outputs(
                 (fqn, [o.detach().clone() for o in _outputs(out)])
             )
         )
-        for fqn in (state.marked if on else ())
+        for fqn in (state.applied.marked if on else ())
     ]
     try:
         yield calls
@@ -336,7 +336,12 @@ def _first_differing_instance(state: RegionState, calls, rtol: float) -> list[st
         ]
     )
     return next(
-        ([state.marked[fqn]] for (fqn, _), d in zip(calls, diffs, strict=False) if d > rtol), []
+        (
+            [state.applied.marked[fqn]]
+            for (fqn, _), d in zip(calls, diffs, strict=False)
+            if d > rtol
+        ),
+        [],
     )
 
 
@@ -379,5 +384,5 @@ def _isolate(
             put_back()
             return _compare(_step(model, lambda: fresh(self.count)), want, rtol).ok
 
-    live = [r.name for r in state.plan if r.name not in state.demoted]
+    live = [r.name for r in state.plan if r.name not in state.applied.demoted]
     return _Runs(model, state, lambda: None, None).isolate(live)

@@ -581,7 +581,7 @@ def test_cache_saves_the_training_and_eval_graphs_whichever_comes_first(tmp_path
     assert not any("nothing was compiled" in w for w in warned), warned
     # the sanity check's eval calls ran the eval call's saved graph: nothing was traced
     assert not any("does not cover this call" in w for w in warned), warned
-    saved = vars(module.model)[STATE_ATTR].cache.precompiled
+    saved = vars(module.model)[STATE_ATTR].hooks.cache.precompiled
     assert [ran for _, _, ran in saved.graphs] == [True, True], saved.graphs
     assert module.val_losses == cold_val, (module.val_losses, cold_val)
     assert len(cold_val) == (sanity if sanity else 2 * 4)  # the validations ran (2 steps)

@@ -227,7 +227,7 @@ def test_gemma4_s_layers_are_one_subgraph_with_or_without_the_shared_kv_dict_pas
         assert stats.subgraphs + stats.inlined == 1 and not m.reuse, m.summary()
         refused = [
             why
-            for why in vars(model)["_aotdist_state"].refusals.values()
+            for why in vars(model)["_aotdist_state"].log.refusals.values()
             if "unsupported input VT types" in why
         ]
         assert bool(refused) == (logs_why and not fixed), refused  # torch 2.11 logs none

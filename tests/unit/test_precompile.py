@@ -91,7 +91,9 @@ def test_a_model_without_a_saved_graph_says_why(tmp_path):
     why = entries[precompile.SKIPPED].decode()
     assert why == precompile.unavailable_reason(model, config)
     assert ("aot_eager" in why) if _compat.precompile_unavailable() is None else "torch" in why
-    assert vars(model)[STATE_ATTR].cache.example is None  # the first batch is not held any longer
+    assert (
+        vars(model)[STATE_ATTR].hooks.cache.example is None
+    )  # the first batch is not held any longer
     off = _cached(tmp_path, precompile=False)
     assert (
         vars(off)[aotdist.cache.STATE_ATTR]["load"].precompile_reason == "cache.precompile is false"
@@ -118,7 +120,7 @@ class _FakeLoaded:
 def test_the_kept_example_is_the_first_training_call_and_is_dropped_at_the_save(tmp_path):
     """Lightning validates before it trains: the saved graph must be the training call's."""
     model = _cached(tmp_path)
-    state = vars(model)[STATE_ATTR].cache  # the cache's record (cache.load made it)
+    state = vars(model)[STATE_ATTR].hooks.cache  # the cache's record (cache.load made it)
     state.keep_example = True  # as with Inductor (aot_eager gets no saved graph)
     (x,), _ = example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -166,7 +168,7 @@ def test_the_first_eval_call_after_the_save_is_kept_for_a_second_save(tmp_path, 
     packed = []
     monkeypatch.setattr(store, "pack", lambda key, entries: packed.append(entries) or b"x")
     model = _cached(tmp_path)
-    state = vars(model)[STATE_ATTR].cache
+    state = vars(model)[STATE_ATTR].hooks.cache
     (x,), _ = example_inputs(model, 2, generator=torch.Generator().manual_seed(0))
     model(x).sum().backward()
     assert aotdist.cache.save(model) is not None and len(packed) == 1
@@ -204,16 +206,16 @@ def test_an_eval_call_after_the_save_that_compiles_nothing_ends_the_watch(tmp_pa
     assert store.watching(model)  # the eval call before it was not kept (aot_eager)
     _eval_call(model, x)  # a hit: nothing new to save
     assert not store.watching(model) and not store.pending(model)
-    assert vars(model)[STATE_ATTR].cache.eval_example is None
+    assert vars(model)[STATE_ATTR].hooks.cache.eval_example is None
 
 
 def test_a_frames_mode_watch_ends_when_every_region_s_first_eval_call_compiled_nothing():
     from aotdist.cache.examples import eval_pending, record, release_examples, watches_eval
-    from aotdist.compile.state import CompileMode, RegionState
+    from aotdist.compile.state import CompileMode, CompileSettings, RegionState
 
     plan = [SimpleNamespace(name="A"), SimpleNamespace(name="B")]
-    state = RegionState(plan=plan, mode=CompileMode.FRAMES)
-    assert state.cache is None and not watches_eval(state) and not eval_pending(state)
+    state = RegionState(plan=plan, settings=CompileSettings(mode=CompileMode.FRAMES))
+    assert state.hooks.cache is None and not watches_eval(state) and not eval_pending(state)
     rec = record(state)
     rec.keep_eval = True
     assert watches_eval(state) and not eval_pending(state)
@@ -229,11 +231,23 @@ def test_a_frames_mode_watch_ends_when_every_region_s_first_eval_call_compiled_n
 
 def test_a_frames_mode_eval_call_after_the_save_in_several_graphs_says_why_it_is_not_saved():
     from aotdist.cache.examples import watches_eval
-    from aotdist.compile.state import CacheRecord, CompileMode, RegionState
+    from aotdist.compile.state import (
+        CacheRecord,
+        CallHooks,
+        CompileMode,
+        CompileSettings,
+        RegionState,
+    )
 
     plan = [SimpleNamespace(name="A"), SimpleNamespace(name="B")]
-    state = RegionState(plan=plan, mode=CompileMode.FRAMES, cache=CacheRecord(keep_eval=True))
-    state.cache.frame_eval_examples.update(A=SimpleNamespace(graphs=2), B=SimpleNamespace(graphs=0))
+    state = RegionState(
+        plan=plan,
+        settings=CompileSettings(mode=CompileMode.FRAMES),
+        hooks=CallHooks(cache=CacheRecord(keep_eval=True)),
+    )
+    state.hooks.cache.frame_eval_examples.update(
+        A=SimpleNamespace(graphs=2), B=SimpleNamespace(graphs=0)
+    )
     model = torch.nn.Linear(2, 2)
     vars(model)[STATE_ATTR] = state
     frame_a, frame_b = precompile._frame_entry("A"), precompile._frame_entry("B")
@@ -251,7 +265,7 @@ def test_a_frames_mode_eval_call_after_the_save_in_several_graphs_says_why_it_is
     assert out[frame_a] == b"a" and out[frame_b] == b"b"
     assert precompile._frame_entry("A", "eval") not in out
     assert json.loads(entries[precompile.FRAME_RECORDS]) == records  # the input is not changed
-    assert not watches_eval(state) and state.cache.frame_eval_examples == {}
+    assert not watches_eval(state) and state.hooks.cache.frame_eval_examples == {}
 
 
 def test_the_cache_saves_after_the_first_step_and_after_the_first_eval(tmp_path, monkeypatch):
@@ -284,7 +298,7 @@ def test_the_compiled_call_runs_a_loaded_graph_and_falls_back_on_a_miss(tmp_path
         "subgraphs": {"GPTBlock": ["0:repeated_subgraph0"]},
         "inlined": {},
     }
-    vars(model)[STATE_ATTR].cache.precompiled = precompile.Precompiled(model, fake, [record])
+    vars(model)[STATE_ATTR].hooks.cache.precompiled = precompile.Precompiled(model, fake, [record])
     (x,), _ = example_inputs(model, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a hit warns about nothing
@@ -315,7 +329,7 @@ def test_a_saved_graph_brings_its_region_fixes_and_demotions_along(tmp_path):
     marked = type(model.blocks[0])
     with pytest.warns(aotdist.RegionCompileWarning, match="'GPTBlock' cannot be a reusable.*X"):
         replay_outcomes(model, state, {}, {"GPTBlock": "X", "Gone": "not in this plan"})
-    assert state.demoted == {"GPTBlock": "X"}
+    assert state.applied.demoted == {"GPTBlock": "X"}
     assert type(model.blocks[0]) is not marked and not hasattr(
         type(model.blocks[0]), "_aotdist_region"
     )

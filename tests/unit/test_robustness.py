@@ -230,7 +230,7 @@ def test_a_user_error_propagates_unchanged_and_demotes_nothing():
     aotdist.compile_regions(model, backend="aot_eager")
     with pytest.raises(ValueError, match="the user's own error"):
         model(torch.randn(2, 8))
-    assert model._aotdist_state.demoted == {}
+    assert model._aotdist_state.applied.demoted == {}
 
 
 # -------------------------------------------------------------- reuse budget and reasons
@@ -460,7 +460,7 @@ def test_torch_s_reason_for_not_reusing_a_region_is_recorded_and_its_log_left_as
         _, caught = _warnings(lambda: _assert_same_training(model, eager, x))
     assert m.regions["Reader"].subgraphs == 1 and not m.reuse and not caught, m.summary()
     assert _reuse_log()[1] == before  # the log's level, propagation and handlers restored
-    refusals = vars(model)["_aotdist_state"].refusals
+    refusals = vars(model)["_aotdist_state"].log.refusals
     if importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph") is None:
         assert refusals == {}  # torch 2.11 logs no such reason
         return
@@ -471,7 +471,7 @@ def test_torch_s_reason_for_not_reusing_a_region_is_recorded_and_its_log_left_as
     model, eager = _pair(SharedNet())
     aotdist.compile_regions(model, backend="aot_eager")
     _assert_same_training(model, eager, x, Shared())
-    assert vars(model)["_aotdist_state"].refusals == {}
+    assert vars(model)["_aotdist_state"].log.refusals == {}
 
 
 class _Halving(nn.Module):
