@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from contextlib import nullcontext
 from typing import Any
 
 from torch import nn
@@ -30,10 +29,10 @@ from aotdist.backends.recording import RecordingBackend
 from aotdist.cache.examples import record, release_examples
 from aotdist.cache.loaded import Precompiled
 from aotdist.compile.guard import compiled_graphs, replay_outcomes
-from aotdist.compile.state import INFO_ATTR, STATE_ATTR, CompileMode
+from aotdist.compile.state import STATE_ATTR, CompileMode
 from aotdist.errors import CacheWarning, first_line
 from aotdist.fixes import SAVE, dynamo_patches
-from aotdist.fsdp.graph import local_shards
+from aotdist.fsdp import sharding_of
 from aotdist.log import get_logger
 from aotdist.per_process import made_per_process, pickled_with_region_depth
 
@@ -363,10 +362,9 @@ def _save_frame(model: nn.Module, state, name: str, example) -> tuple[bytes, dic
 
 
 def _as_sharded_call_runs(model: nn.Module):
-    """Graph-mode FSDP: its local shards in place, as ``ShardedCall`` runs the graph (not
-    for other DTensor parameters: tensor parallelism's stay as they are)."""
-    info = vars(model).get(INFO_ATTR)
-    return local_shards(model) if info is not None and info.sharded_fqns else nullcontext()
+    """The parameters as the model's compiled call reads them (graph-mode FSDP: its local
+    shards in place, as ``ShardedCall`` runs the graph)."""
+    return sharding_of(model).local_view(model)
 
 
 def _sorted_sets(d: dict[str, set[str]]) -> dict[str, list[str]]:

@@ -33,7 +33,6 @@ from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fixes import CAPTURE, dynamo_patches
 from aotdist.fsdp import fsdp_params, sharding_of
-from aotdist.fsdp.graph import local_shards
 from aotdist.metrics import track
 
 __all__ = ["Capture", "RegionCapture", "capture"]
@@ -138,7 +137,7 @@ def capture(
                 old_forwards = _install_frames(model, state, recording, calls)
                 out = model(*args, **kwargs)
             else:
-                with local_shards(model):  # graph-mode FSDP: regions read local shards
+                with sharding_of(model).local_view(model):  # as its compiled call reads
                     out = _run_demoting(
                         model,
                         state,

@@ -286,6 +286,24 @@ def test_integrations_import_only_public_faces():
     assert not bad, f"callbacks/ imports aotdist internals (use a public face): {bad}"
 
 
+# compile, capture and the cache ask a model's sharding (aotdist.fsdp.sharding_of) how it
+# compiles and how its call sees its parameters; no mode's own module is theirs to import.
+MODE_MODULES = ("aotdist.fsdp.graph", "aotdist.fsdp.hooks")
+ASK_THE_SHARDING = ("aotdist.compile", "aotdist.capture", "aotdist.cache")
+
+
+def test_compile_capture_and_cache_reach_a_mode_only_through_its_sharding():
+    files = _files()
+    bad = [
+        f"{module} -> {dep}"
+        for module, path in files.items()
+        if module.startswith(ASK_THE_SHARDING)
+        for dep in _direct_imports(module, path, files)
+        if dep.startswith(MODE_MODULES)
+    ]
+    assert not bad, f"ask aotdist.fsdp.sharding_of(model) instead: {bad}"
+
+
 def test_import_aotdist_is_light():
     code = (
         "import sys, json, aotdist; print(json.dumps(sorted(m for m in sys.modules "
