@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from aotdist._compat.deprecation import positional_after_first_deprecated
+from aotdist._compat.models import declared_repeated_blocks
 from aotdist.errors import ConfigError
 
 # Containers that have no forward of their own: never a region.
@@ -395,7 +396,7 @@ def _declared_blocks(model: nn.Module) -> tuple[tuple[str, frozenset[str]], ...]
     their ``compile_repeated_blocks()``; ``""`` is the root)."""
     found = []
     for fqn, mod in model.named_modules():
-        names = getattr(type(mod), "_repeated_blocks", None)
+        names = declared_repeated_blocks(type(mod))
         if isinstance(names, (list, tuple)) and names and all(isinstance(n, str) for n in names):
             found.append((fqn, frozenset(names)))
     return tuple(found)

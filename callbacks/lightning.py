@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from aotdist import cache, metrics
+from aotdist._compat.lightning import lightning_compiler_context
 from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigError
 from aotdist.float8 import precompute_float8_scales, uses_fsdp_float8_all_gather
@@ -344,7 +345,7 @@ def _validate(trainer: pl.Trainer, pl_module: pl.LightningModule, config: AOTDis
             "needs float32 or bfloat16 master weights and no other low-precision plugin. "
             "Fix: precision='32-true' or 'bf16-mixed', or float8.enabled: false."
         )
-    compiled = getattr(pl_module, "_compiler_ctx", None)
+    compiled = lightning_compiler_context(pl_module)
     if compiled:
         raise ConfigError(
             "RegionalCompile: the LightningModule passed to the Trainer came from "

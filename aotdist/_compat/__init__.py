@@ -1,18 +1,18 @@
-"""Every private torch / Accelerate internal aotdist touches, in one place.
+"""Every private torch / host-library internal aotdist touches, in one place.
 
 Each accessor records the torch versions it was checked on (:func:`checked_on`: some of
 :data:`CHECKED_ON`, 2.11 and 2.14, what CI runs), probes for the feature (``hasattr`` /
 try-import) rather than comparing versions, and when the internal is missing returns
 ``None`` (the caller reports "n/a") or raises :class:`~aotdist.errors.TorchFeatureUnavailable`,
 never a guessed value. ``tests/unit/test_compat.py`` fails on an accessor without the
-record, ``tests/unit/test_architecture.py`` on a private access anywhere else. Public APIs
-are used where they exist (``torch.distributed.fsdp.FSDPModule``...).
+record, ``tests/unit/test_private_access.py`` on a private access anywhere else. Public
+APIs are used where they exist (``torch.distributed.fsdp.FSDPModule``...).
 
 Grouped by what they reach into: :mod:`~aotdist._compat.calls` (``nn.Module``'s compiled
-call slot, aotdist's wrappers in it), :mod:`~aotdist._compat.compiler` (Dynamo, AOTAutograd,
-Inductor), :mod:`~aotdist._compat.caches` (compile caches, FSDP2, the process group's store),
-:mod:`~aotdist._compat.subgraphs` (a scoped fix in Dynamo's subgraph dedup),
-:mod:`~aotdist._compat.precompile` (``aot_compile``), ``autograd`` (the engine), ``accelerate``.
+call slot), :mod:`~aotdist._compat.compiler` (Dynamo, AOTAutograd, Inductor),
+:mod:`~aotdist._compat.caches` (compile caches, FSDP2, the store), ``subgraphs``,
+``precompile``, ``autograd``, ``modules`` / ``ops`` (nn.Module, Tensor, ATen), ``messages``
+(torch's error text), and per host ``accelerate``, ``lightning``, ``torchao``, ``models``.
 """
 
 from aotdist._compat._base import CHECKED_ON, checked_on

@@ -51,8 +51,9 @@ def functional_collectives():
     """``torch.distributed._functional_collectives``: the traceable collectives graph-mode
     FSDP puts in the graph. ``all_gather_single`` / ``reduce_scatter_single``
     are the newer names (2.14); 2.11 has ``all_gather_tensor`` /
-    ``reduce_scatter_tensor`` only: callers probe for either. Imported with this module,
-    not here: Dynamo cannot trace ``importlib`` inside the graph that calls this."""
+    ``reduce_scatter_tensor`` only: :mod:`aotdist._compat.distributed` picks one.
+    Imported with this module, not here: Dynamo cannot trace ``importlib`` inside the
+    graph that calls this."""
     if _funcol is None:
         raise unavailable(
             "torch.distributed._functional_collectives (a torch built with distributed support)"

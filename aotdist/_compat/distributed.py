@@ -1,11 +1,14 @@
-"""torch's private pieces for a world without devices: the fake process group and fake
-tensors (``aotdist plan``, the test helpers)."""
+"""torch's private distributed pieces: the functional collectives graph-mode FSDP calls
+by the names this torch has, and for a world without devices the fake process group and
+fake tensors (``aotdist plan``, the test helpers)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from aotdist._compat._base import attr, checked_on, unavailable
+from aotdist._compat.compiler import functional_collectives
 
 
 @checked_on("2.11", "2.14")
@@ -57,3 +60,29 @@ def storage_id(storage: Any) -> int:
     """An identity of ``storage`` (its ``StorageImpl``: ``UntypedStorage._cdata``) that
     also tells fake tensors' storages apart, whose ``data_ptr()`` is 0."""
     return storage._cdata
+
+
+@checked_on("2.11", "2.14", note="2.14 has both names; 2.11 only all_gather_tensor")
+def all_gather_single() -> Callable:
+    """The functional collective that all-gathers one tensor along a dim, ``(x, dim,
+    group)``: ``all_gather_single`` where torch has it, else its older name
+    ``all_gather_tensor``.
+
+    Raises:
+        TorchFeatureUnavailable: A torch built without distributed support.
+    """
+    funcol = functional_collectives()
+    return getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+@checked_on("2.11", "2.14", note="2.14 has both names; 2.11 only reduce_scatter_tensor")
+def reduce_scatter_single() -> Callable:
+    """The functional collective that reduce-scatters one tensor along a dim, ``(x, op,
+    dim, group)``: ``reduce_scatter_single`` where torch has it, else its older name
+    ``reduce_scatter_tensor``.
+
+    Raises:
+        TorchFeatureUnavailable: A torch built without distributed support.
+    """
+    funcol = functional_collectives()
+    return getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor

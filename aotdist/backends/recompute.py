@@ -24,12 +24,13 @@ from typing import Any
 import torch
 
 from aotdist import _compat
+from aotdist._compat.ops import aten_to_copy
 
 _aten = torch.ops.aten
 _CHEAP = {
     _aten.full.default,
     _aten.scalar_tensor.default,
-    _aten._to_copy.default,
+    aten_to_copy(),
     _aten.clone.default,
     _aten.expand.default,
     _aten.where.self,

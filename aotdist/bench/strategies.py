@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from aotdist._compat.extras import require
+from aotdist._compat.models import declared_repeated_blocks
 from aotdist.bench.stats import WHOLE_MODEL_NOTE
 from aotdist.errors import ConfigError
 
@@ -263,7 +264,7 @@ def _declaring(model: nn.Module) -> list[nn.Module]:
     return [
         m
         for m in model.modules()
-        if getattr(m, "_repeated_blocks", None) and hasattr(m, "compile_repeated_blocks")
+        if declared_repeated_blocks(m) and hasattr(m, "compile_repeated_blocks")
     ]
 
 

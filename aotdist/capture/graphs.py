@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from aotdist._compat.ops import op_schema
+
 # Dynamo-level names of a graph's flat inputs: PlainAOTInput idx -> (kind, name)
 InputNames = dict[int, tuple[str, str]]
 
@@ -208,7 +210,7 @@ def _placeholder_kind(node: torch.fx.Node, names: InputNames, graph_kind: str) -
 
 
 def _is_mutating(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     return bool(schema is not None and schema.is_mutable)
 
 

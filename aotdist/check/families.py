@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from aotdist._compat.modules import dropout_base
 from aotdist.check.tiny_config import hf_config, text_config
 
 
@@ -80,7 +81,7 @@ def without_randomness(model: nn.Module) -> nn.Module:
     depth draw their masks from another random stream; the blocks share one subgraph
     either way: tests/unit/test_stochastic_depth.py)."""
     for m in model.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd):
+        if isinstance(m, dropout_base()):
             m.p = 0.0
         elif (attr := _drop_rate(m)) is not None:
             setattr(m, attr, 0.0)

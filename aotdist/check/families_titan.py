@@ -13,6 +13,7 @@ import importlib
 import torch
 from torch import nn
 
+from aotdist._compat.models import titan_qwen3_moe_layers
 from aotdist.check.families import Family
 from aotdist.errors import first_line
 
@@ -33,7 +34,7 @@ def _titan_tiny(name: str):
 
         config = qwen3.model_registry("debugmodel_moe", attn_backend="flex").model
         rope = config.layers[0].attention.rope
-        config.layers = qwen3._build_qwen3_moe_layers(
+        config.layers = titan_qwen3_moe_layers(
             n_layers=3,
             dim=config.dim,
             n_heads=16,

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from aotdist._compat.models import declared_repeated_blocks
 from aotdist.check.families import Family
 from aotdist.check.rounding import as_float64, only_rounding, rounding_errors
 from aotdist.check.steps import Run, train
@@ -24,7 +25,7 @@ from aotdist.errors import first_line
 def declares_repeated_blocks(model: nn.Module) -> bool:
     """Whether ``model`` has diffusers' ``compile_repeated_blocks`` and names blocks for it."""
     return callable(getattr(model, "compile_repeated_blocks", None)) and bool(
-        getattr(model, "_repeated_blocks", None)
+        declared_repeated_blocks(model)
     )
 
 

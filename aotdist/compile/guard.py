@@ -4,7 +4,8 @@ A region that Dynamo cannot capture as a reusable subgraph fails *at trace time*
 anything ran. :class:`RegionGuardedCall` catches that failure, finds the region from the
 error (the recording backend's ``RegionCaptureError``, else Dynamo's user stack and error
 text), and either fixes it (clones aliasing outputs) or demotes it to inline compilation,
-with a ``RegionCompileWarning`` each time. Parsing torch's error text lives here only.
+with a ``RegionCompileWarning`` each time. torch's error text is read through
+:mod:`aotdist._compat.messages`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ import torch
 from torch import nn
 
 from aotdist import _compat
+from aotdist._compat.messages import (
+    error_cause,
+    is_aliasing_error,
+    names_invoke_subgraph,
+    stores_into_an_argument,
+)
 from aotdist.compile.isolate import Trials
 from aotdist.compile.marking import apply_region_class, unmark_region
 from aotdist.compile.state import CompiledCall, RegionState
@@ -209,11 +216,11 @@ class RegionGuardedCall(_compat.CallWrapper):
         if captured is not None:  # the backend rejected named regions
             names = [n for n in captured.regions if n in live]
             reason, aliasing = captured.reason, False
-        elif "invoke_subgraph" in text and (named := _regions_in_stack(exc, state, live)):
+        elif names_invoke_subgraph(text) and (named := _regions_in_stack(exc, state, live)):
             names = named  # Dynamo could not capture a region its user stack names
-            reason, aliasing = _first_line_of_cause(text), "aliasing" in text.lower()
+            reason, aliasing = error_cause(text), is_aliasing_error(text)
         elif live and isinstance(exc, _compat.dynamo_error_types()):
-            return self._bisect(exc, run, live, _first_line_of_cause(text))
+            return self._bisect(exc, run, live, error_cause(text))
         else:
             return False
         if not names:
@@ -296,7 +303,7 @@ def _demote(model: nn.Module, state: RegionState, name: str, reason: str) -> Non
         "no handling inside the region keeps the model's result, so for training pass "
         "use_cache=False (model(..., use_cache=False) or model.config.use_cache = False), "
         "which keeps the region reused."
-        if _stores_into_an_argument(reason)
+        if stores_into_an_argument(reason)
         else ""
     )
     rank_zero_warn(
@@ -306,12 +313,6 @@ def _demote(model: nn.Module, state: RegionState, name: str, reason: str) -> Non
         RegionCompileWarning,
         stacklevel=5,
     )
-
-
-def _stores_into_an_argument(reason: str) -> bool:
-    """torch's words for a tensor made in the region and kept by an object passed to it
-    (torch 2.14: a side effect; 2.11: a node used outside the graph it was made in)."""
-    return "side effect" in reason or "does not belong to this Graph" in reason
 
 
 def outer_compile_error(name: str) -> OrderingError:
@@ -371,17 +372,6 @@ def _check_no_fsdp_added(model: nn.Module) -> None:
 
 def _exception_text(exc: BaseException) -> str:
     return "\n".join(f"{type(e).__name__}: {e}" for e in _chain(exc))
-
-
-def _first_line_of_cause(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for i, ln in enumerate(lines):
-        if ln.endswith("Got graph break/error:") and i + 1 < len(lines):
-            expl = next((x for x in lines[i + 1 :] if x.startswith("Explanation:")), "")
-            return (lines[i + 1] + (f" - {expl[len('Explanation: ') :]}" if expl else ""))[:500]
-    if len(lines) > 1 and lines[0].endswith("raised:"):  # BackendCompilerFailed: the cause
-        return f"the compiler backend raised {lines[1]}"[:500]
-    return lines[0][:500] if lines else "unknown reason"
 
 
 def _regions_in_stack(exc: BaseException, state: RegionState, live: list[str]) -> list[str]:

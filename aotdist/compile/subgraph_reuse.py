@@ -14,6 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from aotdist import _compat
+from aotdist._compat.modules import forward_hooks
 from aotdist.compile.state import RegionState
 from aotdist.errors import RegionCompileWarning
 from aotdist.log import rank_zero_warn
@@ -269,7 +270,7 @@ def distinct_meshes(instances: list[nn.Module]) -> tuple[str, int] | None:
                 (f"{path}.{n}".lstrip("."), getattr(p, "device_mesh", None))
                 for n, p in mod.named_parameters(recurse=False)
             ]
-            hooks = [*mod._forward_pre_hooks.values(), *mod._forward_hooks.values()]
+            hooks = forward_hooks(mod)
             held += [
                 (f"{path or 'the block'}'s hook", cell.cell_contents)
                 for hook in hooks

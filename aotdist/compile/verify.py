@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from aotdist import _compat
+from aotdist._compat.modules import dropout_base
 from aotdist.compile.isolate import Trials
 from aotdist.compile.state import RegionState
 from aotdist.errors import RegionMismatchError
@@ -238,11 +239,7 @@ def _dropout_off(model: nn.Module) -> Iterator[int]:
     """Dropout modules in eval mode and the stochastic depth aotdist made a tensor at rate
     0 (no recompile: the rate is data), for both runs: their masks differ compiled and
     eager (Inductor's random stream, the swapped draw)."""
-    drops = [
-        m
-        for m in model.modules()
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0
-    ]
+    drops = [m for m in model.modules() if isinstance(m, dropout_base()) and m.training and m.p > 0]
     depths = [
         (m, type(m)._aotdist_dp_name)
         for m in model.modules()

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aotdist import _compat
+from aotdist._compat.modules import batch_norm_base, check_batch_norm_input
 from aotdist.per_process import made_class
 
 _LIB = "aotdist::update_batch_norm_stats"
@@ -68,7 +69,7 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
         and torch.compiler.is_compiling()
     ):
         return self._aotdist_bn_base.forward(self, x)
-    self._check_input_dim(x)
+    check_batch_norm_input(self, x)
     dims = [0, *range(2, x.dim())]
     stats = x.detach().to(self.running_mean.dtype)
     zero = torch.ops.aotdist.update_batch_norm_stats(
@@ -96,7 +97,7 @@ def _reproduced(cls: type) -> bool:
     """Whether ``cls.forward`` is exactly the function :func:`_forward` reproduces (torch's
     ``_BatchNorm.forward``): a subclass that overrides it (an activation after the norm,
     SyncBatchNorm) is never swapped, whatever its name or base."""
-    return cls.forward is nn.modules.batchnorm._BatchNorm.forward
+    return cls.forward is batch_norm_base().forward
 
 
 def swap(module: nn.Module) -> list[nn.Module]:
@@ -108,7 +109,7 @@ def swap(module: nn.Module) -> list[nn.Module]:
     for mod in module.modules():
         cls = type(mod)
         if (
-            isinstance(mod, nn.modules.batchnorm._BatchNorm)
+            isinstance(mod, batch_norm_base())
             and _reproduced(cls)
             and "_aotdist_bn_base" not in vars(cls)
         ):

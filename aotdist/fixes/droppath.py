@@ -165,5 +165,5 @@ def restore(module: nn.Module) -> None:
         name = type(mod)._aotdist_dp_name
         rate = mod.__dict__.pop("_aotdist_rate")
         mod.__class__ = base
-        del mod._buffers[_KEEP]
+        delattr(mod, _KEEP)  # nn.Module's: the buffer and its non-persistent mark
         setattr(mod, name, rate)

@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from aotdist import _compat
+from aotdist._compat.modules import view_base
 
 INSIDE, OUTSIDE = "inside", "outside"
 
@@ -32,7 +33,9 @@ def clone_aliasing_outputs(fn: Callable) -> Callable:
         inputs = [a for a in _compat.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
 
         def dealias(t):
-            if isinstance(t, torch.Tensor) and (any(t is a for a in inputs) or t._base is not None):
+            if isinstance(t, torch.Tensor) and (
+                any(t is a for a in inputs) or view_base(t) is not None
+            ):
                 return t.clone()
             return t
 
@@ -54,7 +57,8 @@ def dealiased_inputs(fn: Callable) -> Callable:
         def dealias(t):
             if not isinstance(t, torch.Tensor):
                 return t
-            root = t if t._base is None else t._base
+            base = view_base(t)
+            root = t if base is None else base
             if any(root is s for s in seen):
                 return t.clone()
             seen.append(root)

@@ -26,6 +26,9 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist._compat.checkpoint import quiet_checkpoint_notice
+from aotdist._compat.distributed import all_gather_single, reduce_scatter_single
+from aotdist._compat.modules import view_base
+from aotdist._compat.torchao import float8_weight_bits
 from aotdist.config import AOTDistConfig, torch_dtype
 from aotdist.errors import ConfigError, RegionCompileWarning
 from aotdist.float8 import float8_linears
@@ -59,15 +62,12 @@ class GatherSpec:
 
 def _all_gather(x: torch.Tensor, group: str) -> torch.Tensor:
     funcol = _compat.functional_collectives()
-    # torch >= 2.15 renamed all_gather_tensor (kept, deprecated); 2.11 has only the old name
-    fn = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    return funcol.wait_tensor(fn(x, 0, group))
+    return funcol.wait_tensor(all_gather_single()(x, 0, group))
 
 
 def _reduce_scatter_avg(x: torch.Tensor, group: str) -> torch.Tensor:
     funcol = _compat.functional_collectives()
-    fn = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-    return funcol.wait_tensor(fn(x, "avg", 0, group))
+    return funcol.wait_tensor(reduce_scatter_single()(x, "avg", 0, group))
 
 
 def _all_reduce(x: torch.Tensor, group: str, op: str = "avg") -> torch.Tensor:
@@ -148,14 +148,7 @@ def _float8_parts(local: torch.Tensor, spec: GatherSpec, scale: torch.Tensor, mm
     tensorwise scale and the float8 bytes all-gathered. Returns them with the carrier of
     the weight's high-precision gradient (reduce-scattered in backward). Plain tensors
     only: a tensor subclass may not leave a checkpointed function on torch 2.11."""
-    from torchao.float8.float8_training_tensor import (
-        GemmInputRole,
-        hp_tensor_and_scale_to_float8,
-    )
-
-    bits = hp_tensor_and_scale_to_float8(
-        local.detach(), scale, spec.float8, mm_config, GemmInputRole.WEIGHT
-    )._data
+    bits = float8_weight_bits(local.detach(), scale, spec.float8, mm_config)
     raw = _pad0(bits.view(torch.uint8), spec.padded // spec.world).contiguous()
     full = _all_gather(raw, spec.group).view(spec.float8)  # uint8: gloo has no float8
     full = full if spec.padded == spec.shape[0] else full[: spec.shape[0]]
@@ -233,7 +226,7 @@ def gather(local: torch.Tensor, spec: GatherSpec, *float8) -> torch.Tensor:
 def _pack_gathered(t: torch.Tensor):
     """Eager ``reshard_after_forward``: a gathered parameter (or a view of one) that autograd
     saves is kept as its local shard and gathered again when backward unpacks it."""
-    base = t if hasattr(t, "_aotdist_regather") else t._base
+    base = t if hasattr(t, "_aotdist_regather") else view_base(t)
     src = getattr(base, "_aotdist_regather", None) if base is not None else None
     if src is None:
         return t

@@ -507,14 +507,14 @@ def test_a_backend_failure_is_named_by_its_cause_not_by_the_backend_object():
     """torch's BackendCompilerFailed reads "backend='<object at 0x..>' raised:" and puts the
     cause on the next line: the demotion's reason is the cause (timm's LeViT once read
     nothing after "raised:")."""
-    from aotdist.compile.guard import _first_line_of_cause
+    from aotdist._compat.messages import error_cause
 
     text = (
         "BackendCompilerFailed: backend='<aotdist.backends.recording.RecordingBackend "
         "object at 0x7f00>' raised:\nRuntimeError: index 196 is out of bounds\n\n"
         "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace"
     )
-    reason = _first_line_of_cause(text)
+    reason = error_cause(text)
     assert reason == "the compiler backend raised RuntimeError: index 196 is out of bounds"
 
 
