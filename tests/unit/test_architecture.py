@@ -1,5 +1,5 @@
-"""The package's shape: no import cycles, a light ``import aotdist``, small files, and
-every private torch / Accelerate access inside ``aotdist/_compat``."""
+"""The package's shape: no import cycles, the layers in order, a light ``import aotdist``,
+small files, every subpackage packaged (private accesses: ``test_private_access.py``)."""
 
 from __future__ import annotations
 
@@ -14,24 +14,6 @@ SOURCES = {"aotdist": ROOT / "aotdist", "aotdist.callbacks": ROOT / "callbacks"}
 # A smoke alarm for a file that outgrew one concept, not a target: split by concept well
 # before a file nears it, never to fit the number.
 MAX_LINES = 600
-
-# Attributes of torch / Accelerate objects that are private to those libraries.
-PRIVATE_ATTRS = {
-    "_call_impl",
-    "_compiled_call_impl",
-    "_get_fsdp_state",
-    "_fsdp_param_group",
-    "_unsharded_param",
-    "_module_info",
-    "_parameters",
-    "_orig_size",
-    "_old_forward",
-    "_shared_state",
-    "_is_accelerate_prepared",
-    "_get_default_store",
-    "current_tx",
-    "_save_graph",
-}
 
 
 def _files() -> dict[str, Path]:
@@ -326,86 +308,6 @@ def test_no_file_outgrew_a_concept():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"files over {MAX_LINES} lines: {long}"
-
-
-def _dotted(node: ast.AST) -> str | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
-
-
-def _private_accesses(source: str) -> list[str]:
-    """Private torch names and private attributes of torch / Accelerate objects used in
-    code (docstrings and comments are not code)."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        where = f"line {getattr(node, 'lineno', '?')}"
-        if isinstance(node, ast.Attribute):
-            name = _dotted(node)
-            if (
-                name
-                and name.startswith("torch.")
-                and any(p.startswith("_") and not p.startswith("__") for p in name.split("."))
-            ):
-                found.append(f"{where}: {name}")
-            elif node.attr in PRIVATE_ATTRS:
-                found.append(f"{where}: .{node.attr}")
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            mod = node.module
-            private_mod = any(p.startswith("_") for p in mod.split("."))
-            private_name = any(a.name.startswith("_") for a in node.names)
-            if mod.split(".")[0] in ("torch", "accelerate", "lightning") and (
-                private_mod or private_name
-            ):
-                found.append(f"{where}: from {mod} import ...")
-        elif isinstance(node, ast.Import):
-            found += [
-                f"{where}: import {a.name}"
-                for a in node.names
-                if a.name.split(".")[0] == "torch"
-                and any(p.startswith("_") for p in a.name.split("."))
-            ]
-        elif isinstance(node, ast.Call) and _dotted(node.func) in (
-            "getattr",
-            "setattr",
-            "hasattr",
-            "delattr",
-        ):
-            if (
-                len(node.args) > 1
-                and isinstance(node.args[1], ast.Constant)
-                and node.args[1].value in PRIVATE_ATTRS
-            ):
-                found.append(f"{where}: {_dotted(node.func)}(..., {node.args[1].value!r})")
-    # torch._dynamo.utils is one access, not also torch._dynamo
-    return [f for f in found if not any(g != f and g.startswith(f + ".") for g in found)]
-
-
-def test_private_access_detector_sees_the_forms_used():
-    code = (
-        "import torch._dynamo\nfrom torch._inductor import config\n"
-        "from torch.utils._pytree import tree_map\nx = torch._dynamo.utils.counters\n"
-        "m._get_fsdp_state()\ny = getattr(m, '_old_forward', None)\n"
-        "'''torch._dynamo in a docstring'''\n"
-    )
-    assert len(_private_accesses(code)) == 6
-
-
-def test_private_torch_access_only_in_compat():
-    compat = ROOT / "aotdist" / "_compat"
-    bad = {}
-    for path in _files().values():
-        if compat in path.parents:
-            continue
-        found = _private_accesses(path.read_text())
-        if found:
-            bad[str(path.relative_to(ROOT))] = found
-    assert not bad, f"private torch/Accelerate access outside aotdist/_compat: {bad}"
 
 
 def test_every_subpackage_is_packaged():
