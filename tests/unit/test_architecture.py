@@ -9,23 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SOURCES = {"aotdist": ROOT / "aotdist", "aotdist.callbacks": ROOT / "callbacks"}
+from package_sources import ROOT, SOURCES, package_modules
+
 # A smoke alarm for a file that outgrew one concept, not a target: split by concept well
 # before a file nears it, never to fit the number.
 MAX_LINES = 600
-
-
-def _files() -> dict[str, Path]:
-    """Module name -> file, for aotdist/ and callbacks/ (installed as aotdist.callbacks)."""
-    out = {}
-    for package, folder in SOURCES.items():
-        for path in sorted(folder.rglob("*.py")):
-            parts = list(path.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            out[".".join([package, *parts])] = path
-    return out
 
 
 def _imports(module: str, path: Path) -> set[str]:
@@ -49,7 +37,7 @@ def _imports(module: str, path: Path) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    files = _files()
+    files = package_modules()
     graph = {}
     for module, path in files.items():
         deps = set()
@@ -205,7 +193,7 @@ def _direct_imports(module: str, path: Path, files: dict[str, Path]) -> set[str]
 
 
 def test_layer_order_has_no_upward_import():
-    files = _files()
+    files = package_modules()
     upward = []
     for module, path in files.items():
         mine = _layer(module)
@@ -218,7 +206,7 @@ def test_layer_order_has_no_upward_import():
 
 
 def test_the_core_never_imports_the_tools():
-    files = _files()
+    files = package_modules()
     bad = [
         f"{module} -> {dep}"
         for module, path in files.items()
@@ -240,7 +228,7 @@ def test_layer_check_sees_an_upward_import(tmp_path):
 
 def test_no_cycles_between_packages():
     """Between top-level packages too (compile <-> fsdp was one), not only modules."""
-    files = _files()
+    files = package_modules()
 
     def package(module: str) -> str:
         parts = module.split(".")
@@ -257,7 +245,7 @@ def test_no_cycles_between_packages():
 
 
 def test_integrations_import_only_public_faces():
-    files = _files()
+    files = package_modules()
     bad = [
         f"{module} -> {dep}"
         for module, path in files.items()
@@ -275,7 +263,7 @@ ASK_THE_SHARDING = ("aotdist.compile", "aotdist.capture", "aotdist.cache")
 
 
 def test_compile_capture_and_cache_reach_a_mode_only_through_its_sharding():
-    files = _files()
+    files = package_modules()
     bad = [
         f"{module} -> {dep}"
         for module, path in files.items()
@@ -304,7 +292,7 @@ def test_import_aotdist_is_light():
 def test_no_file_outgrew_a_concept():
     long = {
         str(p.relative_to(ROOT)): n
-        for p in _files().values()
+        for p in package_modules().values()
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"files over {MAX_LINES} lines: {long}"
@@ -319,7 +307,7 @@ def test_every_subpackage_is_packaged():
     listed = set(
         tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     )
-    found = {name for name, path in _files().items() if path.name == "__init__.py"}
+    found = {name for name, path in package_modules().items() if path.name == "__init__.py"}
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
 
 

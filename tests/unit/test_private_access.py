@@ -19,10 +19,9 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SOURCES = {"aotdist": ROOT / "aotdist", "aotdist.callbacks": ROOT / "callbacks"}
+from package_sources import ROOT, package_modules
+
 COMPAT = ROOT / "aotdist" / "_compat"
 
 # The host libraries: their private modules and names are reached from aotdist/_compat only.
@@ -73,18 +72,6 @@ _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 def _private(name: object) -> bool:
     return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
-
-
-def _files() -> dict[str, Path]:
-    """Module name -> file, for aotdist/ and callbacks/ (installed as aotdist.callbacks)."""
-    out = {}
-    for package, folder in SOURCES.items():
-        for path in sorted(folder.rglob("*.py")):
-            parts = list(path.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            out[".".join([package, *parts])] = path
-    return out
 
 
 def _dotted(node: ast.AST) -> str | None:
@@ -186,7 +173,7 @@ def own_names(sources: Iterable[str]) -> set[str]:
 
 @functools.cache
 def _sources_own_names() -> frozenset[str]:
-    return frozenset(own_names(p.read_text() for p in _files().values()))
+    return frozenset(own_names(p.read_text() for p in package_modules().values()))
 
 
 def allowed_names() -> set[str]:
@@ -251,7 +238,7 @@ def test_private_access_only_in_compat():
     assert {"_aotdist_state", "_fqn_to_region", "_window", "_LOGGER"} <= allowed
     assert not {"_run", "_apply", "_old_forward", "_boxed_call", "_compiled_call_impl"} & allowed
     bad = {}
-    for path in _files().values():
+    for path in package_modules().values():
         if COMPAT in path.parents:
             continue
         found = private_accesses(path.read_text(), allowed)
@@ -381,5 +368,5 @@ def _spelled(source: str) -> set[str]:
 
 
 def test_every_stdlib_entry_is_used():
-    used = set().union(*(_spelled(p.read_text()) for p in _files().values()))
+    used = set().union(*(_spelled(p.read_text()) for p in package_modules().values()))
     assert set(STDLIB) <= used, f"stale STDLIB entries: {sorted(set(STDLIB) - used)}"

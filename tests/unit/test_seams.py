@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
+from package_sources import ROOT, package_modules
 
-ROOT = Path(__file__).resolve().parents[2]
-SOURCES = {"aotdist": ROOT / "aotdist", "aotdist.callbacks": ROOT / "callbacks"}
 # Modules that are faces though not a package's __init__ (each package's __init__ is the
 # face of its package): what users and the integrations import (test_architecture's
 # PUBLIC_FACES). Every other module is internal and carries no __all__.
@@ -28,17 +26,6 @@ MAX_MODULE_DOCSTRING = 15  # lines: what and why; measurements and narratives go
 # Documents a user reads (the bench report text is checked through its renderer's source).
 USER_TEXT = ["README.md", "docs/**/*.md", "CONTRIBUTING.md", "aotdist/bench/report.py"]
 ISSUE_NUMBER = re.compile(r"(?<![\w/-])(?:issue|Issue|ISSUE)s?\s+#?\d+|(?<![\w/.-])#\d{1,4}\b")
-
-
-def _modules() -> dict[str, Path]:
-    out = {}
-    for package, folder in SOURCES.items():
-        for path in sorted(folder.rglob("*.py")):
-            parts = list(path.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            out[".".join([package, *parts])] = path
-    return out
 
 
 def _private_imports(source: str) -> list[str]:
@@ -91,7 +78,7 @@ def test_dunder_all_detector_reads_the_list():
 
 def test_dunder_all_only_on_faces():
     """An internal module's names are not an API: no ``__all__`` to make them look like one."""
-    modules = _modules()
+    modules = package_modules()
     faces = {m for m, p in modules.items() if p.name == "__init__.py"} | set(LEAF_FACES)
     assert set(LEAF_FACES) <= set(modules), set(LEAF_FACES) - set(modules)
     bad = sorted(m for m, p in modules.items() if m not in faces and _dunder_all(p.read_text()))
@@ -105,7 +92,7 @@ def test_no_private_name_in_any_dunder_all():
         str(p.relative_to(ROOT)): [
             n for n in _dunder_all(p.read_text()) if n.startswith("_") and not n.startswith("__")
         ]
-        for p in _modules().values()
+        for p in package_modules().values()
     }
     bad = {k: v for k, v in bad.items() if v}
     assert not bad, f"__all__ lists public names only: {bad}"
@@ -122,7 +109,7 @@ def test_core_has_few_top_level_entries():
 
 def test_module_docstrings_are_short():
     long = {}
-    for path in _modules().values():
+    for path in package_modules().values():
         doc = ast.get_docstring(ast.parse(path.read_text()), clean=True) or ""
         if len(doc.splitlines()) > MAX_MODULE_DOCSTRING:
             long[str(path.relative_to(ROOT))] = len(doc.splitlines())
