@@ -1,11 +1,13 @@
-"""torch's pipeline parallelism around stages that aotdist compiled: 2 stages on 2 gloo ranks.
+"""torch's pipeline parallelism around stages that aotdist compiled: 2 stages on 2 gloo
+ranks, and 2 stages x 2 data-parallel ranks with each stage sharded (4 ranks; FSDP2's
+hooks, and graph-mode FSDP).
 
 The user splits the model at block boundaries (torchtitan's way: a copy of the model per
 stage, the modules of other stages set to ``None``), compiles each stage with
 ``aotdist.compile_regions`` and hands it to ``torch.distributed.pipelining``. Each
 schedule's losses, parameters and BatchNorm buffers are compared with one eager process
 that runs the same micro-batches through the whole model; each stage compiles its blocks
-as one reused subgraph. Both schedules share one spawn.
+as one reused subgraph. Both schedules share one spawn; each FSDP mode has its own.
 
 Each stage is given its micro-batch shapes: torch 2.11's runtime shape inference runs the
 stage once on zeros, without gradients, which moves BatchNorm's running statistics (eager
@@ -33,11 +35,11 @@ SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
 
 
 class Block(nn.Module):
-    """A residual block with BatchNorm: running statistics are buffers the regions write."""
+    """A residual block; with BatchNorm, running statistics are buffers the regions write."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, norm: type[nn.Module] = nn.BatchNorm1d):
         super().__init__()
-        self.norm = nn.BatchNorm1d(dim)
+        self.norm = norm(dim)
         self.fc = nn.Linear(dim, dim)
 
     def forward(self, x):
@@ -47,10 +49,10 @@ class Block(nn.Module):
 class Net(nn.Module):
     """stem -> blocks -> head; a stage's copy holds ``None`` for what other stages run."""
 
-    def __init__(self, dim: int = 16):
+    def __init__(self, dim: int = 16, norm: type[nn.Module] = nn.BatchNorm1d):
         super().__init__()
         self.stem = nn.Linear(8, dim)
-        self.blocks = nn.ModuleDict({str(i): Block(dim) for i in range(BLOCKS)})
+        self.blocks = nn.ModuleDict({str(i): Block(dim, norm) for i in range(BLOCKS)})
         self.head = nn.Linear(dim, 4)
 
     def forward(self, x):
@@ -103,14 +105,14 @@ def _loss(out, target):
     return nn.functional.mse_loss(out, target)
 
 
-def _pipelined(rank: int, world_size: int, schedule_name: str) -> dict:
+def _train_stage(part, stage_index: int, schedule_name: str, batches, group=None) -> dict:
+    """``STEPS`` optimizer steps of one stage under the schedule: its micro-batch losses
+    (the last stage's), what the regions compiled and aotdist's warnings."""
     from torch.distributed import pipelining
 
-    torch._dynamo.reset()
-    part = aotdist.compile_regions(_stage(_model(), rank, world_size), backend="aot_eager")
-    inputs, outputs = _shapes(rank, world_size)
+    inputs, outputs = _shapes(stage_index, 2)
     stage = pipelining.PipelineStage(
-        part, rank, world_size, torch.device("cpu"), input_args=inputs, output_args=outputs
+        part, stage_index, 2, torch.device("cpu"), inputs, outputs, group=group
     )
     schedule = getattr(pipelining, schedule_name)(stage, n_microbatches=MICRO, loss_fn=_loss)
     opt = torch.optim.SGD(part.parameters(), lr=LR)
@@ -118,18 +120,17 @@ def _pipelined(rank: int, world_size: int, schedule_name: str) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with metrics.track(part) as m:
-            for x, y in _batches():
+            for x, y in batches:
                 opt.zero_grad()
                 step_losses: list[torch.Tensor] = []
-                if rank == 0:
+                if stage_index == 0:
                     schedule.step(x)
                 else:
                     schedule.step(target=y, losses=step_losses)
                 opt.step()
-                losses.append([float(v) for v in step_losses])
+                losses.append([float(v.detach()) for v in step_losses])
     return {
         "losses": losses,
-        "state": {k: v.detach().clone() for k, v in part.state_dict().items()},
         "regions": {n: (r.call_sites, r.subgraphs) for n, r in m.regions.items()},
         "warnings": [
             str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
@@ -137,24 +138,32 @@ def _pipelined(rank: int, world_size: int, schedule_name: str) -> dict:
     }
 
 
+def _pipelined(rank: int, world_size: int, schedule_name: str) -> dict:
+    torch._dynamo.reset()
+    part = aotdist.compile_regions(_stage(_model(), rank, world_size), backend="aot_eager")
+    result = _train_stage(part, rank, schedule_name, _batches())
+    return {**result, "state": {k: v.detach().clone() for k, v in part.state_dict().items()}}
+
+
 def _both_schedules(rank: int, world_size: int) -> dict:
     return {name: _pipelined(rank, world_size, name) for name in SCHEDULES}
 
 
-def _eager_reference():
-    """The whole model in one process, the same micro-batches in the same order."""
-    model = _model()
+def _eager_reference(model: Net, batches, micro_batches: int):
+    """The whole model in one process, the same micro-batches in the same order, each
+    micro-batch's gradient scaled by their number (as the schedules, and FSDP's average
+    over the data-parallel ranks, scale it). Returns the losses (a tensor: step x
+    micro-batch) and the state."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for x, y in _batches():
+    for x, y in batches:
         opt.zero_grad()
-        micro = zip(x.chunk(MICRO), y.chunk(MICRO), strict=True)
+        micro = zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)
         parts = [_loss(model(xm), ym) for xm, ym in micro]
-        loss = sum(parts) / MICRO  # the schedules scale each micro-batch's gradient so
-        loss.backward()
+        (sum(parts) / micro_batches).backward()
         opt.step()
-        losses.append([float(p.detach()) for p in parts])
-    return losses, model.state_dict()
+        losses.append([p.detach() for p in parts])
+    return torch.tensor(losses), model.state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -164,9 +173,9 @@ def runs():
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_pipeline_of_compiled_stages_trains_as_the_whole_model_does(runs, schedule):
-    ref_losses, ref_state = _eager_reference()
+    ref_losses, ref_state = _eager_reference(_model(), _batches(), MICRO)
     first, last = runs[0][schedule], runs[1][schedule]
-    torch.testing.assert_close(last["losses"], ref_losses)  # every micro-batch's loss
+    torch.testing.assert_close(torch.tensor(last["losses"]), ref_losses)  # every micro-batch's loss
     assert first["losses"] == [[]] * STEPS  # the first stage computes no loss
     for result in (first, last):
         assert result["state"], "the stage has no state"
@@ -182,3 +191,63 @@ def test_each_stage_compiles_its_blocks_as_one_subgraph(runs, schedule):
         result = runs[rank][schedule]
         assert result["regions"] == {"Block": (BLOCKS // 2, 1)}, (rank, result["regions"])
         assert result["warnings"] == [], (rank, result["warnings"])
+
+
+# ------------------------------------------------ stages sharded with FSDP2: pp 2 x dp 2
+
+
+def _ln_model() -> Net:
+    """The FSDP runs' model: LayerNorm, since BatchNorm's statistics would differ per
+    data-parallel rank (each sees its own slice) and match no single eager run."""
+    torch.manual_seed(0)
+    return Net(norm=nn.LayerNorm)
+
+
+DP = 2
+
+
+def _global_batches():
+    """Each step's batch for both data-parallel ranks: rank ``dp`` takes rows
+    ``8 * dp : 8 * (dp + 1)``, as ``MICRO`` micro-batches of 4."""
+    g = torch.Generator().manual_seed(2)
+    return [
+        (torch.randn(8 * DP, 8, generator=g), torch.randn(8 * DP, 4, generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def _pp_fsdp(rank: int, world_size: int, mode: str = "hooks") -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    part = _stage(_ln_model(), pp, 2)
+    config = {"compile": {"backend": "aot_eager"}, "fsdp": {"enabled": True, "mode": mode}}
+    aotdist.parallelize(part, config=config, mesh=mesh["dp"])
+    batches = [(x.chunk(DP)[dp], y.chunk(DP)[dp]) for x, y in _global_batches()]
+    group = mesh["pp"].get_group()
+    result = _train_stage(part, pp, "Schedule1F1B", batches, group=group)
+    return {**result, "params": {k: v.full_tensor() for k, v in part.state_dict().items()}}
+
+
+@pytest.fixture(scope="module", params=["hooks", "graph"])
+def fsdp_runs(request):
+    return run_distributed(_pp_fsdp, 4, request.param, timeout=300.0)
+
+
+def test_stages_sharded_with_fsdp_train_as_the_whole_model_does(fsdp_runs):
+    """Either FSDP mode inside the stages: FSDP2's hooks, or graph mode's collectives in
+    the stage's graph."""
+    ref_losses, ref_state = _eager_reference(_ln_model(), _global_batches(), DP * MICRO)
+    # ranks (pp, dp): 0 = (0, 0), 1 = (0, 1), 2 = (1, 0), 3 = (1, 1); the last stage's
+    # losses are its data-parallel rank's micro-batches
+    for dp, rank in enumerate((2, 3)):
+        mine = ref_losses[:, MICRO * dp : MICRO * (dp + 1)]
+        torch.testing.assert_close(torch.tensor(fsdp_runs[rank]["losses"]), mine)
+    for rank, result in enumerate(fsdp_runs):
+        for key, value in result["params"].items():
+            torch.testing.assert_close(value, ref_state[key], msg=f"rank {rank}: {key}")
+        assert result["regions"] == {"Block": (BLOCKS // 2, 1)}, (rank, result["regions"])
+        assert result["warnings"] == [], (rank, result["warnings"])
+    assert set().union(*(r["params"] for r in fsdp_runs)) == set(ref_state)
