@@ -2,7 +2,7 @@
 
 Four kinds of module get a class made at run time from the user's (or a library's): a
 region class (:mod:`aotdist.compile.marking`), a fix's class (:mod:`aotdist.fixes`)
-and graph-mode FSDP's gathering class (:mod:`aotdist.fsdp.graph`). :func:`made_class`
+and graph-mode FSDP's gathering class (:mod:`aotdist.fsdp.gather`). :func:`made_class`
 makes each of them; :func:`pickled_with_region_depth` is the protocol by which
 ``aotdist.cache.precompile`` saves guards that name them and loads them in another process.
 """

@@ -258,7 +258,7 @@ def test_integrations_import_only_public_faces():
 
 # compile, capture and the cache ask a model's sharding (aotdist.fsdp.sharding_of) how it
 # compiles and how its call sees its parameters; no mode's own module is theirs to import.
-MODE_MODULES = ("aotdist.fsdp.graph", "aotdist.fsdp.hooks")
+MODE_MODULES = ("aotdist.fsdp.gather", "aotdist.fsdp.graph", "aotdist.fsdp.hooks")
 ASK_THE_SHARDING = ("aotdist.compile", "aotdist.capture", "aotdist.cache")
 
 

@@ -560,7 +560,7 @@ def test_graph_mode_fsdp_gathering_classes_pickle_as_made_again_while_saving():
     ``_gather_class`` makes from the same specs, and as the user's class otherwise."""
     import pickle
 
-    from aotdist.fsdp.graph import GatherSpec, _gather_class
+    from aotdist.fsdp.gather import GatherSpec, _gather_class
 
     model = build_model("gpt", depth=2)
     spec = GatherSpec(
