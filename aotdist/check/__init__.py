@@ -10,7 +10,8 @@ table of ``docs/models.md``.
 """
 
 from aotdist.check.families import FAMILIES, Family, family
-from aotdist.check.runner import FAILING, CheckResult, check_family, check_fsdp
+from aotdist.check.fsdp import check_fsdp
+from aotdist.check.runner import FAILING, CheckResult, check_family
 from aotdist.check.specs import resolve
 from aotdist.check.zoo import render, run_zoo
 

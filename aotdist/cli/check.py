@@ -137,7 +137,8 @@ def _zoo(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Adds ``check`` and ``zoo`` to the subcommands."""
-    from aotdist.check.runner import check_family, check_fsdp  # defined there: the defaults
+    from aotdist.check.fsdp import check_fsdp  # defined there: the defaults
+    from aotdist.check.runner import check_family
     from aotdist.check.zoo import run_zoo
 
     c = cli.add_command(
