@@ -21,6 +21,7 @@ import torch
 
 from aotdist import _compat
 from aotdist.backends.named import add_joint_pass, inductor_options
+from aotdist.backends.partition import inductor_partitioner, region_partition
 from aotdist.backends.recompute import boundaries_saved
 from aotdist.backends.regional import regional_inner_compile
 
@@ -232,12 +233,13 @@ def aot_backend(
     """
     name = backend_name(backend)
     if name == "aot_eager":
-        aot_eager, boxed_nop = _compat.aot_eager_parts()
+        _, boxed_nop = _compat.aot_eager_parts()
         # the graph compiler of aotdist's own aot_eager (fsdp.bucket_mb's bucketing) stays
         inner = getattr(backend, "aotdist_graph_compiler", boxed_nop)
+        # a graph around regions saves what its backward needs (aotdist.backends.partition)
         return boundaries_saved(
-            functools.partial(
-                aot_eager,
+            _compat.aot_eager_with_partitioner(
+                region_partition,
                 fw_compiler=_hooked(inner, "forward", on_graph),
                 bw_compiler=_hooked(inner, "backward", on_graph),
             )
@@ -248,6 +250,8 @@ def aot_backend(
         # aotdist's defaults: the same decision as compile_regions (a bare name: defaults).
         patches = inductor_options(getattr(backend, "config", None), warn=False)
         add_joint_pass(patches, _joint_pass())
+        if outer == "fx" and patches.get("custom_partitioner_fn") is None:
+            patches["custom_partitioner_fn"] = inductor_partitioner()  # glue left unlowered
         inner = (
             compile_fx_inner if outer == "inductor" else regional_inner_compile(compile_fx_inner)
         )

@@ -297,7 +297,10 @@ class RecordingBackend:
             return self.inner(gm, example_inputs)
         resized = storage_resized_inputs(gm)
         outer = self.outer_for(gm) or "inductor"
-        if not resized and not rebuild and outer == "inductor":
+        # aot_eager around regions: aotdist's build, whose partitioner saves what the
+        # backward needs (aotdist.backends.partition)
+        around_regions = backend_name(self.inner) == "aot_eager" and _calls_regions(gm)
+        if not resized and not rebuild and outer == "inductor" and not around_regions:
             return self.inner(gm, example_inputs)
         repaired = aot_backend(self.inner, outer=outer)
         if repaired is not None:
