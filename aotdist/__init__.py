@@ -23,6 +23,7 @@ from aotdist.errors import (
 )
 from aotdist.float8 import precompute_float8_scales
 from aotdist.parallelize import parallelize, parallelize_info
+from aotdist.pipelining import Pipeline, pipeline
 from aotdist.regions import Region, RegionPlan, find_regions
 from aotdist.version import __version__
 
@@ -36,6 +37,7 @@ __all__ = [
     "ConfigWarning",
     "MissingDependencyError",
     "OrderingError",
+    "Pipeline",
     "Region",
     "RegionCaptureError",
     "RegionCompileWarning",
@@ -50,6 +52,7 @@ __all__ = [
     "metrics",
     "parallelize",
     "parallelize_info",
+    "pipeline",
     "precompute_float8_scales",
     "restore",
 ]

@@ -16,7 +16,7 @@ from aotdist.compile.configured import compile_from_config
 from aotdist.compile.marking import mark_regions
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR
 from aotdist.config import AOTDistConfig, as_config
-from aotdist.errors import OrderingError
+from aotdist.errors import ConfigError, OrderingError
 from aotdist.float8 import convert_to_float8, warn_unverified_combination
 from aotdist.fsdp.modes import record_sharding, sharding_for
 from aotdist.fsdp.replaced import record_replaced
@@ -95,6 +95,12 @@ def parallelize(
         assert list(plan.fqns) == ["blocks.0", "blocks.1", "blocks.2"]
     """
     config = as_config(config)
+    if config.pipeline.enabled:
+        raise ConfigError(
+            "pipeline.enabled: parallelize applies to one model, and a pipelined model is "
+            "one stage per rank. Fix: call aotdist.pipeline(model, microbatch=..., "
+            "loss_fn=..., config=...), which splits it and parallelizes each stage"
+        )
     sharding = sharding_for(config)  # NoSharding, HooksSharding or GraphSharding
     _check_fresh(model)
     # Float8 conversion and FSDP2 must both come before the user's own fully_shard.

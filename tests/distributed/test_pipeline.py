@@ -251,3 +251,87 @@ def test_stages_sharded_with_fsdp_train_as_the_whole_model_does(fsdp_runs):
         assert result["regions"] == {"Block": (BLOCKS // 2, 1)}, (rank, result["regions"])
         assert result["warnings"] == [], (rank, result["warnings"])
     assert set().union(*(r["params"] for r in fsdp_runs)) == set(ref_state)
+
+
+# ------------------------------------------ aotdist.pipeline: the split and schedule from config
+
+
+def _configured(rank: int, world_size: int, schedule: str, mode: str | None) -> dict:
+    """``aotdist.pipeline`` on the whole model: 2 stages (``mode`` None), or 2 stages x 2
+    data-parallel ranks with FSDP2 in ``mode``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    config = {
+        "compile": {"backend": "aot_eager"},
+        "pipeline": {"enabled": True, "schedule": schedule, "microbatches": MICRO},
+    }
+    if mode is None:
+        model, mesh, batches, dp = _model(), None, _batches(), 0
+    else:
+        config["fsdp"] = {"enabled": True, "mode": mode}
+        mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
+        dp = mesh["dp"].get_local_rank()
+        model, batches = (
+            _ln_model(),
+            [(x.chunk(DP)[dp], y.chunk(DP)[dp]) for x, y in _global_batches()],
+        )
+    x0 = batches[0][0]
+    pipe = aotdist.pipeline(
+        model, microbatch=(x0.chunk(MICRO)[0],), loss_fn=_loss, config=config, mesh=mesh
+    )
+    opt = torch.optim.SGD(pipe.module.parameters(), lr=LR)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with metrics.track(pipe.module) as m:
+            for x, y in batches:
+                opt.zero_grad()
+                step_losses: list[torch.Tensor] = []
+                pipe.step(x, target=y, losses=step_losses) if pipe.is_first else pipe.step(
+                    target=y, losses=step_losses
+                )
+                opt.step()
+                losses.append([float(v.detach()) for v in step_losses])
+    state = {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+        for k, v in pipe.module.state_dict().items()
+    }
+    return {
+        "losses": losses,
+        "units": pipe.units,
+        "state": state,
+        "regions": {n: (r.call_sites, r.subgraphs) for n, r in m.regions.items()},
+        "warnings": [
+            str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
+        ],
+    }
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_aotdist_pipeline_splits_at_regions_and_trains_as_the_whole_model(schedule):
+    runs = run_distributed(_configured, 2, schedule, None, timeout=240.0)
+    ref_losses, ref_state = _eager_reference(_model(), _batches(), MICRO)
+    assert runs[0]["units"] == ("stem", "blocks.0", "blocks.1")
+    assert runs[1]["units"] == ("blocks.2", "blocks.3", "head")
+    assert runs[0]["losses"] == [[]] * STEPS
+    torch.testing.assert_close(torch.tensor(runs[1]["losses"]), ref_losses)
+    for rank, result in enumerate(runs):
+        for key, value in result["state"].items():  # parameters and BatchNorm buffers
+            torch.testing.assert_close(value, ref_state[key], msg=f"rank {rank}: {key}")
+        assert result["regions"] == {"Block": (BLOCKS // 2, 1)}, (rank, result["regions"])
+        assert result["warnings"] == [], (rank, result["warnings"])
+    assert set(runs[0]["state"]) | set(runs[1]["state"]) == set(ref_state)
+
+
+def test_aotdist_pipeline_with_fsdp_inside_each_stage_trains_as_the_whole_model():
+    runs = run_distributed(_configured, 4, "1F1B", "hooks", timeout=300.0)
+    ref_losses, ref_state = _eager_reference(_ln_model(), _global_batches(), DP * MICRO)
+    for dp, rank in enumerate((2, 3)):  # the last stage's data-parallel ranks
+        mine = ref_losses[:, MICRO * dp : MICRO * (dp + 1)]
+        torch.testing.assert_close(torch.tensor(runs[rank]["losses"]), mine)
+    for rank, result in enumerate(runs):
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, ref_state[key], msg=f"rank {rank}: {key}")
+        assert result["regions"] == {"Block": (BLOCKS // 2, 1)}, (rank, result["regions"])
+        assert result["warnings"] == [], (rank, result["warnings"])

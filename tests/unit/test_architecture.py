@@ -106,6 +106,7 @@ LAYERS = (
     ("aotdist.compile",),
     ("aotdist.metrics", "aotdist.capture", "aotdist.cache"),
     ("aotdist.parallelize",),
+    ("aotdist.pipelining",),
     ("aotdist",),
     ("aotdist.callbacks",),
     ("aotdist.launch",),

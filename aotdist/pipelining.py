@@ -1,0 +1,304 @@
+"""``aotdist.pipeline``: a model split into pipeline stages at region boundaries, each stage
+parallelized by :func:`aotdist.parallelize`, run by a ``torch.distributed.pipelining``
+schedule.
+
+The split is torchtitan's: every rank builds the whole model, keeps its stage's modules and
+drops the others (a block of a ``ModuleDict`` / ``ModuleList`` is deleted, keeping the
+names of the rest; any other module is set to ``None``), so the model's ``forward`` must
+skip what is ``None``, as torchtitan's models do. A stage's units are the region instances
+and the modules outside them, in the order the model registers them. The shapes between
+stages are found once, on meta tensors (torch 2.11 would otherwise run each stage on
+zeros: BatchNorm's statistics move and a second graph compiles).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from aotdist.config import AOTDistConfig, as_config
+from aotdist.config.validation import did_you_mean
+from aotdist.errors import ConfigError
+from aotdist.parallelize import parallelize
+from aotdist.regions import find_regions
+
+_SCHEDULES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+_DESCRIPTOR = 12  # dtype code, ndim, up to 10 sizes
+
+
+@dataclass
+class Pipeline:
+    """This rank's stage of a pipelined model and the schedule that runs it.
+
+    Attributes:
+        module: The stage's modules, parallelized (build the optimizer on its parameters).
+        stage_index: This rank's stage.
+        stages: How many stages.
+        units: The stage's modules (region instances and modules outside the regions).
+        schedule: The ``torch.distributed.pipelining`` schedule.
+        microbatches: Micro-batches per step.
+    """
+
+    module: nn.Module
+    stage_index: int
+    stages: int
+    units: tuple[str, ...]
+    schedule: Any
+    microbatches: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.stages - 1
+
+    def step(self, *args: Any, target: Any = None, losses: list | None = None) -> Any:
+        """One step of the schedule: the first stage takes the batch (``args``), the last
+        the ``target`` and a list that receives each micro-batch's loss; other stages take
+        nothing. Returns the last stage's output.
+
+        Raises:
+            ConfigError: The batch does not divide into ``microbatches``.
+        """
+        for value in (*args, target):
+            if isinstance(value, torch.Tensor) and value.shape[0] % self.microbatches:
+                raise ConfigError(
+                    f"a batch of {value.shape[0]} rows does not divide into "
+                    f"pipeline.microbatches = {self.microbatches}. Fix: make the batch size "
+                    "a multiple of pipeline.microbatches, or change it"
+                )
+        if not self.is_last:
+            return self.schedule.step(*args)
+        return self.schedule.step(*args, target=target, losses=losses)
+
+
+def pipeline(
+    model: nn.Module,
+    *,
+    microbatch: Sequence[torch.Tensor],
+    loss_fn: Callable,
+    config: AOTDistConfig | Mapping | str | os.PathLike | None = None,
+    mesh: Any = None,
+) -> Pipeline:
+    """Splits ``model`` into ``pipeline.degree`` stages, keeps this rank's, parallelizes it
+    as :func:`aotdist.parallelize` does and builds the schedule.
+
+    Args:
+        model: The whole model, built the same on every rank; its ``forward`` skips the
+            modules set to ``None`` on other stages.
+        microbatch: One micro-batch of the first stage's inputs (its shapes and dtypes).
+        loss_fn: ``loss_fn(output, target)`` of the last stage.
+        config: As for :func:`aotdist.parallelize`, with ``pipeline.enabled``.
+        mesh: A mesh with a ``pp`` dimension (its other dimensions go to FSDP2), or
+            ``None``: every rank is one stage.
+
+    Returns:
+        This rank's :class:`Pipeline`.
+
+    Raises:
+        ConfigError: No process group, a degree that is not the mesh's, a split point that
+            names no unit (one inside a region: split at the region), a stage without
+            parameters, fewer region instances than stages.
+    """
+    config = as_config(config)
+    if not config.pipeline.enabled:
+        raise ConfigError(
+            "aotdist.pipeline needs pipeline.enabled: true. Fix: set it, or call "
+            "aotdist.parallelize for a model that is not pipelined"
+        )
+    group, index, degree, inner_mesh = _placement(config, mesh)
+    units, stage_of = _split(model, config, degree)
+    mine = tuple(u for u in units if stage_of[u] == index)
+    stage_module = _keep(model, units, mine)
+    inputs, outputs = _shapes(stage_module, microbatch, index, degree, group)
+    rest = config.replace(pipeline={"enabled": False})
+    parallelize(stage_module, config=rest, mesh=inner_mesh)
+
+    from torch.distributed import pipelining
+
+    device = next(iter(stage_module.parameters())).device
+    stage = pipelining.PipelineStage(
+        stage_module, index, degree, device, inputs, outputs, group=group
+    )
+    cls = getattr(pipelining, _SCHEDULES[config.pipeline.schedule])
+    schedule = cls(stage, n_microbatches=config.pipeline.microbatches, loss_fn=loss_fn)
+    return Pipeline(stage_module, index, degree, mine, schedule, config.pipeline.microbatches)
+
+
+def _placement(config: AOTDistConfig, mesh: Any) -> tuple[Any, int, int, Any]:
+    """(pp group, this rank's stage, degree, the mesh left for FSDP2 or ``None``)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(
+            "aotdist.pipeline needs a process group (one rank per stage). Fix: call "
+            "torch.distributed.init_process_group first (torchrun, accelerate launch)"
+        )
+    wanted = config.pipeline.degree
+    if mesh is None:
+        degree = dist.get_world_size()
+        if config.fsdp.enabled or (wanted and wanted != degree):
+            raise ConfigError(
+                f"pipeline.degree {wanted or degree} with "
+                f"{'fsdp.enabled' if config.fsdp.enabled else 'no mesh'} over "
+                f"{degree} ranks: without a mesh every rank is one stage. Fix: pass "
+                "mesh=init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp'))"
+            )
+        return dist.group.WORLD, dist.get_rank(), degree, None
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" not in names:
+        raise ConfigError(
+            f"the mesh's dimensions are {names}; aotdist.pipeline needs one named 'pp'. "
+            "Fix: init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp'))"
+        )
+    pp = mesh["pp"]
+    degree = pp.size()
+    if wanted and wanted != degree:
+        raise ConfigError(
+            f"pipeline.degree is {wanted} but the mesh's pp dimension has {degree} ranks. "
+            "Fix: set pipeline.degree to 0 (the mesh's), or build the mesh to match"
+        )
+    others = tuple(n for n in names if n != "pp")
+    inner = None if not others else mesh[others[0] if len(others) == 1 else others]
+    return pp.get_group(), pp.get_local_rank(), degree, inner
+
+
+def _units(model: nn.Module, instances: set[str]) -> list[str]:
+    """The model's modules in registration order, each module holding a region instance
+    opened into its children, so that region instances and the modules around them are
+    the units."""
+    out: list[str] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            fqn = f"{prefix}{name}"
+            holds = any(i.startswith(fqn + ".") for i in instances)
+            if fqn in instances or not holds:
+                out.append(fqn)
+            else:
+                visit(child, fqn + ".")
+
+    visit(model, "")
+    return out
+
+
+def _split(model: nn.Module, config: AOTDistConfig, degree: int) -> tuple[list[str], dict]:
+    rc = config.regions
+    plan = find_regions(model, include=rc.include, exclude=rc.exclude, min_repeats=rc.min_repeats)
+    instances = {fqn for region in plan for fqn in region.fqns}
+    units = _units(model, instances)
+    points = list(config.pipeline.split_points)
+    if not points:
+        ordered = [u for u in units if u in instances]
+        if len(ordered) < degree:
+            raise ConfigError(
+                f"{len(ordered)} region instance(s) cannot make {degree} pipeline stages. "
+                "Fix: lower pipeline.degree, or name pipeline.split_points"
+            )
+        per, extra = divmod(len(ordered), degree)
+        starts = [sum(per + (k < extra) for k in range(s)) for s in range(1, degree)]
+        points = [ordered[i] for i in starts]
+    elif len(points) != degree - 1:
+        raise ConfigError(
+            f"pipeline.split_points names {len(points)} point(s) for {degree} stages. "
+            "Fix: give one split point fewer than the stages"
+        )
+    positions = []
+    for point in points:
+        if point not in units:
+            inside = [i for i in instances if point.startswith(i + ".")]
+            fix = (
+                f"{point!r} is inside the region instance {inside[0]!r}: a stage boundary "
+                f"cannot split a region. Fix: split at {inside[0]!r}"
+                if inside
+                else f"{point!r} names no module of the model{did_you_mean(point, units)}. "
+                f"Fix: use one of {units}"
+            )
+            raise ConfigError(f"pipeline.split_points: {fix}")
+        positions.append(units.index(point))
+    if positions != sorted(set(positions)) or positions[0] == 0:
+        raise ConfigError(
+            f"pipeline.split_points {points} are not in the model's order after its first "
+            f"module: each stage must start after the last. Fix: pick them, in order, from "
+            f"{units[1:]}"
+        )
+    bounds = [0, *positions, len(units)]
+    stage_of = {u: s for s in range(degree) for u in units[bounds[s] : bounds[s + 1]]}
+    params = {u: sum(p.numel() for p in model.get_submodule(u).parameters()) for u in units}
+    for s in range(degree):
+        held = units[bounds[s] : bounds[s + 1]]
+        if not any(params[u] for u in held):
+            raise ConfigError(
+                f"pipeline stage {s} ({held}) has no parameters: it would train nothing and "
+                "its schedule has no gradient to send. Fix: move pipeline.split_points"
+            )
+    return units, stage_of
+
+
+def _keep(model: nn.Module, units: list[str], mine: tuple[str, ...]) -> nn.Module:
+    """A copy of ``model`` with only ``mine`` among ``units``."""
+    part = copy.deepcopy(model)
+    for fqn in units:
+        if fqn in mine:
+            continue
+        parent_name, _, name = fqn.rpartition(".")
+        parent = part.get_submodule(parent_name) if parent_name else part
+        if isinstance(parent, (nn.ModuleDict, nn.ModuleList)):
+            delattr(parent, name)  # the other blocks keep their names
+        else:
+            setattr(parent, name, None)
+    return part
+
+
+def _shapes(
+    stage: nn.Module, microbatch: Sequence[torch.Tensor], index: int, degree: int, group: Any
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """This stage's micro-batch input and output as meta tensors: the first stage's from
+    ``microbatch``, each later one's received from the stage before (its output)."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+    if index == 0:
+        inputs = tuple(t.to("meta") for t in microbatch)
+    else:
+        descriptor = torch.zeros(_DESCRIPTOR, dtype=torch.int64)
+        dist.recv(descriptor, src=ranks[index - 1], group=group)
+        inputs = (_from_descriptor(descriptor, requires_grad=True),)
+    state = {k: v.to("meta") for k, v in (*stage.named_parameters(), *stage.named_buffers())}
+    with torch.no_grad():
+        out = torch.func.functional_call(stage, state, inputs)
+    if not isinstance(out, torch.Tensor):
+        raise ConfigError(
+            f"pipeline stage {index} returns {type(out).__name__}; aotdist.pipeline passes one "
+            "tensor between stages. Fix: return a tensor from each stage's forward"
+        )
+    output = torch.empty(out.shape, dtype=out.dtype, device="meta", requires_grad=True)
+    if index < degree - 1:
+        dist.send(_descriptor(out), dst=ranks[index + 1], group=group)
+    return inputs, output
+
+
+def _descriptor(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype not in _DTYPES or t.dim() > _DESCRIPTOR - 2:
+        raise ConfigError(
+            f"a pipeline stage's output is {t.dtype} with {t.dim()} dimensions; aotdist passes "
+            f"one of {[str(d) for d in _DTYPES]} with at most {_DESCRIPTOR - 2} dimensions"
+        )
+    values = [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    return torch.tensor(values + [0] * (_DESCRIPTOR - len(values)), dtype=torch.int64)
+
+
+def _from_descriptor(d: torch.Tensor, *, requires_grad: bool) -> torch.Tensor:
+    dtype, ndim = _DTYPES[int(d[0])], int(d[1])
+    shape = [int(v) for v in d[2 : 2 + ndim]]
+    grads = requires_grad and dtype.is_floating_point
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grads)
