@@ -55,7 +55,6 @@ from aotdist._compat.codes import (
 )
 from aotdist._compat.compiler import (
     aot_eager_parts,
-    aot_eager_with_partitioner,
     boxed_function,
     compilation_metric_fields,
     compilation_metrics,
@@ -63,7 +62,6 @@ from aotdist._compat.compiler import (
     compiled_graph_callable,
     current_frame_locals,
     custom_graph_pass_base,
-    custom_partitioner_base,
     dynamo_config_patch,
     dynamo_counters,
     fake_mode_of,
@@ -88,7 +86,6 @@ from aotdist._compat.compiler import (
     optimized_module_type,
     own_tracing_context,
     param_slots,
-    partitioners,
     probe_cpu_isa,
     recorded_writes,
     root_call_function,
@@ -96,6 +93,11 @@ from aotdist._compat.compiler import (
     tracing_context,
     tree_leaves,
     tree_map,
+)
+from aotdist._compat.partitioners import (
+    aot_eager_with_partitioner,
+    custom_partitioner_base,
+    partitioners,
 )
 from aotdist._compat.precompile import (
     PrecompiledFunction,
