@@ -106,6 +106,31 @@ def _closures_saved_by_code(fn: Callable):
             value.__qualname__ = qualname
 
 
+@contextlib.contextmanager
+def _local_types_saved_by_path(model: nn.Module):
+    """Inside, a class made in a function whose one instance is a global of the module the
+    class names (transformers 5.25's hub-kernel functions, ``apply_rotary_pos_emb``: an
+    instance of kernels' ``Func``) is named ``<global>.__class__``, a path pickle resolves
+    in any process that imports the module: torch refuses to save a type guard on a class
+    whose qualified name is not its name (torch 2.14). Only the modules of ``model``'s
+    classes are read."""
+    renamed, seen = [], set()
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        for key, value in list(vars(module).items()) if module is not None else ():
+            cls = type(value)
+            if cls in seen or "<locals>" not in cls.__qualname__ or cls.__module__ != name:
+                continue
+            seen.add(cls)
+            renamed.append((cls, cls.__name__, cls.__qualname__))
+            cls.__name__ = cls.__qualname__ = f"{key}.__class__"
+    try:
+        yield
+    finally:
+        for cls, name, qualname in renamed:
+            cls.__name__, cls.__qualname__ = name, qualname
+
+
 def _by_name(fn: types.FunctionType) -> Any:
     """What ``fn``'s module and qualified name lead to (pickle's lookup), or ``None``."""
     obj = sys.modules.get(fn.__module__)
@@ -194,6 +219,7 @@ def aot_compile(
         torch._dynamo.config.patch(**patch),
         _grads_detached(model),
         _closures_saved_by_code(fn),
+        _local_types_saved_by_path(model),
         _run_state_unsaved(),
         warnings.catch_warnings(),
     ):
@@ -216,7 +242,7 @@ def aot_compile(
                 f"its code reads a global Dynamo made up, {ref}, that cannot be saved"
             )
         modules[ref] = by_id[int(match.group(1))]
-    with _closures_saved_by_code(fn), _run_state_unsaved():
+    with _closures_saved_by_code(fn), _local_types_saved_by_path(model), _run_state_unsaved():
         return type(result).serialize(result).serialized_data, modules
 
 

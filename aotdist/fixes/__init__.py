@@ -22,7 +22,7 @@ from torch import fx, nn
 
 from aotdist import _compat
 from aotdist._compat.enums import StrEnum
-from aotdist.fixes import batchnorm, droppath
+from aotdist.fixes import batchnorm, droppath, kernel_funcs
 from aotdist.fixes.forward import (
     INSIDE,
     OUTSIDE,
@@ -126,6 +126,21 @@ FIXES: tuple[Fix, ...] = (
         undo=_SWAP_UNDO,
         test="tests/unit/test_stochastic_depth.py::"
         "test_torchvision_stochastic_depth_rates_are_data_and_every_block_shares_its_subgraph",
+    ),
+    Fix(
+        "hub-kernel wrappers",
+        Stage.MODULE_SWAP,
+        kernel_funcs,
+        change="kernels' `use_kernelized_func` wrapper (transformers 5.25+) skipped while "
+        "compiling: the forward it wraps runs",
+        applies="a module whose `forward` is kernels' wrapper (function identity by code) and "
+        "none of whose functions `kernels.kernelize` replaced",
+        guarantee="kernels' own rule: an un-kernelized function runs as the plain function; "
+        "the wrapper's context-variable write, a side effect that stops reuse, is not made; "
+        "outside a compile the wrapper runs",
+        undo=_SWAP_UNDO,
+        test="tests/integration/test_finetune_stacks.py::"
+        "test_hub_kernel_wrappers_keep_a_region_reused_and_traced_once",
     ),
     # Forward wrappers, in the order they wrap (the first is innermost).
     Fix(

@@ -6,13 +6,16 @@ paths ``__dict__['_modules'][...]``) and every instance a call site of one subgr
 from __future__ import annotations
 
 import copy
+import importlib.util
+import types
 import warnings
 
 import pytest
 import torch
 
 import aotdist
-from aotdist import metrics
+from aotdist import _compat, metrics
+from aotdist.fixes import kernel_funcs
 from aotdist.testing import assert_training_parity
 
 STEPS = 3
@@ -129,6 +132,86 @@ def test_lora_on_a_frozen_llama_trains_as_eager_and_names_the_inlined_first_laye
     split = [w for w in warned if "'LlamaDecoderLayer'" in w]
     assert split and "requires_grad" in split[0], warned
     assert "frozen embedding" in split[0] and "enable_input_require_grads()" in split[0], split
+
+
+def _kernel_func_stack(kernels, depth: int = 4) -> torch.nn.Module:
+    """Blocks whose mixer calls a hub-replaceable function the way transformers 5.25's
+    Llama attention calls ``apply_rotary_pos_emb``: ``kernels``' two decorators."""
+
+    def rotate(x):
+        return torch.cat([-x[..., 1::2], x[..., ::2]], dim=-1)
+
+    rotate = kernels.use_kernel_forward_from_hub("AotdistTestRotate")(rotate)
+
+    @kernels.use_kernelized_func(rotate)
+    class Mixer(torch.nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.proj = torch.nn.Linear(dim, dim)
+
+        def forward(self, x):
+            return self.proj(rotate(x))
+
+    class Block(torch.nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(dim)
+            self.mix = Mixer(dim)
+
+        def forward(self, x):
+            return x + self.mix(self.norm(x)).tanh()
+
+    torch.manual_seed(0)
+    blocks = [Block(16) for _ in range(depth)]
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), *blocks, torch.nn.Linear(16, 1)).train()
+
+
+def _side_effect_refusals(model) -> list[str]:
+    refusals = vars(model)["_aotdist_state"].log.refusals
+    return [why for code, why in refusals.items() if _compat.is_region_code(code, "Block")]
+
+
+def test_hub_kernel_wrappers_keep_a_region_reused_and_traced_once(monkeypatch):
+    # kernels' wrapper writes a context variable on every call; while compiling that is
+    # a side effect, and torch then traces every instance again (about 90 ms a layer on
+    # a transformers 5.25 Llama) before merging their bodies. aotdist runs the wrapped
+    # forward while compiling, as kernels does for a function nothing kernelized.
+    kernels = pytest.importorskip("kernels")
+    model = _kernel_func_stack(kernels)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 8, generator=g),) for _ in range(STEPS)]
+    tracked, warned = _train(model, batches)
+    assert not warned, warned
+    _reused(tracked, "Block", 4)
+    assert all(type(b.mix)._aotdist_kf_base.__name__ == "Mixer" for b in list(model)[1:-1])
+    assert _side_effect_refusals(model) == []
+    aotdist.restore(model)
+    assert {type(b.mix).__name__ for b in list(model)[1:-1]} == {"Mixer"}
+    assert all("_aotdist_kf_base" not in vars(type(b.mix)) for b in list(model)[1:-1])
+
+    # without the fix torch refuses its reuse check for the side effect (torch 2.14+
+    # logs why; 2.11 traces every instance either way)
+    monkeypatch.setattr(kernel_funcs, "swap", lambda module: [])
+    unfixed = _kernel_func_stack(kernels)
+    tracked, _ = _train(unfixed, batches)
+    _reused(tracked, "Block", 4)  # torch still merges the traced bodies
+    if importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph") is not None:
+        assert _side_effect_refusals(unfixed) == ["not eligible -- subgraph has side effects"]
+
+
+def test_a_kernelized_function_keeps_kernels_routing():
+    # an instance whose function kernelize replaced runs kernels' wrapper as written: the
+    # kernel it routes to is what the user asked for
+    kernels = pytest.importorskip("kernels")
+    model = _kernel_func_stack(kernels, depth=2)
+    mixer = model[1].mix
+    (kernel,) = vars(mixer)["_kernel_funcs"].values()
+    # what kernelize does: the instance gets a forward of its own
+    kernel.forward = types.MethodType(lambda self, x: -x, kernel)
+    assert kernel_funcs.swap(model[1]) == []
+    assert kernel_funcs.swap(model[2]) == [model[2].mix]
+    kernel_funcs.restore(model[2])
+    assert "_aotdist_kf_base" not in vars(type(model[2].mix))
 
 
 def test_lora_adapters_merged_then_unmerged_give_eager_logits_and_train_on():

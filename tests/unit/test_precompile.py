@@ -14,8 +14,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pickle
 import subprocess
 import sys
+import types
 import warnings
 from types import SimpleNamespace
 
@@ -444,6 +446,32 @@ def test_a_warm_start_runs_the_saved_graph_trains_like_eager_and_notices_edits(t
     assert not any(s["precompiled"] for s in edited["steps"])
     again = run([4, 4])  # the edited run saved the bundle again
     assert again["precompiled"] and again["steps"][0]["precompiled"], again
+
+
+def test_a_global_instance_of_a_local_class_pickles_by_path_while_saving(monkeypatch):
+    # transformers 5.25's hub-kernel functions (apply_rotary_pos_emb) are module globals
+    # whose class kernels makes in a function; torch refuses a type guard on such a class
+    module = types.ModuleType("aotdist_test_local_types")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    def make():
+        class Func(torch.nn.Module):
+            def forward(self, x):
+                return x
+
+        return Func
+
+    func_cls = make()
+    func_cls.__module__ = module.__name__
+    names = (func_cls.__name__, func_cls.__qualname__)
+    assert "<locals>" in names[1]
+    module.rotate = func_cls()
+    holder = type("Holder", (torch.nn.Module,), {"__module__": module.__name__})
+    with _compat.precompile._local_types_saved_by_path(holder()):
+        assert func_cls.__name__ == func_cls.__qualname__ == "rotate.__class__"
+        data = pickle.dumps(func_cls)
+    assert (func_cls.__name__, func_cls.__qualname__) == names
+    assert pickle.loads(data) is func_cls  # found again through the module's global
 
 
 _FAMILY_CHILD = r"""
