@@ -98,8 +98,9 @@ def pipeline(
         microbatch: One micro-batch of the first stage's inputs (its shapes and dtypes).
         loss_fn: ``loss_fn(output, target)`` of the last stage.
         config: As for :func:`aotdist.parallelize`, with ``pipeline.enabled``.
-        mesh: A mesh with a ``pp`` dimension (its other dimensions go to FSDP2), or
-            ``None``: every rank is one stage.
+        mesh: A mesh with a ``pp`` dimension (its other dimensions but ``tp`` go to
+            FSDP2; ``tp`` is the user's tensor parallelism, applied to ``model`` before
+            this call), or ``None``: every rank is one stage.
 
     Returns:
         This rank's :class:`Pipeline`.
@@ -167,8 +168,11 @@ def _placement(config: AOTDistConfig, mesh: Any) -> tuple[Any, int, int, Any]:
             f"pipeline.degree is {wanted} but the mesh's pp dimension has {degree} ranks. "
             "Fix: set pipeline.degree to 0 (the mesh's), or build the mesh to match"
         )
-    others = tuple(n for n in names if n != "pp")
-    inner = None if not others else mesh[others[0] if len(others) == 1 else others]
+    # the user's tensor parallelism holds "tp"; FSDP2 shards over the rest
+    others = tuple(n for n in names if n not in ("pp", "tp"))
+    inner = None
+    if others and config.fsdp.enabled:
+        inner = mesh[others[0] if len(others) == 1 else others]
     return pp.get_group(), pp.get_local_rank(), degree, inner
 
 

@@ -7,13 +7,15 @@ does): ``state_dict()`` keys, ``named_parameters()`` and hooks are unchanged.
 
 Two compile modes (:class:`aotdist.compile.state.CompileMode`), chosen from the model:
 ``graph`` (no FSDP2: the whole model is one graph, each region an ``invoke_subgraph``
-call in it) and ``frames`` (FSDP2 units, whose hooks Dynamo does not trace: each region's
-forward is one compiled function shared by its instances, inside FSDP's eager hooks).
+call in it) and ``frames`` (FSDP2 units, whose hooks Dynamo does not trace, and regions
+holding tensor-parallel DTensors, which ``invoke_subgraph`` cannot take: each region's
+forward is one compiled function shared by its instances, run from eager code).
 Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from collections.abc import Callable
@@ -39,7 +41,7 @@ from aotdist.compile.state import (
 )
 from aotdist.compile.verify import install_frames_check
 from aotdist.errors import OrderingError, RegionCompileWarning
-from aotdist.fsdp import sharding_of
+from aotdist.fsdp import fsdp_modules, sharding_of
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan
 
@@ -164,7 +166,9 @@ def compile_regions(
         assert (m.regions["Block"].call_sites, m.regions["Block"].subgraphs) == (4, 1)
     """
     state = _prepare(model, plan, backend, mode, dynamic, options, verify, outer)
-    if state.settings.mode is CompileMode.FRAMES:  # FSDP2 hooks: module doc
+    if state.settings.mode is CompileMode.GRAPH and _tensor_parallel_regions(model, state):
+        state.settings = dataclasses.replace(state.settings, mode=CompileMode.FRAMES)
+    if state.settings.mode is CompileMode.FRAMES:  # FSDP2 hooks, DTensor regions: module doc
         compile_frames(
             model,
             state,
@@ -285,6 +289,24 @@ def _prepare(
         dynamic=_torch_dynamic(dynamic),
     )
     return state
+
+
+def _tensor_parallel_regions(model: nn.Module, state: RegionState) -> bool:
+    """Whether a region instance holds DTensor parameters outside any FSDP2 unit (tensor
+    parallelism without FSDP2). torch's AOTAutograd cannot take an ``invoke_subgraph``
+    call whose operands are DTensors (torch 2.14: "got mixed torch.Tensor and DTensor"
+    building its schema; 2.11: "Expected FakeTensor, got DTensor"), so such regions are
+    compiled as frames of their own, which take the DTensors as inputs."""
+    if not torch.distributed.is_available() or fsdp_modules(model):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(
+        isinstance(p, DTensor)
+        for region in state.plan
+        for fqn in region.fqns
+        for p in model.get_submodule(fqn).parameters()
+    )
 
 
 def _torch_dynamic(dynamic: bool | None) -> bool | None:

@@ -257,8 +257,9 @@ def test_stages_sharded_with_fsdp_train_as_the_whole_model_does(fsdp_runs):
 
 
 def _configured(rank: int, world_size: int, schedule: str, mode: str | None) -> dict:
-    """``aotdist.pipeline`` on the whole model: 2 stages (``mode`` None), or 2 stages x 2
-    data-parallel ranks with FSDP2 in ``mode``."""
+    """``aotdist.pipeline`` on the whole model: 2 stages (``mode`` None), 2 stages x 2
+    tensor-parallel ranks (``"tp"``), or 2 stages x 2 data-parallel ranks with FSDP2 in
+    ``mode``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch._dynamo.reset()
@@ -268,6 +269,14 @@ def _configured(rank: int, world_size: int, schedule: str, mode: str | None) -> 
     }
     if mode is None:
         model, mesh, batches, dp = _model(), None, _batches(), 0
+    elif mode == "tp":  # the user's tensor parallelism on the whole model, before the split
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+        model, batches, tp_mesh = _model(), _batches(), mesh["tp"]
+        for block in model.blocks.values():
+            parallelize_module(block, tp_mesh, {"fc": ColwiseParallel(output_layouts=Replicate())})
     else:
         config["fsdp"] = {"enabled": True, "mode": mode}
         mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
@@ -332,6 +341,20 @@ def test_aotdist_pipeline_with_fsdp_inside_each_stage_trains_as_the_whole_model(
         torch.testing.assert_close(torch.tensor(runs[rank]["losses"]), mine)
     for rank, result in enumerate(runs):
         for key, value in result["state"].items():
+            torch.testing.assert_close(value, ref_state[key], msg=f"rank {rank}: {key}")
+        assert result["regions"] == {"Block": (BLOCKS // 2, 1)}, (rank, result["regions"])
+        assert result["warnings"] == [], (rank, result["warnings"])
+
+
+def test_aotdist_pipeline_with_tensor_parallel_stages_trains_as_the_whole_model():
+    # pp 2 x tp 2: each block's linear is column-parallel (its output gathered); a region
+    # holding DTensors compiles as a frame of its own, once per stage
+    runs = run_distributed(_configured, 4, "1F1B", "tp", timeout=300.0)
+    ref_losses, ref_state = _eager_reference(_model(), _batches(), MICRO)
+    for rank in (2, 3):  # the last stage's tensor-parallel ranks see the whole batch
+        torch.testing.assert_close(torch.tensor(runs[rank]["losses"]), ref_losses)
+    for rank, result in enumerate(runs):
+        for key, value in result["state"].items():  # parameters and BatchNorm buffers
             torch.testing.assert_close(value, ref_state[key], msg=f"rank {rank}: {key}")
         assert result["regions"] == {"Block": (BLOCKS // 2, 1)}, (rank, result["regions"])
         assert result["warnings"] == [], (rank, result["warnings"])

@@ -2,7 +2,8 @@
 
 The user applies ``parallelize_module`` (colwise / rowwise) to every decoder layer of a
 transformers Llama on the ``tp`` dim, then aotdist shards with FSDP2 on the ``dp`` dim
-(hooks mode) and compiles each layer's region once. The same job runs from a plain script,
+(hooks mode) and compiles each layer's region once; without FSDP2 the regions, which then
+hold DTensors, compile as frames of their own. The same job runs from a plain script,
 from Accelerate's ``ParallelismConfig`` through ``aotdist.callbacks.prepare`` and from
 Lightning's ``ModelParallelStrategy``; each is compared with one eager process training the
 same weights on the same data-parallel slices. All runs share one spawn.
@@ -90,7 +91,10 @@ def _result(model, losses, tracker, caught) -> dict:
     weight = model.model.layers[0].mlp.gate_proj.weight
     return {
         "losses": losses,
-        "params": {k: v.full_tensor() for k, v in model.state_dict().items()},
+        "params": {  # without FSDP2, what TP left alone is a plain tensor
+            k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach()
+            for k, v in model.state_dict().items()
+        },
         "mesh": weight.device_mesh.mesh_dim_names or tuple(weight.device_mesh.shape),
         "placements": [type(p).__name__ for p in weight.placements],
         "regions": tracker.regions["LlamaDecoderLayer"].__dict__ if tracker else None,
@@ -113,6 +117,28 @@ def _script(rank: int, slice_per_layer: bool = False) -> dict:
         with metrics.track(model) as m:
             losses = _train(model, mesh["dp"].get_local_rank())
     return _result(model, losses, m, caught)
+
+
+def _tp_only(rank: int) -> dict:
+    """Tensor parallelism without FSDP2: each rank steps on both data slices itself, as
+    the eager reference does; the regions hold DTensors and compile as frames."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _llama()
+    _apply_tp(model, mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        aotdist.parallelize(model, config=AOT)
+        with metrics.track(model) as m:
+            losses = []
+            for ids in _batches():
+                losses.append(accumulate_grads(model, [(x,) for x in ids], loss_fn=_lm_loss))
+                opt.step()
+                opt.zero_grad()
+    return {**_result(model, losses, m, caught), "mode": str(m.mode)}
 
 
 def _accelerate(rank: int, **sizes) -> dict:
@@ -230,6 +256,7 @@ def _runs(rank: int, world_size: int) -> dict:
         # submesh objects (torch's mesh resources), which would hide what it shows
         "per_layer_mesh": _script(rank, slice_per_layer=True),
         "script": _script(rank),
+        "tp_only": _tp_only(rank),
         "accelerate_tp": _accelerate(rank, dp_shard_size=2, tp_size=2),
         "accelerate_hsdp": _accelerate(rank, dp_replicate_size=2, dp_shard_size=2),
         "lightning_tp": _lightning(rank),
@@ -260,7 +287,8 @@ def reference():
 
 
 @pytest.mark.parametrize(
-    "name", ["script", "per_layer_mesh", "accelerate_tp", "accelerate_hsdp", "lightning_tp"]
+    "name",
+    ["script", "tp_only", "per_layer_mesh", "accelerate_tp", "accelerate_hsdp", "lightning_tp"],
 )
 def test_matches_single_process_eager(runs, reference, name):
     ref_losses, ref_params = reference
@@ -279,6 +307,15 @@ def test_tensor_parallel_layers_compile_once_under_fsdp(runs, name):
     assert run["mesh"] == ({"script": "dp", "accelerate_tp": "dp_shard"}[name], "tp"), run["mesh"]
     assert run["regions"]["call_sites"] == DEPTH, run["regions"]
     assert run["regions"]["subgraphs"] == 1, run["regions"]
+    assert run["warnings"] == [], run["warnings"]
+
+
+def test_tensor_parallel_layers_without_fsdp_compile_once_as_frames(runs):
+    # torch's invoke_subgraph takes no DTensor operands: each region is a frame of its own
+    run = runs["tp_only"]
+    assert run["placements"] == ["Shard"] and run["mesh"] == ("tp",), run
+    assert run["mode"] == "frames", run["mode"]
+    assert (run["regions"]["call_sites"], run["regions"]["subgraphs"]) == (DEPTH, 1), run
     assert run["warnings"] == [], run["warnings"]
 
 
