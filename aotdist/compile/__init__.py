@@ -41,7 +41,7 @@ from aotdist.compile.state import (
 )
 from aotdist.compile.verify import install_frames_check
 from aotdist.errors import OrderingError, RegionCompileWarning
-from aotdist.fsdp import fsdp_modules, sharding_of
+from aotdist.fsdp import NoSharding, sharding_of
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan
 
@@ -296,8 +296,10 @@ def _tensor_parallel_regions(model: nn.Module, state: RegionState) -> bool:
     parallelism without FSDP2). torch's AOTAutograd cannot take an ``invoke_subgraph``
     call whose operands are DTensors (torch 2.14: "got mixed torch.Tensor and DTensor"
     building its schema; 2.11: "Expected FakeTensor, got DTensor"), so such regions are
-    compiled as frames of their own, which take the DTensors as inputs."""
-    if not torch.distributed.is_available() or fsdp_modules(model):
+    compiled as frames of their own, which take the DTensors as inputs. A model sharded
+    by FSDP2 compiles as frames already; graph-mode FSDP's DTensors are its own shards,
+    which its call swaps for plain local tensors before any region runs."""
+    if not torch.distributed.is_available() or not isinstance(sharding_of(model), NoSharding):
         return False
     from torch.distributed.tensor import DTensor
 
