@@ -110,7 +110,20 @@ def pipeline(
             names no unit (one inside a region: split at the region), a stage without
             parameters, fewer region instances than stages.
     """
-    config = as_config(config)
+    return _pipeline(model, microbatch, loss_fn, as_config(config), mesh)[0]
+
+
+def _pipeline(
+    model: nn.Module,
+    microbatch: Sequence[torch.Tensor],
+    loss_fn: Callable,
+    config: AOTDistConfig,
+    mesh: Any,
+    received: tuple[tuple[int, ...], torch.dtype] | None = None,
+) -> tuple[Pipeline, torch.Tensor]:
+    """:func:`pipeline`, and the stage's micro-batch output (a meta tensor). ``received``:
+    the stage's input ``(shape, dtype)`` where the stage before did not run in this world
+    (``aotdist plan`` traces one stage at a time), instead of receiving it."""
     if not config.pipeline.enabled:
         raise ConfigError(
             "aotdist.pipeline needs pipeline.enabled: true. Fix: set it, or call "
@@ -120,7 +133,7 @@ def pipeline(
     units, stage_of = _split(model, config, degree)
     mine = tuple(u for u in units if stage_of[u] == index)
     stage_module = _keep(model, units, mine)
-    inputs, outputs = _shapes(stage_module, microbatch, index, degree, group)
+    inputs, outputs = _shapes(stage_module, microbatch, index, degree, group, received)
     rest = config.replace(pipeline={"enabled": False})
     parallelize(stage_module, config=rest, mesh=inner_mesh)
 
@@ -132,7 +145,8 @@ def pipeline(
     )
     cls = getattr(pipelining, _SCHEDULES[config.pipeline.schedule])
     schedule = cls(stage, n_microbatches=config.pipeline.microbatches, loss_fn=loss_fn)
-    return Pipeline(stage_module, index, degree, mine, schedule, config.pipeline.microbatches)
+    pipe = Pipeline(stage_module, index, degree, mine, schedule, config.pipeline.microbatches)
+    return pipe, outputs
 
 
 def _placement(config: AOTDistConfig, mesh: Any) -> tuple[Any, int, int, Any]:
@@ -264,15 +278,26 @@ def _keep(model: nn.Module, units: list[str], mine: tuple[str, ...]) -> nn.Modul
 
 
 def _shapes(
-    stage: nn.Module, microbatch: Sequence[torch.Tensor], index: int, degree: int, group: Any
+    stage: nn.Module,
+    microbatch: Sequence[torch.Tensor],
+    index: int,
+    degree: int,
+    group: Any,
+    received: tuple[tuple[int, ...], torch.dtype] | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """This stage's micro-batch input and output as meta tensors: the first stage's from
-    ``microbatch``, each later one's received from the stage before (its output)."""
+    ``microbatch``, each later one's received from the stage before (its output), or
+    ``received``."""
     import torch.distributed as dist
 
     ranks = dist.get_process_group_ranks(group)
     if index == 0:
         inputs = tuple(t.to("meta") for t in microbatch)
+    elif received is not None:
+        shape, dtype = received
+        inputs = (
+            torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point),
+        )
     else:
         descriptor = torch.zeros(_DESCRIPTOR, dtype=torch.int64)
         dist.recv(descriptor, src=ranks[index - 1], group=group)
@@ -286,7 +311,7 @@ def _shapes(
             "tensor between stages. Fix: return a tensor from each stage's forward"
         )
     output = torch.empty(out.shape, dtype=out.dtype, device="meta", requires_grad=True)
-    if index < degree - 1:
+    if index < degree - 1 and received is None:
         dist.send(_descriptor(out), dst=ranks[index + 1], group=group)
     return inputs, output
 

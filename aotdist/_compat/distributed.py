@@ -4,11 +4,46 @@ fake tensors (``aotdist plan``, the test helpers)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from aotdist._compat._base import attr, checked_on, unavailable
 from aotdist._compat.compiler import functional_collectives
+
+
+@checked_on("2.11", "2.14")
+@contextlib.contextmanager
+def ops_observed(note: Callable[[str, list], None]) -> Iterator[None]:
+    """Within: ``note(name, leaves)`` before every op that dispatches (its schema name,
+    ``c10d::send``, and the flattened arguments: tensors and process groups among them),
+    with a ``TorchDispatchMode`` (``torch.utils._python_dispatch``). A process group comes
+    as the ``ScriptObject`` the op takes: :func:`group_of` reads it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Observer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            note(func.name(), tree_leaves(args))
+            return func(*args, **(kwargs or {}))
+
+    with Observer():
+        yield
+
+
+@checked_on("2.11", "2.14")
+def group_of(leaves: list) -> Any:
+    """The process group among a c10d op's arguments (``ProcessGroup.unbox`` of its
+    ``ScriptObject``), or ``None``."""
+    import torch
+    import torch.distributed as dist
+
+    for a in leaves:
+        if isinstance(a, torch.ScriptObject):
+            return dist.ProcessGroup.unbox(a)
+        if isinstance(a, dist.ProcessGroup):
+            return a
+    return None
 
 
 @checked_on("2.11", "2.14")

@@ -76,8 +76,17 @@ def _run(args: argparse.Namespace) -> int:
     from aotdist.config import as_config
     from aotdist.simulate import plan
 
-    mesh = (args.world,) if args.mesh is None else args.mesh
     config = as_config(args.config).to_dict()  # the job's config; the flags below win
+    if args.pp > 1:
+        config["pipeline"].update(enabled=True, degree=args.pp)
+    if args.microbatches is not None:
+        config["pipeline"]["microbatches"] = args.microbatches
+    if args.schedule is not None:
+        config["pipeline"]["schedule"] = args.schedule
+    stages = config["pipeline"]["degree"] if config["pipeline"]["enabled"] else 1
+    mesh = (args.world // max(stages, 1),) if args.mesh is None else args.mesh
+    if args.batch is None:  # one sequence per micro-batch
+        args.batch = config["pipeline"]["microbatches"] if stages > 1 else 1
     if args.fsdp_mode is not None:
         config["fsdp"]["mode"] = args.fsdp_mode
     if args.param_dtype is not None:
@@ -127,6 +136,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Adds ``plan`` to the subcommands."""
+    from aotdist.config import PIPELINE_SCHEDULES
     from aotdist.simulate import OPTIMIZER_STATES
 
     p = cli.add_command(
@@ -180,6 +190,26 @@ def register(sub) -> None:
         default=None,
         help="fsdp.param_dtype: mixed precision, the dtype weights are gathered in",
     )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        metavar="STAGES",
+        help="pipeline stages (aotdist.pipeline; the mesh's first dimension): --world is "
+        "STAGES times the --mesh of each stage",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline.microbatches (default: the config's); they divide --batch",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=PIPELINE_SCHEDULES,
+        default=None,
+        help="pipeline.schedule (default: the config's)",
+    )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (ac.enabled)")
     cli.add_float8(p, help="Float8 training (float8.enabled)")
@@ -188,7 +218,13 @@ def register(sub) -> None:
         action="store_true",
         help="Float8 training with its weights all-gathered in float8 (float8.fsdp_all_gather)",
     )
-    p.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="sequences per data-parallel rank and step (default 1; pipelined: one per "
+        "micro-batch)",
+    )
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (--hf, factory)")
     p.add_argument(
         "--gpus-per-node",

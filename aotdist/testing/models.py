@@ -73,10 +73,14 @@ class TinyGPT(nn.Module):
         self.seq_len = seq_len
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[:, : idx.shape[1]]
+        # a pipeline stage's copy holds None for the modules of other stages (torchtitan's
+        # split, aotdist.pipeline): it takes the hidden states and returns its own
+        x = idx if self.tok is None else self.tok(idx) + self.pos[:, : idx.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        return x if self.head is None else self.head(x)
 
 
 class EncoderBlock(nn.Module):

@@ -1,7 +1,8 @@
 """``aotdist plan`` against what runs: the same configuration simulated at 2 ranks (fake
 tensors, fake process group) and run for real on 2 gloo ranks: collectives by kind and
 mesh dimension equal in count and bytes, the parameter bytes of a rank equal, the saved
-activations within 5% of what autograd saves in the real compiled step."""
+activations within 5% of what autograd saves in the real compiled step. Pipelined jobs
+(2 stages x 2 data-parallel ranks): the same per stage, point-to-point transfers too."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class _Counted:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         counted = self.counted = {}
+        p2p = self.p2p = {"send": [0, 0], "recv": [0, 0]}  # count, bytes
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -35,6 +37,13 @@ class _Counted:
                 import torch.distributed as dist
 
                 name = func.name().replace("_", "")
+                if func.name() in ("c10d::send", "c10d::recv_"):
+                    side = p2p["send" if func.name() == "c10d::send" else "recv"]
+                    tensors = torch.utils._pytree.tree_leaves(args)
+                    side[0] += 1
+                    side[1] += sum(
+                        t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)
+                    )
                 kind = next(
                     (
                         k
@@ -357,3 +366,143 @@ def test_a_job_over_the_gpu_s_memory_exits_1_with_the_fix(capsys):
     out, err = capsys.readouterr()
     assert "peak (est.)" in out  # the plan is still printed
     assert "does not fit" in err and "Fix: shard over more ranks (a shard group of 4" in err
+
+
+# ----------------------------------------------------------------- pipelined jobs, per stage
+PIPELINE_CASES = {  # id: (fsdp mode, schedule, micro-batches); 2 stages x 2 dp ranks
+    "pp-hooks-1f1b": ("hooks", "1F1B", 2),
+    "pp-graph-gpipe": ("graph", "GPipe", 4),
+}
+
+
+def _pp_build():
+    model = build_model("gpt", depth=4)
+    (x,), _ = example_inputs(model, 4)
+    return model, (x,)
+
+
+def _pp_config(case: str) -> dict:
+    mode, schedule, micro = PIPELINE_CASES[case]
+    pipeline = {"enabled": True, "degree": 2, "schedule": schedule, "microbatches": micro}
+    return {"fsdp": {"mode": mode}, "pipeline": pipeline}
+
+
+def _real_pipeline(rank: int, world_size: int, case: str) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import aotdist
+    from aotdist.backends.bucketing import graphs_observed
+    from aotdist.bench.saved import SavedBytes
+    from aotdist.simulate import StagePlan, _memory
+
+    mode, _, micro = PIPELINE_CASES[case]
+    torch.manual_seed(0)
+    config = {**_pp_config(case), "compile": {"backend": "aot_eager"}}
+    config["fsdp"]["enabled"] = True
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+    model, (x,) = _pp_build()
+    pipe = aotdist.pipeline(
+        model,
+        microbatch=(x.chunk(micro)[0],),
+        loss_fn=lambda out, target: out.float().mean(),
+        config=config,
+        mesh=mesh,
+    )
+
+    def step():
+        if pipe.is_first:
+            pipe.step(x)
+        else:
+            pipe.step(target=x, losses=[])
+
+    names = {mesh.get_group(d).group_name: d for d in ("pp", "dp_shard")}
+    counted: dict = {}  # graph mode: the compiled graphs' collectives, counted as they run
+    with graphs_observed(lambda gm: _count_as_run(gm, names, counted)):
+        step()  # the compile
+    counted.clear()
+    with SavedBytes(exclude=[*pipe.module.parameters(), *pipe.module.buffers()]) as saved:
+        step()
+    in_graphs = dict(counted)
+    counter = _Counted(names)  # FSDP2's hooks and the stage-to-stage transfers, as they run
+    with counter.mode:
+        step()
+    out = StagePlan(index=pipe.stage_index, ranks=(rank, rank), units=pipe.units)
+    _memory(out, pipe.module, "adamw")
+    collectives = in_graphs if mode == "graph" else counter.counted
+    return {
+        "params": out.param_bytes,
+        "saved_per_microbatch": saved.activation_bytes / micro,
+        "collectives": sorted((k, d, n, b) for (k, d), (n, b) in collectives.items()),
+        "sends": counter.p2p["send"],
+        "recvs": counter.p2p["recv"],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(PIPELINE_CASES))
+def test_the_pipeline_plan_is_what_each_stage_runs(case):
+    """2 stages x 2 data-parallel ranks, simulated stage by stage and run on 4 gloo ranks:
+    per stage, its parameters, FSDP collectives (micro-batches and deferred gradient sync
+    as torch's pipelining issues them) and point-to-point transfers equal, one
+    micro-batch's saved activations within 5%."""
+    from aotdist.simulate import plan
+
+    simulated = plan(_pp_build, world=4, mesh=(2,), config=_pp_config(case))
+    real = run_distributed(_real_pipeline, 4, case, timeout=300)
+    for stage, rank in ((0, 0), (1, 2)):
+        sim, ran = simulated.pipeline.stages[stage], real[rank]
+        assert sim.param_bytes == ran["params"], stage
+        assert (
+            sorted((c.kind, c.dim, c.count, c.bytes) for c in sim.collectives) == ran["collectives"]
+        ), stage
+        assert (sim.sends, sim.recvs) == (ran["sends"], ran["recvs"]), stage
+        assert sim.microbatch_activation_bytes == pytest.approx(
+            ran["saved_per_microbatch"], rel=0.05
+        ), (stage, sim.microbatch_activation_bytes, ran["saved_per_microbatch"])
+
+
+def test_a_pipelined_plan_splits_the_model_and_names_the_schedule_s_bubble():
+    """At 64 ranks (4 stages x 16): the stages together hold the model's parameters once
+    per data-parallel shard group; each sends one activation per micro-batch forward and
+    receives one gradient back (none past the ends); 1F1B keeps fewer micro-batches in
+    flight on later stages; the bubble is (stages - 1) / (micro-batches + stages - 1)."""
+    from aotdist.simulate import plan
+
+    def build():
+        model = build_model("gpt", depth=8)
+        (x,), _ = example_inputs(model, 8)
+        return model, (x,)
+
+    whole = plan(build, world=16, mesh=(16,))
+    config = {"pipeline": {"enabled": True, "degree": 4, "microbatches": 8}}
+    piped = plan(build, world=64, mesh=(16,), config=config)
+    pp = piped.pipeline
+    assert (piped.mesh, piped.mesh_dims) == ((4, 16), ("pp", "dp_shard"))
+    assert pp.bubble_fraction == pytest.approx(3 / 11)
+    stages = pp.stages
+    assert [s.ranks for s in stages] == [(0, 15), (16, 31), (32, 47), (48, 63)]
+    held = sum(s.param_bytes for s in stages)
+    pos = 16 * 32 * 4  # TinyGPT's position table (one row: each stage's rank 0 holds it whole)
+    assert held - 3 * pos == pytest.approx(whole.param_bytes, rel=0.02), (held, whole)
+    assert [s.sends[0] for s in stages] == [8, 16, 16, 8]  # activations on, gradients back
+    assert [s.recvs[0] for s in stages] == [8, 16, 16, 8]
+    assert [s.in_flight for s in stages] == [4, 3, 2, 1]
+    assert all(s.regions["GPTBlock"] == {"call_sites": 2, "subgraphs": 1} for s in stages)
+    assert piped.peak_bytes == max(s.peak_bytes for s in stages)
+
+
+def test_the_command_plans_a_pipeline_and_refuses_a_world_it_does_not_divide(capsys):
+    import json
+
+    from aotdist.cli import main
+
+    argv = ["plan", "--depth", "4", "--world", "8", "--pp", "2", "--microbatches", "4"]
+    assert main([*argv, "--schedule", "GPipe", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mesh"] == [2, 4] and out["pipeline"]["schedule"] == "GPipe"
+    assert [s["in_flight"] for s in out["pipeline"]["stages"]] == [4, 4]
+    assert main(argv) == 0
+    assert "bubble 20.0% of each step" in capsys.readouterr().out
+    assert main([*argv, "--mesh", "3"]) != 0
+    assert "does not give 8 ranks" in capsys.readouterr().err

@@ -1,0 +1,129 @@
+"""``aotdist plan``: what one rank of a job holds and sends at N ranks, from the compile
+the job runs, traced on this CPU.
+
+:func:`plan` runs the job's own set-up and compile under fake tensors (no memory, no
+weights) in a world of torch's ``fake`` process group: ``parallelize``, a step that
+compiles (``aot_eager``), a steady step. Per rank: parameter, gradient and optimizer bytes,
+what autograd saves in the steady step (as ``SavedBytes`` measures a real one), and the
+collectives per step by kind and mesh dimension (graph mode: the bucketed graphs the job
+compiles, a region's subgraph once per call; hooks mode: FSDP2's padded units). The peak
+is an estimate: held state, saved activations, the largest gathered unit or bucket twice.
+A pipelined job (``pipeline.enabled``) is traced stage by stage, each stage's first rank
+through ``aotdist.pipeline`` and its schedule's steps: per stage its memory (activations of
+the micro-batches its schedule keeps in flight), FSDP2 collectives as torch's pipelining
+issues them, point-to-point transfers, and the schedule's bubble. Method, checks against real runs and worked examples: docs/scale.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from torch import nn
+
+from aotdist._compat.distributed import fake_tensor_mode
+from aotdist.bench.saved import SavedBytes
+from aotdist.errors import ConfigError
+from aotdist.simulate.pipeline import _pipeline_plan, _stages_asked
+from aotdist.simulate.report import OPTIMIZER_STATES, Collective, PipelinePlan, Plan, StagePlan
+from aotdist.simulate.trace import (
+    _fake_world,
+    _float8_scale_all_reduce,
+    _graph_collectives,
+    _mean_of_first,
+    _memory,
+    _spans_nodes,
+    _unit_collectives,
+)
+
+__all__ = ["OPTIMIZER_STATES", "Collective", "PipelinePlan", "Plan", "StagePlan", "plan"]
+
+
+def plan(
+    build: Callable[[], tuple[nn.Module, tuple]],
+    *,
+    world: int,
+    mesh: tuple[int, ...] | None = None,
+    config: dict | None = None,
+    optimizer: str = "adamw",
+    loss_fn: Callable | None = None,
+    gpus_per_node: int = 8,
+) -> Plan:
+    """Traces one training step of the job at ``world`` ranks and returns its :class:`Plan`.
+
+    Args:
+        build: ``build() -> (model, inputs)``, called under fake tensors (no memory).
+        world: Ranks.
+        mesh: ``(shard,)`` or ``(replicate, shard)`` (HSDP); default ``(world,)``, or
+            ``(world // pipeline.degree,)`` per stage when pipelined.
+        config: The aotdist config of the job (``fsdp`` is turned on; it compiles with
+            ``aot_eager``: the same graphs, nothing lowered). With ``pipeline.enabled``
+            and ``pipeline.degree``, the job is ``aotdist.pipeline``'s: ``pp`` is the
+            mesh's first dimension, each stage's first rank is traced through its
+            schedule's steps, and the plan's figures are the stage with the largest peak
+            (all stages: :attr:`Plan.pipeline`). ``build``'s inputs are one step's batch.
+        optimizer: ``adamw``, ``adam``, ``sgd`` or ``sgd-momentum`` (its state bytes).
+        loss_fn: ``loss_fn(output) -> scalar``; default the mean of the first output.
+        gpus_per_node: Ranks per node: a mesh dimension whose groups span nodes crosses
+            the network.
+
+    Raises:
+        ConfigError: A mesh that does not multiply to ``world``, an unknown optimizer, a
+            process group already initialized in this process, a config that cannot run.
+    """
+    config = dict(config or {})
+    stages = _stages_asked(config)
+    mesh = tuple(mesh or (world // stages,))
+    if world < 1 or stages * math.prod(mesh) != world or len(mesh) not in (1, 2):
+        per = f" x {stages} pipeline stages" if stages > 1 else ""
+        raise ConfigError(
+            f"plan: mesh {'x'.join(map(str, mesh))}{per} does not give {world} "
+            "ranks. Fix: --mesh SHARD or REPLICATExSHARD, multiplying (times --pp) to --world."
+        )
+    if optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(
+            f"plan: unknown optimizer {optimizer!r}; one of {', '.join(OPTIMIZER_STATES)}"
+        )
+    config["fsdp"] = {**config.get("fsdp", {}), "enabled": True}
+    # the job's compile, with aot_eager: the same graphs, nothing lowered
+    config["compile"] = {**config.get("compile", {}), "enabled": True, "backend": "aot_eager"}
+    dims = ("dp_shard",) if len(mesh) == 1 else ("dp_replicate", "dp_shard")
+    if stages > 1:
+        return _pipeline_plan(
+            build, world, mesh, dims, config, optimizer, loss_fn or _mean_of_first, gpus_per_node
+        )
+    with _fake_world(world):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import aotdist
+        from aotdist.backends.bucketing import graphs_observed
+
+        device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=dims)
+        with fake_tensor_mode():
+            model, inputs = build()
+            aotdist.parallelize(model, config=config, mesh=device_mesh)
+            loss_of = loss_fn or _mean_of_first
+            with graphs_observed() as graphs, aotdist.metrics.track(model) as m:
+                loss_of(model(*inputs)).backward()  # the compile, as the job's first step
+            held = [*model.parameters(), *model.buffers()]
+            # the steady step: what autograd saves once everything is compiled
+            with SavedBytes(exclude=held) as saved:
+                loss = loss_of(model(*inputs))
+            loss.backward()
+        info = aotdist.parallelize_info(model)
+        mode = info.config.fsdp.mode
+        out = Plan(world=world, mesh=mesh, mesh_dims=dims, fsdp_mode=mode, optimizer=optimizer)
+        _memory(out, model, optimizer)
+        groups = {device_mesh.get_group(d).group_name: d for d in dims}
+        span = {d: _spans_nodes(mesh, i, gpus_per_node) for i, d in enumerate(dims)}
+        if mode == "graph":
+            _graph_collectives(out, graphs, groups, span)
+            _float8_scale_all_reduce(out, model, dims[-1], span)
+        else:
+            _unit_collectives(out, model, dims, span, info.config.fsdp)
+        out.activation_bytes = saved.activation_bytes
+        out.regions = {
+            name: {"call_sites": r.call_sites, "subgraphs": r.subgraphs}
+            for name, r in m.regions.items()
+        }
+    return out
