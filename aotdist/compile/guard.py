@@ -165,6 +165,8 @@ class RegionGuardedCall(_compat.CallWrapper):
             if first:
                 state.log.reuse_checked = True
                 report_reuse(self._model_ref, state)
+            if state.log.scalars:
+                announce_fixed(state)
             if first or len(state.backend.records) != self._recorded:
                 self._log_compiled(started, first)
             for done in called:
@@ -203,7 +205,7 @@ class RegionGuardedCall(_compat.CallWrapper):
             if not self._state.log.reuse_checked
             else contextlib.nullcontext()
         )
-        with dynamo_patches(COMPILE), why:
+        with dynamo_patches(COMPILE), why, captured_scalars(self._state):
             return self._compiled(*args, **kwargs)  # dedup: reuse, not a crash (2.11)
 
     def handle(self, exc: Exception, run: Callable[[], Any]) -> bool:
@@ -225,6 +227,10 @@ class RegionGuardedCall(_compat.CallWrapper):
             return False
         if not names:
             return False
+        if reads_a_host_scalar(reason) and not captures_scalars(state):
+            for name in names:  # traced as symbolic scalars on the next try, not demoted
+                _capture_scalars(state, name, reason)
+            return True
         for name in names:
             if aliasing and state.applied.fixes.get(name) != "clone_aliasing_outputs":
                 _fix(self._model_ref, state, name, reason)
@@ -291,10 +297,78 @@ def _fix(
     )
 
 
+_SCALARS = "capture_scalar_outputs"
+
+
+def reads_a_host_scalar(reason: str) -> bool:
+    """Whether a region failed because it reads a tensor's value on the host (``.item()``,
+    ``.tolist()``: an MoE's token counts, the split sizes of its all-to-all)."""
+    return "_local_scalar_dense" in reason
+
+
+def captures_scalars(state: RegionState) -> bool:
+    """Whether this model's compile traces host scalars as symbolic values."""
+    return _SCALARS in state.applied.fixes.values()
+
+
+def captured_scalars(state: RegionState) -> contextlib.AbstractContextManager:
+    """Within: Dynamo's ``capture_scalar_outputs`` for this model's compiled call only,
+    once a region needed it (every call, so the compiled code and its guards see one
+    setting)."""
+    if not captures_scalars(state):
+        return contextlib.nullcontext()
+    return _compat.dynamo_config_patch(capture_scalar_outputs=True)
+
+
+def _capture_scalars(state: RegionState, name: str, reason: str) -> None:
+    state.applied.fixes[name] = _SCALARS
+    state.log.scalars[name] = reason  # announced once the call compiles (announce_fixed)
+
+
+def announce_fixed(state: RegionState) -> None:
+    """Once their call ran: warns of the regions whose host scalars are traced, or, where
+    that made no subgraph of the region (Dynamo fell back to eager around a branch on
+    such a value), names the region as run eagerly, with the cause and the fix."""
+    records = getattr(state.backend, "records", None) or []
+    for name, reason in list(state.log.scalars.items()):
+        del state.log.scalars[name]
+        if state.applied.fixes.get(name) != _SCALARS:
+            continue  # demoted after all: its own warning says why
+        if not any(name in rec.subgraphs for rec in records):
+            del state.applied.fixes[name]
+            state.log.eager[name] = (
+                f"traced with its host values as symbolic scalars ({reason.splitlines()[0]}), "
+                "it branches on one, and Dynamo ran the frame around it eagerly"
+            )
+            rank_zero_warn(
+                f"aotdist region {name!r} reads a tensor's value on the host and branches on "
+                "it: traced with those values as symbolic scalars, Dynamo ran the frame "
+                "around it eagerly (nothing of it is compiled). Fix: exclude the region "
+                "(regions.exclude) so it compiles inline, or keep the branch on tensors "
+                "(torch.where, torch.cond).",
+                RegionCompileWarning,
+                stacklevel=4,
+            )
+            continue
+        rank_zero_warn(
+            f"aotdist region {name!r} reads a tensor's value on the host "
+            f"({reason.splitlines()[0][:120]}): an .item() or .tolist(), such as a "
+            "mixture-of-experts layer's token counts for its all-to-all. Fixed by tracing "
+            "those values as symbolic scalars (Dynamo's capture_scalar_outputs, for this "
+            "model's compiled call only, as torchtitan sets it for MoE); the region still "
+            "compiles once as a reusable subgraph.",
+            RegionCompileWarning,
+            stacklevel=4,
+        )
+
+
 def _demote(model: nn.Module, state: RegionState, name: str, reason: str) -> None:
     unmark_region(model, state, name)
     if state.applied.checkpoint:  # inline, but still checkpointed
         apply_region_class(model, state, name, nested=False)
+    if state.applied.fixes.get(name) == _SCALARS:  # captured, and still not one subgraph
+        del state.applied.fixes[name]
+        reason = f"{reason} (with its host values traced as symbolic scalars too)"
     state.applied.demoted[name] = reason
     hint = (
         " The region writes a tensor into an object passed to it (a KV cache?), and "

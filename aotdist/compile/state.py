@@ -74,6 +74,8 @@ class RunLog:
     # region code name -> torch's reason for not reusing its subgraph (first compile)
     refusals: dict[str, str] = field(default_factory=dict)
     frame_calls: dict[str, set[int]] = field(default_factory=dict)  # region -> id(instance)
+    # region -> why its host scalars are now traced, until announced (compile.guard)
+    scalars: dict[str, str] = field(default_factory=dict)
     # the first calls' one-shot checks, each done once
     fsdp_checked: bool = False  # no FSDP2 unit added after compiling
     verified: bool = False  # compile.verify's check against eager ran
