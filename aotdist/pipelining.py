@@ -303,8 +303,19 @@ def _shapes(
         dist.recv(descriptor, src=ranks[index - 1], group=group)
         inputs = (_from_descriptor(descriptor, requires_grad=True),)
     state = {k: v.to("meta") for k, v in (*stage.named_parameters(), *stage.named_buffers())}
-    with torch.no_grad():
-        out = torch.func.functional_call(stage, state, inputs)
+    try:
+        with torch.no_grad():
+            out = torch.func.functional_call(stage, state, inputs)
+    except TypeError as exc:
+        if "'NoneType' object is not callable" not in str(exc):
+            raise
+        raise ConfigError(
+            f"pipeline stage {index}: the model's forward calls a module another stage holds "
+            f"(set to None on this one): {exc}. aotdist.pipeline splits the model the way "
+            "torchtitan does, so its forward must skip what is None (`x = self.tok(x) if "
+            "self.tok is not None else x`), as torchtitan's models do; transformers' models "
+            "do not. Fix: skip the None modules in forward, or use a torchtitan model"
+        ) from exc
     if not isinstance(out, torch.Tensor):
         raise ConfigError(
             f"pipeline stage {index} returns {type(out).__name__}; aotdist.pipeline passes one "

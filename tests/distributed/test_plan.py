@@ -506,3 +506,40 @@ def test_the_command_plans_a_pipeline_and_refuses_a_world_it_does_not_divide(cap
     assert "bubble 20.0% of each step" in capsys.readouterr().out
     assert main([*argv, "--mesh", "3"]) != 0
     assert "does not give 8 ranks" in capsys.readouterr().err
+
+
+def test_a_model_whose_forward_does_not_skip_other_stages_modules_is_refused_with_the_fix():
+    """transformers' models call every module: stage 1's copy, whose embedding is None,
+    fails; the plan (and aotdist.pipeline) says why and what to change."""
+    import torch
+    from torch import nn
+
+    from aotdist.errors import ConfigError
+    from aotdist.simulate import plan
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + torch.relu(self.proj(x))
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Linear(8, 8)
+            self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+        def forward(self, x):
+            x = self.stem(x)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    def build():
+        return Plain(), (torch.randn(4, 8),)
+
+    config = {"pipeline": {"enabled": True, "degree": 2, "microbatches": 2}}
+    with pytest.raises(ConfigError, match="its forward must skip what is None"):
+        plan(build, world=2, mesh=(1,), config=config)
