@@ -14,6 +14,7 @@ zeros: BatchNorm's statistics move and a second graph compiles).
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -63,12 +64,17 @@ class Pipeline:
 
     def step(self, *args: Any, target: Any = None, losses: list | None = None) -> Any:
         """One step of the schedule: the first stage takes the batch (``args``), the last
-        the ``target`` and a list that receives each micro-batch's loss; other stages take
-        nothing. Returns the last stage's output.
+        the ``target`` and a list that receives each micro-batch's loss. Every rank may
+        pass both (one loop for all ranks): a stage ignores what it does not take. Returns
+        the last stage's output.
 
         Raises:
             ConfigError: The batch does not divide into ``microbatches``.
         """
+        if not self.is_first:
+            args = ()  # the stage's input comes from the stage before
+        if not self.is_last:
+            target = losses = None
         for value in (*args, target):
             if isinstance(value, torch.Tensor) and value.shape[0] % self.microbatches:
                 raise ConfigError(
@@ -187,6 +193,14 @@ def _placement(config: AOTDistConfig, mesh: Any) -> tuple[Any, int, int, Any]:
     inner = None
     if others and config.fsdp.enabled:
         inner = mesh[others[0] if len(others) == 1 else others]
+    replicas = math.prod(mesh[n].size() for n in others)
+    if inner is None and replicas > 1:
+        raise ConfigError(
+            f"the mesh's {others} dimension(s) hold {replicas} copies of each stage, but "
+            "fsdp.enabled is false, so nothing would average their gradients (each copy "
+            "would train on its own data and drift apart). Fix: fsdp.enabled: true (FSDP2 "
+            "over them), or a mesh with only pp (and tp)"
+        )
     return pp.get_group(), pp.get_local_rank(), degree, inner
 
 

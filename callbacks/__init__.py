@@ -4,7 +4,9 @@ Names load on first use, so importing this package imports neither Lightning nor
 Accelerate:
 
 - :class:`RegionalCompile` — a ``lightning.pytorch.Callback`` (``callbacks/lightning.py``).
-- :class:`RegionalCompileHook` and :func:`prepare` — Accelerate (``callbacks/accelerate.py``).
+- :class:`RegionalCompileHook` and :func:`prepare` — Accelerate (``callbacks/accelerate.py``);
+  :func:`prepare_pipeline` — a pipelined model under Accelerate
+  (``callbacks/_accelerate_pipeline.py``).
 - :class:`TrainerRegionalCompile` — a Hugging Face ``TrainerCallback`` (``callbacks/trainer.py``).
 """
 
@@ -15,17 +17,25 @@ from typing import Any
 
 from aotdist._compat.extras import require
 
-__all__ = ["RegionalCompile", "RegionalCompileHook", "TrainerRegionalCompile", "prepare"]
+__all__ = [
+    "RegionalCompile",
+    "RegionalCompileHook",
+    "TrainerRegionalCompile",
+    "prepare",
+    "prepare_pipeline",
+]
 
 _WHERE = {
     "RegionalCompile": "aotdist.callbacks.lightning",
     "RegionalCompileHook": "aotdist.callbacks.accelerate",
     "prepare": "aotdist.callbacks.accelerate",
+    "prepare_pipeline": "aotdist.callbacks._accelerate_pipeline",
     "TrainerRegionalCompile": "aotdist.callbacks.trainer",
 }
 _NEEDS = {
     "aotdist.callbacks.lightning": "lightning.pytorch",
     "aotdist.callbacks.accelerate": "accelerate.hooks",
+    "aotdist.callbacks._accelerate_pipeline": "accelerate.hooks",
     "aotdist.callbacks.trainer": "transformers",
 }
 

@@ -20,6 +20,11 @@ from typing import Any
 
 import torch
 from accelerate.hooks import ModelHook
+from aotdist.callbacks._accelerate_checks import (
+    accelerate_mixed_precision,
+    check_accelerate_dynamo,
+    check_optimizer,
+)
 from aotdist.callbacks._accelerate_state import full_state_checkpoints
 from aotdist.callbacks._common import (
     Applied,
@@ -39,27 +44,6 @@ from aotdist.fsdp import fsdp_modules, is_fsdp_module, require_process_group
 from aotdist.log import get_logger
 
 _log = get_logger(__name__)
-
-
-def _check_accelerate_dynamo(config: AOTDistConfig, state: Any = None) -> None:
-    """Accelerate's ``dynamo_config`` would ``torch.compile`` the model on top of aotdist."""
-    if not config.compile.enabled:
-        return
-    if state is None:
-        from accelerate.state import AcceleratorState
-
-        if not _compat.accelerator_state_initialized():  # no Accelerator: nothing to check
-            return
-        state = AcceleratorState()
-    plugin = getattr(state, "dynamo_plugin", None)
-    backend = getattr(getattr(plugin, "backend", None), "value", "NO")
-    if str(backend).upper() != "NO":
-        raise ConfigError(
-            f"Accelerate's dynamo_config is on (dynamo_backend={backend}), so "
-            "accelerator.prepare would torch.compile the whole model on top of aotdist's "
-            "regional compile (and add `_orig_mod.` to its keys). Fix: set dynamo_backend: "
-            "'no' in the Accelerate config (or ACCELERATE_DYNAMO_BACKEND=no); aotdist compiles."
-        )
 
 
 class RegionalCompileHook(ModelHook):
@@ -127,7 +111,7 @@ class RegionalCompileHook(ModelHook):
         self._plain_forward: Any = None
 
     def init_hook(self, module: nn.Module) -> nn.Module:
-        _check_accelerate_dynamo(self.config)
+        check_accelerate_dynamo(self.config)
         root = _unwrap_ddp(module)
         if (
             root is not module
@@ -273,7 +257,13 @@ def prepare(
     from accelerate.utils import DistributedType
 
     cfg = merge_config(config)
-    _check_accelerate_dynamo(cfg, accelerator.state)
+    if cfg.pipeline.enabled:
+        raise ConfigError(
+            "the aotdist config has pipeline.enabled, which prepare does not split into "
+            "stages. Fix: call aotdist.callbacks.prepare_pipeline(accelerator, model, ..., "
+            "microbatch=..., loss_fn=...) instead"
+        )
+    check_accelerate_dynamo(cfg, accelerator.state)
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise ConfigError(
             f"the Accelerate config shards the model itself (distributed_type="
@@ -282,10 +272,10 @@ def prepare(
             "aotdist config, or keep Accelerate's FSDP2 and attach RegionalCompileHook after "
             "accelerator.prepare."
         )
-    cfg = _mixed_precision(cfg, accelerator)
+    cfg = accelerate_mixed_precision(cfg, accelerator)
     if mesh is None:  # (FSDP turned on by a ParallelismConfig computes in its dtype too)
         cfg, mesh = _accelerate_mesh(accelerator, cfg)
-        cfg = _mixed_precision(cfg, accelerator)
+        cfg = accelerate_mixed_precision(cfg, accelerator)
     if _compat.is_accelerate_prepared(model):
         raise OrderingError(
             "this model was already passed to accelerator.prepare; aotdist must convert, "
@@ -296,7 +286,7 @@ def prepare(
     old_names = {id(p): n for n, p in model.named_parameters()}
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     for opt in optimizers:
-        _check_optimizer(opt, old_names)
+        check_optimizer(opt, old_names)
     apply_aotdist(model, cfg, mesh=mesh, what="aotdist.callbacks.prepare", child_target=False)
     new_params = dict(model.named_parameters())
     float8_all_gather = uses_fsdp_float8_all_gather(model)
@@ -348,53 +338,6 @@ def _accelerate_mesh(accelerator: Any, cfg: AOTDistConfig) -> tuple[AOTDistConfi
     )
     dp = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
     return cfg, mesh[dp] if len(dp) == 2 else mesh["dp_shard"]
-
-
-_ACCELERATE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-
-
-def _mixed_precision(cfg: AOTDistConfig, accelerator: Any) -> AOTDistConfig:
-    """Accelerate's ``mixed_precision`` on aotdist's FSDP2 path, as FSDP2's
-    ``MixedPrecisionPolicy`` (what Accelerate's own FSDP2 path does: parameters gathered
-    and computed in the dtype, gradients reduced in it unless ``fsdp.reduce_dtype`` says
-    otherwise). Needed because an aotdist-sharded model is marked prepared, so
-    ``accelerator.prepare`` skips its autocast wrapper (without FSDP it still applies it).
-
-    Raises:
-        ConfigError: ``fsdp.param_dtype`` conflicts with it, or ``mixed_precision`` is
-            ``fp8`` (Accelerate's own Float8, not aotdist's).
-    """
-    mp = str(getattr(accelerator, "mixed_precision", "no") or "no")
-    if mp == "fp8" and (cfg.fsdp.enabled or cfg.float8.enabled):
-        raise ConfigError(
-            "Accelerate's mixed_precision is fp8, which would convert the model with "
-            "Accelerate's own Float8 backend, next to aotdist's. Fix: set mixed_precision to "
-            "bf16 (or no) in the Accelerate config and float8.enabled: true in the aotdist one."
-        )
-    dtype = _ACCELERATE_DTYPES.get(mp)
-    if dtype is None or not cfg.fsdp.enabled:
-        return cfg
-    if cfg.fsdp.param_dtype not in (None, dtype):
-        raise ConfigError(
-            f"Accelerate's mixed_precision is {mp} but the aotdist config says "
-            f"fsdp.param_dtype: {cfg.fsdp.param_dtype}. Fix: remove fsdp.param_dtype (aotdist "
-            f"then computes in {dtype}), or set mixed_precision to match or to 'no'."
-        )
-    return cfg.replace(fsdp={"param_dtype": dtype, "reduce_dtype": cfg.fsdp.reduce_dtype or dtype})
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str]) -> None:
-    """Refuses, before the model changes, an optimizer that :func:`_rebind` cannot rebind."""
-    if optimizer.state:
-        raise OrderingError(
-            "the optimizer already has state (it stepped); aotdist.callbacks.prepare must run "
-            "before training. Fix: call it before the first optimizer.step()."
-        )
-    if any(id(p) not in old_names for g in optimizer.param_groups for p in g["params"]):
-        raise ConfigError(
-            "an optimizer passed to aotdist.callbacks.prepare holds a parameter that is "
-            "not the model's; build it from model.parameters()."
-        )
 
 
 def _rebind(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -41,7 +42,7 @@ def is_accelerate_prepared(model: nn.Module) -> bool:
 
 
 @checked_on("2.11", "2.14")
-def mark_accelerate_prepared(model: nn.Module) -> None:
-    """Marks ``model`` as prepared, so ``accelerator.prepare`` registers it without
-    wrapping it (``_is_accelerate_prepared``; accelerate 1.x)."""
+def mark_accelerate_prepared(model: Any) -> None:
+    """Marks ``model`` (or a dataloader) as prepared, so ``accelerator.prepare`` registers
+    it without wrapping it (``_is_accelerate_prepared``; accelerate 1.x)."""
     model._is_accelerate_prepared = True

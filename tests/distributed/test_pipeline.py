@@ -297,9 +297,7 @@ def _configured(rank: int, world_size: int, schedule: str, mode: str | None) -> 
             for x, y in batches:
                 opt.zero_grad()
                 step_losses: list[torch.Tensor] = []
-                pipe.step(x, target=y, losses=step_losses) if pipe.is_first else pipe.step(
-                    target=y, losses=step_losses
-                )
+                pipe.step(x, target=y, losses=step_losses)  # one loop for every stage
                 opt.step()
                 losses.append([float(v.detach()) for v in step_losses])
     state = {

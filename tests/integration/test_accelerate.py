@@ -78,11 +78,11 @@ def test_hook_refuses_what_it_cannot_do():
     with pytest.raises(ConfigError, match="compile.backnd"):
         RegionalCompileHook({"compile": {"backnd": "x"}})
     from accelerate.utils import DynamoBackend
-    from aotdist.callbacks.accelerate import _check_accelerate_dynamo
+    from aotdist.callbacks._accelerate_checks import check_accelerate_dynamo
 
     state = SimpleNamespace(dynamo_plugin=SimpleNamespace(backend=DynamoBackend.INDUCTOR))
     with pytest.raises(ConfigError, match="dynamo_backend: 'no'"):
-        _check_accelerate_dynamo(RegionalCompileHook(AOT).config, state)
+        check_accelerate_dynamo(RegionalCompileHook(AOT).config, state)
     model = build_model("gpt", depth=2)
     model.blocks[1].compile(backend="aot_eager")
     with pytest.raises(OrderingError, match="already compiled"):

@@ -87,3 +87,20 @@ def test_pipeline_config_rules():
     text = str(err.value)
     assert "pipeline.schedule" in text and "1F1B" in text
     assert "pipeline.degree" in text and "pipeline.microbatches" in text
+
+
+def test_stage_copies_without_fsdp_to_average_their_gradients_are_refused():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = {"compile": {"backend": "aot_eager"}, "pipeline": {"enabled": True}}
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        with pytest.raises(aotdist.ConfigError, match="Fix: fsdp.enabled: true") as err:
+            aotdist.pipeline(
+                Net(),
+                microbatch=(torch.randn(2, 4),),
+                loss_fn=nn.functional.mse_loss,
+                config=config,
+                mesh=mesh,
+            )
+    assert "('dp',) dimension(s) hold 2 copies of each stage" in str(err.value)
