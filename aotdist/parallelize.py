@@ -13,6 +13,7 @@ from aotdist._compat.deprecation import positional_after_first_deprecated
 from aotdist.cache import load as load_cache
 from aotdist.compile import check_not_compiled
 from aotdist.compile.configured import compile_from_config
+from aotdist.compile.guard import trace_host_scalars
 from aotdist.compile.marking import mark_regions
 from aotdist.compile.state import INFO_ATTR, STATE_ATTR
 from aotdist.config import AOTDistConfig, as_config
@@ -142,6 +143,8 @@ def parallelize(
     #    otherwise the whole model is one graph calling each region's subgraph
     #    (graph-mode FSDP's backend buckets its collectives: fsdp.bucket_mb, fsdp.overlap).
     compile_from_config(model, config, plan=plan, mesh=mesh)  # the backend: sharding's
+    scalars = sharding.host_scalar_regions(model, plan, config)
+    trace_host_scalars(model, scalars, "fsdp.expert_params: expert parallelism")
     sharding.finish(model, config)
 
     model.__dict__[INFO_ATTR] = ParallelizeInfo(

@@ -103,6 +103,18 @@ def enable_fsdp_for_host(
     return config.replace(fsdp={"enabled": True})
 
 
+def expert_checkpoint_error(what: str) -> ConfigError:
+    """The refusal of a full-state checkpoint of a model whose experts are per rank
+    (``fsdp.expert_params``): a full state dict would hold one rank's experts."""
+    return ConfigError(
+        f"{what} saves a full state dict, but each rank holds its own experts "
+        "(fsdp.expert_params): the checkpoint would keep one rank's experts and lose the "
+        "others. aotdist does not gather experts into one checkpoint yet. Fix: turn it off "
+        f"({what}) and save the experts on every rank yourself (torch.save of the expert "
+        "parameters per rank, next to the rest)"
+    )
+
+
 @dataclass
 class Applied:
     """What :func:`apply_aotdist` found or did.

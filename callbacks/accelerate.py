@@ -32,6 +32,7 @@ from aotdist.callbacks._common import (
     apply_aotdist,
     compile_only_config,
     enable_fsdp_for_host,
+    expert_checkpoint_error,
     merge_config,
 )
 from torch import nn
@@ -299,6 +300,12 @@ def prepare(
     if cfg.fsdp.enabled:
         # Sharded by aotdist: Accelerate must register it (save/load state) but not wrap it.
         _compat.mark_accelerate_prepared(model)
+    if cfg.fsdp.expert_params:
+
+        def refuse(*_):
+            raise expert_checkpoint_error("accelerator.save_state")
+
+        accelerator.register_save_state_pre_hook(refuse)
     prepared = accelerator.prepare(model, *objects)
     if cfg.fsdp.enabled:  # after prepare: its optimizer wrapper reloads the state once
         full_state_checkpoints(accelerator, model, optimizers)

@@ -18,6 +18,7 @@ from aotdist.callbacks._common import (
     ApplyHow,
     apply_aotdist,
     enable_fsdp_for_host,
+    expert_checkpoint_error,
     merge_config,
     metric_values,
 )
@@ -318,6 +319,8 @@ def _validate(trainer: pl.Trainer, pl_module: pl.LightningModule, config: AOTDis
 
     strategy = trainer.strategy
     name = type(strategy).__name__
+    if config.fsdp.expert_params and trainer.checkpoint_callback is not None:
+        raise expert_checkpoint_error("Trainer(enable_checkpointing=True)")
     if isinstance(strategy, FSDPStrategy):
         raise ConfigError(
             "RegionalCompile: FSDPStrategy is FSDP1, whose flat parameters aotdist cannot "

@@ -20,6 +20,7 @@ from typing import Any
 from aotdist.callbacks._common import (
     Applied,
     apply_aotdist,
+    expert_checkpoint_error,
     merge_config,
     metric_values,
 )
@@ -88,11 +89,11 @@ class TrainerRegionalCompile(TrainerCallback):
         self._window: metrics.Tracker | None = None
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        _check_arguments(args)
+        _check_arguments(args, self.config)
         self._apply(model)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        _check_arguments(args)
+        _check_arguments(args, self.config)
         self._apply(model)
         if self._sharded and optimizer is not None:  # a resumed run loaded full tensors
             sharded = shard_loaded_optimizer_state(optimizer)
@@ -149,7 +150,11 @@ class TrainerRegionalCompile(TrainerCallback):
         self._window.start()
 
 
-def _check_arguments(args: Any) -> None:
+def _check_arguments(args: Any, config: AOTDistConfig) -> None:
+    saves = getattr(args, "save_strategy", "no")
+    saves = str(getattr(saves, "value", saves))  # an IntervalStrategy, or its text
+    if config.fsdp.expert_params and saves != "no":
+        raise expert_checkpoint_error(f"TrainingArguments(save_strategy={saves!r})")
     if getattr(args, "torch_compile", False):
         raise ConfigError(
             "TrainingArguments(torch_compile=True) would torch.compile the whole model on "

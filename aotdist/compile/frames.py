@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from aotdist import _compat
-from aotdist.compile.guard import CallModes, mark_dynamic_inputs
+from aotdist.compile.guard import CallModes, captured_scalars, mark_dynamic_inputs
 from aotdist.compile.state import CompiledCall, RegionState
 from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.errors import RegionCompileWarning
@@ -49,13 +49,14 @@ def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
                 hit, out = saved.run((self, *args), kwargs, _state.backend)  # aotdist.cache's
                 if hit:
                     return out
-            if _state.hooks.watchers:  # aotdist.cache keeps calls to save
-                called = _state.hooks.calling(CompiledCall(self, args, kwargs, frame=_name))
-                out = _compiled(self, *args, **kwargs)
-                for done in called:
-                    done()
-                return out
-            return _compiled(self, *args, **kwargs)
+            with captured_scalars(_state):  # only where a region asked (trace_host_scalars)
+                if _state.hooks.watchers:  # aotdist.cache keeps calls to save
+                    called = _state.hooks.calling(CompiledCall(self, args, kwargs, frame=_name))
+                    out = _compiled(self, *args, **kwargs)
+                    for done in called:
+                        done()
+                    return out
+                return _compiled(self, *args, **kwargs)
 
         cls._aotdist_impl = forward
     _watch_first_forward(model, state)

@@ -28,7 +28,7 @@ from aotdist._compat.messages import (
 )
 from aotdist.compile.isolate import Trials
 from aotdist.compile.marking import apply_region_class, unmark_region
-from aotdist.compile.state import CompiledCall, RegionState
+from aotdist.compile.state import STATE_ATTR, CompiledCall, RegionState
 from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.compile.verify import first_step_check
 from aotdist.errors import OrderingError, RegionCaptureError, RegionCompileWarning
@@ -318,6 +318,20 @@ def captured_scalars(state: RegionState) -> contextlib.AbstractContextManager:
     if not captures_scalars(state):
         return contextlib.nullcontext()
     return _compat.dynamo_config_patch(capture_scalar_outputs=True)
+
+
+def trace_host_scalars(model: nn.Module, names: list[str], why: str) -> None:
+    """The regions ``names`` of compiled ``model`` trace their host scalars as symbolic
+    values from the first call (``metrics.fixes``: ``capture_scalar_outputs``): asked for
+    where they cannot be seen failing, such as an expert-parallel block in its own frame
+    under FSDP2's hooks, where Dynamo breaks the graph at each ``.tolist()`` and compiles
+    again for each new split instead."""
+    state = vars(model).get(STATE_ATTR)
+    if state is None or not names:
+        return
+    for name in names:
+        state.applied.fixes[name] = _SCALARS
+    _log.info("aotdist: %s trace their host scalars as symbolic values (%s)", names, why)
 
 
 def _capture_scalars(state: RegionState, name: str, reason: str) -> None:

@@ -183,6 +183,12 @@ class FSDPConfig(Section):
             within each, a 2-D mesh ``(replicate, shard)``; it must divide the world size.
             Gradients are reduce-scattered within a shard group, then all-reduced across
             the replicas. ``1``: shard over every rank.
+        expert_params: Expert parallelism under FSDP2 (hooks mode): glob patterns of
+            parameter FQNs (``layers.*.moe.experts.*``) that each rank holds its own slice
+            of, its experts, sharded over the same ranks as FSDP2 by your all-to-all
+            dispatch. FSDP2 leaves them whole on each rank (``ignored_params``), and their
+            gradient, which the all-to-all's backward sums over every rank's tokens, is
+            divided by the mesh's size: the average over the ranks FSDP2 takes of the rest.
     """
 
     _key: typing.ClassVar[str] = "fsdp"
@@ -194,6 +200,7 @@ class FSDPConfig(Section):
     bucket_mb: float | None = 2000.0
     overlap: bool = False
     replicate_degree: int = 1
+    expert_params: tuple[str, ...] = ()
 
     def _rule_problems(self) -> list[str]:
         out = [
@@ -209,6 +216,12 @@ class FSDPConfig(Section):
             out.append(
                 f"fsdp.mode: unknown mode {self.mode!r}{did_you_mean(self.mode, FSDP_MODES)}"
                 f"; use one of {list(FSDP_MODES)}"
+            )
+        elif self.mode == "graph" and self.expert_params:
+            out.append(
+                "fsdp.expert_params: graph-mode FSDP shards every parameter in its graph and "
+                "has no per-rank parameters yet. Fix: fsdp.mode: hooks (FSDP2's own "
+                "ignored_params), or drop fsdp.expert_params"
             )
         elif self.mode == "graph" and not self.enabled:
             out.append(

@@ -8,12 +8,15 @@ region instance (one all-gather per instance) and compiles inside those hooks.
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from aotdist import _compat
 from aotdist.config import FSDPConfig, torch_dtype
+from aotdist.config.validation import did_you_mean
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.regions import RegionPlan
 
@@ -165,6 +168,12 @@ def shard(model: nn.Module, plan: RegionPlan, config: FSDPConfig, mesh) -> list[
         param_dtype=torch_dtype(config.param_dtype), reduce_dtype=torch_dtype(config.reduce_dtype)
     )
     kwargs = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward, "mp_policy": mp}
+    experts = expert_params(model, config.expert_params)
+    if experts:
+        kwargs["ignored_params"] = set(experts.values())
+        ranks = mesh.size() if mesh is not None else dist.get_world_size()
+        for p in experts.values():  # scales each backward's contribution: accumulation-safe
+            p.register_hook(lambda grad, ranks=ranks: grad / ranks)
     done = []
     # Deepest first: a region nested in another (Siglip's MLP in its encoder layer) must be
     # a unit before its parent, whose fully_shard would otherwise take its parameters as
@@ -178,6 +187,26 @@ def shard(model: nn.Module, plan: RegionPlan, config: FSDPConfig, mesh) -> list[
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     done.append("")
     return done
+
+
+def expert_params(model: nn.Module, patterns: tuple[str, ...]) -> dict[str, nn.Parameter]:
+    """The parameters ``fsdp.expert_params`` names, by FQN.
+
+    Raises:
+        ConfigError: A pattern that matches no parameter (named with the closest one).
+    """
+    params = dict(model.named_parameters())
+    found: dict[str, nn.Parameter] = {}
+    for pattern in patterns:
+        hits = {n: p for n, p in params.items() if fnmatch.fnmatchcase(n, pattern)}
+        if not hits:
+            raise ConfigError(
+                f"fsdp.expert_params: {pattern!r} matches no parameter of the model"
+                f"{did_you_mean(pattern, list(params))}. Fix: a glob over the parameter "
+                "names (model.named_parameters()), such as 'layers.*.moe.experts.*'"
+            )
+        found.update(hits)
+    return found
 
 
 def fsdp_params(model: nn.Module) -> dict[str, dict]:

@@ -29,7 +29,7 @@ from aotdist.fsdp.graph import (
     shard_graph,
     sharded_call,
 )
-from aotdist.fsdp.hooks import check_not_sharded, fsdp_mesh, fsdp_modules, shard
+from aotdist.fsdp.hooks import check_not_sharded, expert_params, fsdp_mesh, fsdp_modules, shard
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan
 
@@ -85,6 +85,13 @@ class Sharding(ABC):
         """The last step, after compile."""
         return None  # nothing by default
 
+    def host_scalar_regions(
+        self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig
+    ) -> list[str]:
+        """The regions whose host scalars (an all-to-all's split sizes) compile must trace
+        as symbolic values from the first call, where it cannot see them fail."""
+        return []
+
     def local_view(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Within: the parameters as the model's compiled call reads them."""
         return contextlib.nullcontext()
@@ -128,6 +135,13 @@ class HooksSharding(Sharding):
         self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig, mesh: Any
     ) -> list[str]:
         return shard(model, plan, config.fsdp, mesh)
+
+    def host_scalar_regions(
+        self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig
+    ) -> list[str]:
+        # an expert-parallel block runs in its own frame, where a .tolist() breaks the graph
+        held = expert_params(model, config.fsdp.expert_params)
+        return [r.name for r in plan if any(n.startswith(f + ".") for f in r.fqns for n in held)]
 
 
 class GraphSharding(Sharding):

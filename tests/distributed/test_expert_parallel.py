@@ -15,6 +15,7 @@ warning).
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 
 import pytest
@@ -199,3 +200,112 @@ def test_the_moe_block_is_one_reused_subgraph_with_its_host_scalars_captured(run
         assert first["regions"]["MoE"][0] == BLOCKS, first
         assert any("'MoE' is compiled" in w for w in first["warnings"]), first["warnings"]
     assert all(r["regions"] == first["regions"] for r in runs)
+
+
+# ------------------------- FSDP2 over the rest, the experts per rank (fsdp.expert_params)
+
+FSDP_EP = {
+    "compile": {"backend": "aot_eager"},
+    "fsdp": {"enabled": True, "expert_params": ["blocks.*.experts"]},
+}
+
+
+def _train_sharded(model: nn.Module, optimizer, rank: int, step_fn) -> dict:
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with aotdist.metrics.track(model) as m:
+            for step in range(STEPS):
+                optimizer.zero_grad()
+                loss = _loss(model, _batch(rank, step))
+                step_fn(loss)
+                optimizer.step()
+                losses.append(float(loss))
+    state = {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+        for k, v in model.state_dict().items()
+    }
+    return {
+        "losses": losses,
+        "state": state,
+        "plain": sorted(k for k, v in model.state_dict().items() if not hasattr(v, "full_tensor")),
+        "regions": {n: (r.call_sites, r.subgraphs) for n, r in m.regions.items()},
+        "fixes": dict(m.fixes),
+        "warnings": [
+            str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
+        ],
+    }
+
+
+def _expert_parallel_fsdp(rank: int, world_size: int) -> dict:
+    """FSDP2 shards the stem, routers and head over both ranks; each rank keeps its own
+    experts. Through ``aotdist.parallelize``, then through Accelerate's ``prepare``: no
+    gradient arithmetic of the user's."""
+    torch._dynamo.reset()
+    model = _model(world_size, rank)
+    aotdist.parallelize(model, config=FSDP_EP)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = {"parallelize": _train_sharded(model, opt, rank, lambda loss: loss.backward())}
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from aotdist.callbacks import prepare
+
+    torch._dynamo.reset()
+    AcceleratorState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    model = _model(world_size, rank)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt = prepare(accelerator, model, opt, config=FSDP_EP)
+    out["accelerate"] = _train_sharded(model, opt, rank, accelerator.backward)
+    with tempfile.TemporaryDirectory() as checkpoint:  # one rank's experts: refused
+        try:
+            accelerator.save_state(checkpoint)
+            out["save_state"] = ""
+        except aotdist.ConfigError as e:
+            out["save_state"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs():
+    pytest.importorskip("accelerate")
+    return run_distributed(_expert_parallel_fsdp, 2, timeout=300.0)
+
+
+@pytest.mark.parametrize("how", ["parallelize", "accelerate"])
+def test_fsdp_around_per_rank_experts_trains_as_one_process_holding_them_all(fsdp_runs, how):
+    losses, state, _ = _reference(2)
+    for rank, runs in enumerate(fsdp_runs):
+        result = runs[how]
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor([s[rank] for s in losses])
+        )
+        assert result["plain"] == [f"blocks.{i}.experts" for i in range(BLOCKS)]  # not sharded
+        for key, value in result["state"].items():
+            want = state[key]
+            if key.endswith("experts"):  # this rank's slice
+                local = value.shape[0]
+                want = want[rank * local : (rank + 1) * local]
+            torch.testing.assert_close(value, want, msg=f"{how}, rank {rank}: {key}")
+        # in its own frame under FSDP2's hooks, traced with its split sizes symbolic
+        assert result["fixes"] == {"MoE": "capture_scalar_outputs"}, result["fixes"]
+        assert result["regions"] == {"MoE": (BLOCKS, 1)}, result["regions"]
+        assert result["warnings"] == [], result["warnings"]
+
+
+def test_an_expert_pattern_that_matches_nothing_names_the_closest_parameter():
+    from aotdist.testing.distributed import fake_world
+
+    config = {**FSDP_EP, "fsdp": {"enabled": True, "expert_params": ["blocks.*.expert"]}}
+    with fake_world(2), pytest.raises(aotdist.ConfigError, match="matches no parameter") as err:
+        aotdist.parallelize(_model(2), config=config)
+    text = str(err.value)
+    assert "'blocks.*.expert' matches no parameter" in text and "experts'?)" in text
+    assert "Fix" in text
+
+
+def test_a_full_state_checkpoint_of_per_rank_experts_is_refused(fsdp_runs):
+    for runs in fsdp_runs:
+        assert "accelerator.save_state saves a full state dict" in runs["save_state"]
+        assert "Fix" in runs["save_state"]
