@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aotdist.config import AOTDistConfig, as_config
+from aotdist.config import AOTDistConfig, as_config, torch_dtype
 from aotdist.config.validation import did_you_mean
 from aotdist.errors import ConfigError
 from aotdist.parallelize import parallelize
@@ -139,7 +139,9 @@ def _pipeline(
     units, stage_of = _split(model, config, degree)
     mine = tuple(u for u in units if stage_of[u] == index)
     stage_module = _keep(model, units, mine)
-    inputs, outputs = _shapes(stage_module, microbatch, index, degree, group, received)
+    # FSDP2's param_dtype: the stage computes, and sends, in it (its inputs cast too)
+    compute = torch_dtype(config.fsdp.param_dtype) if config.fsdp.enabled else None
+    inputs, outputs = _shapes(stage_module, microbatch, index, degree, group, received, compute)
     rest = config.replace(pipeline={"enabled": False})
     parallelize(stage_module, config=rest, mesh=inner_mesh)
 
@@ -298,10 +300,13 @@ def _shapes(
     degree: int,
     group: Any,
     received: tuple[tuple[int, ...], torch.dtype] | None = None,
+    compute: torch.dtype | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """This stage's micro-batch input and output as meta tensors: the first stage's from
     ``microbatch``, each later one's received from the stage before (its output), or
-    ``received``."""
+    ``received``. ``compute``: FSDP2's ``param_dtype``, which the stage's floating
+    parameters and forward inputs are cast to (buffers are not), so its output, and what
+    the next stage receives, is in it."""
     import torch.distributed as dist
 
     ranks = dist.get_process_group_ranks(group)
@@ -316,10 +321,17 @@ def _shapes(
         descriptor = torch.zeros(_DESCRIPTOR, dtype=torch.int64)
         dist.recv(descriptor, src=ranks[index - 1], group=group)
         inputs = (_from_descriptor(descriptor, requires_grad=True),)
-    state = {k: v.to("meta") for k, v in (*stage.named_parameters(), *stage.named_buffers())}
+
+    def meta(t: torch.Tensor, cast: bool) -> torch.Tensor:
+        floating = cast and compute is not None and t.is_floating_point()
+        return t.to("meta", dtype=compute if floating else t.dtype)
+
+    state = {k: meta(v, True) for k, v in stage.named_parameters()}
+    state.update({k: meta(v, False) for k, v in stage.named_buffers()})
     try:
         with torch.no_grad():
-            out = torch.func.functional_call(stage, state, inputs)
+            args = tuple(meta(t, True) for t in inputs)
+            out = torch.func.functional_call(stage, state, args)
     except TypeError as exc:
         if "'NoneType' object is not callable" not in str(exc):
             raise

@@ -102,7 +102,9 @@ def _batches():
 
 
 def _loss(out, target):
-    return nn.functional.mse_loss(out, target)
+    # in fp32, as mixed-precision training does (torch 2.11's mse_loss backward fails on a
+    # bfloat16 output against an fp32 target)
+    return nn.functional.mse_loss(out.float(), target)
 
 
 def _train_stage(part, stage_index: int, schedule_name: str, batches, group=None) -> dict:
@@ -277,8 +279,10 @@ def _configured(rank: int, world_size: int, schedule: str, mode: str | None) -> 
         model, batches, tp_mesh = _model(), _batches(), mesh["tp"]
         for block in model.blocks.values():
             parallelize_module(block, tp_mesh, {"fc": ColwiseParallel(output_layouts=Replicate())})
-    else:
-        config["fsdp"] = {"enabled": True, "mode": mode}
+    else:  # "hooks", "graph", or "bf16": hooks with bfloat16 compute
+        config["fsdp"] = {"enabled": True, "mode": "hooks" if mode == "bf16" else mode}
+        if mode == "bf16":
+            config["fsdp"]["param_dtype"] = "bfloat16"
         mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
         dp = mesh["dp"].get_local_rank()
         model, batches = (
@@ -340,6 +344,24 @@ def test_aotdist_pipeline_with_fsdp_inside_each_stage_trains_as_the_whole_model(
     for rank, result in enumerate(runs):
         for key, value in result["state"].items():
             torch.testing.assert_close(value, ref_state[key], msg=f"rank {rank}: {key}")
+        assert result["regions"] == {"Block": (BLOCKS // 2, 1)}, (rank, result["regions"])
+        assert result["warnings"] == [], (rank, result["warnings"])
+
+
+def test_stages_computing_in_bfloat16_send_and_receive_bfloat16():
+    # FSDP2's param_dtype bfloat16: stage 0 computes and sends bfloat16, so stage 1 must
+    # allocate bfloat16 receive buffers (fp32 ones read its bytes as garbage: losses of
+    # 1e17 and nan). Parity within bfloat16's precision of the fp32 eager run.
+    runs = run_distributed(_configured, 4, "1F1B", "bf16", timeout=300.0)
+    ref_losses, ref_state = _eager_reference(_ln_model(), _global_batches(), DP * MICRO)
+    loose = {"rtol": 3e-2, "atol": 3e-2}
+    for dp, rank in enumerate((2, 3)):
+        mine = ref_losses[:, MICRO * dp : MICRO * (dp + 1)]
+        torch.testing.assert_close(torch.tensor(runs[rank]["losses"]), mine, **loose)
+    for rank, result in enumerate(runs):
+        for key, value in result["state"].items():  # the fp32 shards the optimizer keeps
+            assert value.dtype == torch.float32, (key, value.dtype)
+            torch.testing.assert_close(value, ref_state[key], msg=f"rank {rank}: {key}", **loose)
         assert result["regions"] == {"Block": (BLOCKS // 2, 1)}, (rank, result["regions"])
         assert result["warnings"] == [], (rank, result["warnings"])
 
