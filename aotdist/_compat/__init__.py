@@ -94,6 +94,7 @@ from aotdist._compat.compiler import (
     tree_leaves,
     tree_map,
 )
+from aotdist._compat.graph_text import graph_text_when_logged
 from aotdist._compat.partitioners import (
     aot_eager_with_partitioner,
     custom_partitioner_base,
@@ -171,6 +172,7 @@ __all__ = [
     "dynamo_counters",
     "functorch_joint_pass",
     "fsdp_params_of",
+    "graph_text_when_logged",
     "higher_order_operator_type",
     "import_compiler_stack",
     "in_autograd_backward",

@@ -288,6 +288,19 @@ FIXES: tuple[Fix, ...] = (
         test="tests/distributed/test_graph_fsdp.py::test_float8_layers_in_graph_mode",
         scopes=frozenset({COMPILE, CAPTURE, SAVE}),
     ),
+    Fix(
+        "graph text only when logged",
+        Stage.DYNAMO_PATCH,
+        lambda: _compat.graph_text_when_logged(),
+        change="AOTAutograd's joint / forward / backward graph text is built only when a "
+        "log or a structured trace reads it",
+        applies="the compiled call",
+        guarantee="what computes is unchanged; `TORCH_LOGS` / `TORCH_TRACE` get the text as "
+        "torch builds it",
+        undo=_PATCH_UNDO,
+        test="tests/unit/test_compat.py::test_graph_text_is_built_only_when_a_logger_reads_it",
+        scopes=frozenset({COMPILE}),
+    ),
 )
 
 

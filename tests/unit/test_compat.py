@@ -351,3 +351,58 @@ def test_checked_on_refuses_a_version_ci_does_not_run_and_returns_the_function_i
     with marked() as value:  # still the context manager, not a wrapper around it
         assert value == 1
     assert _compat.precompile_unavailable.cache_info  # functools.cache's, under the record
+
+
+def _print_readable_calls(monkeypatch, run) -> int:
+    """How many times ``GraphModule.print_readable`` runs during ``run()``."""
+    calls = []
+    original = torch.fx.GraphModule.print_readable
+
+    def counted(self, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.GraphModule, "print_readable", counted)
+    run()
+    monkeypatch.setattr(torch.fx.GraphModule, "print_readable", original)
+    return len(calls)
+
+
+def test_graph_text_is_built_only_when_a_logger_reads_it(monkeypatch):
+    """AOTAutograd prints its joint, forward and backward graphs to text on every compile;
+    aotdist's compiled call builds that text only when a log reads it."""
+    import logging
+
+    # pytest's log capture hangs handlers on torch's structured-trace logger, which reads
+    # the text; a training process has none of them
+    monkeypatch.setattr(logging.getLogger("torch.__trace"), "handlers", [])
+
+    def train(compile_fn):
+        def run():
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = TinyGPT(depth=2)
+            (x,), _ = example_inputs(model)
+            compile_fn(model)(x).float().sum().backward()
+
+        return run
+
+    plain = _print_readable_calls(
+        monkeypatch, train(lambda m: torch.compile(m, backend="aot_eager"))
+    )
+    assert plain >= 3, plain  # joint, forward, backward: torch builds them unread
+
+    def regions(model):
+        aotdist.compile_regions(model, backend="aot_eager")
+        return model
+
+    assert _print_readable_calls(monkeypatch, train(regions)) == 0
+    torch._logging.set_logs(aot_graphs=True)  # a reader: the text is built as torch does
+    try:
+        assert _print_readable_calls(monkeypatch, train(regions)) >= 2
+    finally:
+        torch._logging.set_logs()
+    assert not hasattr(
+        importlib.import_module("torch._functorch._aot_autograd.graph_compile")._log_joint_graph,
+        "_aotdist_original",
+    )  # restored after the compile
