@@ -18,6 +18,7 @@ from aotdist.compile import is_compiled
 from aotdist.config import AOTDistConfig, as_config
 from aotdist.errors import ConfigError, OrderingError
 from aotdist.fsdp import fsdp_modules
+from aotdist.log import get_logger
 
 
 class ApplyHow(StrEnum):
@@ -101,6 +102,17 @@ def enable_fsdp_for_host(
         return config
     log(f"aotdist: {host}, enabling FSDP2 (fsdp.enabled) over its data-parallel {over}.")
     return config.replace(fsdp={"enabled": True})
+
+
+def with_run_length(config: AOTDistConfig, max_steps: Any, *, host: str) -> AOTDistConfig:
+    """``config`` with ``compile.expected_steps`` from the host's ``max_steps`` (Lightning's
+    ``Trainer(max_steps=)``, ``TrainingArguments(max_steps=)``), which ``compile.outer:
+    auto`` reads; ``config`` itself where the user set it, or the host does not know (-1 or
+    unset: an epoch-bound run)."""
+    if config.compile.expected_steps or not isinstance(max_steps, int) or max_steps <= 0:
+        return config
+    get_logger(__name__).debug("aotdist: compile.expected_steps %d from %s", max_steps, host)
+    return config.replace(compile={"expected_steps": max_steps})
 
 
 def expert_checkpoint_error(what: str) -> ConfigError:

@@ -21,6 +21,7 @@ from aotdist.callbacks._common import (
     expert_checkpoint_error,
     merge_config,
     metric_values,
+    with_run_length,
 )
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -155,7 +156,7 @@ class RegionalCompile(Callback):
     def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.applied is not None and self.applied.target in pl_module.modules():
             return  # configure_model runs again for test/predict after fit
-        config, mesh = self.config, None
+        config, mesh = with_run_length(self.config, trainer.max_steps, host="Trainer"), None
         if _is_model_parallel(trainer.strategy):
             mesh = _data_parallel_mesh(trainer.strategy, config)
             config = enable_fsdp_for_host(

@@ -23,6 +23,7 @@ from aotdist.callbacks._common import (
     expert_checkpoint_error,
     merge_config,
     metric_values,
+    with_run_length,
 )
 from aotdist.callbacks._trainer_state import (
     gather_for_save,
@@ -90,11 +91,11 @@ class TrainerRegionalCompile(TrainerCallback):
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         _check_arguments(args, self.config)
-        self._apply(model)
+        self._apply(model, args)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         _check_arguments(args, self.config)
-        self._apply(model)
+        self._apply(model, args)
         if self._sharded and optimizer is not None:  # a resumed run loaded full tensors
             sharded = shard_loaded_optimizer_state(optimizer)
             if sharded:
@@ -130,13 +131,14 @@ class TrainerRegionalCompile(TrainerCallback):
     def _sharded(self) -> bool:
         return self.applied is not None and self.config.fsdp.enabled
 
-    def _apply(self, model) -> None:
+    def _apply(self, model, args) -> None:
         if model is None or self.applied is not None:
             return
         if not (self.config.compile.enabled or self.config.fsdp.enabled):
             return
+        config = with_run_length(self.config, args.max_steps, host="TrainingArguments")
         self.applied = apply_aotdist(
-            model, self.config, what="TrainerRegionalCompile", child_target=False
+            model, config, what="TrainerRegionalCompile", child_target=False
         )
         if self.config.fsdp.enabled:
             # Sharded by aotdist: Accelerate registers the model without a DDP wrapper,

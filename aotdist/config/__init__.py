@@ -106,7 +106,12 @@ class CompileConfig(Section):
         outer: With ``inductor``, how the graph around the regions compiles: ``fx``
             compiles each distinct region body once and runs the glue between them
             unlowered (a shorter cold compile), ``inductor`` lowers the whole graph,
-            ``auto`` (default) takes ``fx`` unless the mode records CUDA graphs.
+            ``auto`` (default) takes ``fx`` unless the mode records CUDA graphs, the
+            artifact cache is on, or ``expected_steps`` says the run is long.
+        expected_steps: How many optimizer steps the run takes, ``0`` (default) when
+            unknown; Lightning's and the Trainer's integrations fill it from their
+            ``max_steps``. With ``outer: auto``, a run of at least 10,000 steps lowers the
+            whole graph (the faster step pays back its longer compile).
     """
 
     _key: typing.ClassVar[str] = "compile"
@@ -117,10 +122,16 @@ class CompileConfig(Section):
     options: dict | None = None
     verify: bool = False
     outer: str = "auto"
+    expected_steps: int = 0
 
     def _rule_problems(self) -> list[str]:
         modes = COMPILE_MODES
         out = []
+        if isinstance(self.expected_steps, int) and self.expected_steps < 0:
+            out.append(
+                f"compile.expected_steps: {self.expected_steps} is negative. Fix: the run's "
+                "optimizer steps, or 0 when unknown"
+            )
         if self.outer not in OUTER_MODES:
             out.append(
                 f"compile.outer: unknown value {self.outer!r}"

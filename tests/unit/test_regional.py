@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 import aotdist
 from aotdist import _compat
 from aotdist.backends.regional import (
+    LONG_RUN_STEPS,
     RegionBody,
     configured_outer,
     regional_inner_compile,
@@ -132,6 +134,22 @@ def test_with_the_artifact_cache_auto_lowers_the_whole_graph():
     assert configured_outer(config({**cached, "compile": {"outer": "fx"}})) == "fx"
     no_saved_graph = {"cache": {"mode": "local", "dir": "unused", "precompile": False}}
     assert configured_outer(config(no_saved_graph)) == "inductor"
+
+
+def test_a_long_run_lowers_the_whole_graph_and_a_short_one_keeps_fx(caplog):
+    """compile.expected_steps: from LONG_RUN_STEPS on, auto lowers the whole graph (its
+    faster step pays back the longer compile) and says so; a short or unknown run keeps
+    auto's fx; an explicit outer wins."""
+    config = aotdist.AOTDistConfig.from_dict
+    assert configured_outer(config({"compile": {"expected_steps": 500}})) == "auto"
+    with caplog.at_level(logging.INFO, logger="aotdist"):
+        long_run = config({"compile": {"expected_steps": LONG_RUN_STEPS}})
+        assert configured_outer(long_run) == "inductor"
+    assert f"a run of {LONG_RUN_STEPS} steps" in caplog.text, caplog.text
+    kept = {"compile": {"expected_steps": 10 * LONG_RUN_STEPS, "outer": "fx"}}
+    assert configured_outer(config(kept)) == "fx"
+    with pytest.raises(ConfigError, match="compile.expected_steps: -1 is negative"):
+        config({"compile": {"expected_steps": -1}})
 
 
 def test_config_names_a_bad_outer_value():
