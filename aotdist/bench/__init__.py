@@ -16,6 +16,7 @@ docs/internals.md and docs/bench/.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -29,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from aotdist.bench.busy import OthersMeter
 from aotdist.bench.cells import (
     ALL_STRATEGIES,
     FULL_JOB,
@@ -41,6 +43,7 @@ from aotdist.bench.cells import (
     interleave,
     plan_cases,
 )
+from aotdist.bench.forkserver import ForkServer, fork_available
 from aotdist.bench.report import load_snapshot, write_report
 from aotdist.bench.runner import PHASE_PREFIX, RESULT_PREFIX
 from aotdist.bench.stats import PEERS, fresh_start_s, restart_s
@@ -133,14 +136,15 @@ def _measure_once(
     keep_cache: str | None = None,
     paired_rounds: int = 0,
     cache_dir: str | None = None,
+    server: ForkServer | None = None,
 ) -> dict:
-    """One run in a fresh process whose Inductor cache dir starts as a copy of ``seed``
+    """One run in a fresh process (forked from ``server``, else spawned) whose Inductor cache dir starts as a copy of ``seed``
     (empty without one), or is ``cache_dir`` itself, kept as the run leaves it;
     ``keep_cache``: merge that dir into this folder after a run that succeeded
     (compiled artifacts are content-addressed, so runs can share one)."""
     with (
         tempfile.TemporaryDirectory(prefix="aotdist-bench-cache-") as temp,
-        tempfile.TemporaryFile(mode="w+") as stderr,
+        tempfile.TemporaryDirectory(prefix="aotdist-bench-out-") as outdir,
     ):
         cache = cache_dir or temp
         if seed:
@@ -152,10 +156,7 @@ def _measure_once(
             PYTHONWARNINGS="ignore",
             **(env or {}),
         )
-        cmd = [
-            sys.executable,
-            "-m",
-            "aotdist.bench.runner",
+        argv = [
             "--strategy",
             case.strategy,
             "--model",
@@ -175,35 +176,36 @@ def _measure_once(
             "--timeout",
             str(timeout),
         ]
-        cmd += ["--float8"] if float8 else []
-        cmd += ["--mode", mode] if mode else []
-        cmd += ["--replicate", str(replicate)] if replicate > 1 and case.nproc > 1 else []
-        cmd += ["--profile-dir", profile_dir] if profile_dir else []
-        cmd += ["--paired", str(paired_rounds)] if paired_rounds else []
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        argv += ["--float8"] if float8 else []
+        argv += ["--mode", mode] if mode else []
+        argv += ["--replicate", str(replicate)] if replicate > 1 and case.nproc > 1 else []
+        argv += ["--profile-dir", profile_dir] if profile_dir else []
+        argv += ["--paired", str(paired_rounds)] if paired_rounds else []
+        result, lines = None, []
+
+        def on_line(line: str) -> None:
+            nonlocal result
+            if line.startswith(RESULT_PREFIX):
+                result = json.loads(line[len(RESULT_PREFIX) :])
+            elif line.startswith(PHASE_PREFIX):
+                progress(f"        {line[len(PHASE_PREFIX) :].rstrip()}")
+            else:
+                lines.append(line)
+
         # The child enforces the ranks' timeout; this one covers a child that hangs itself
         # (its ranks die with it: run_distributed sets PR_SET_PDEATHSIG).
-        killer = threading.Timer(timeout + 60, proc.kill)
-        killer.start()
-        result, lines = None, []
-        try:
-            for line in proc.stdout:
-                if line.startswith(RESULT_PREFIX):
-                    result = json.loads(line[len(RESULT_PREFIX) :])
-                elif line.startswith(PHASE_PREFIX):
-                    progress(f"        {line[len(PHASE_PREFIX) :].rstrip()}")
-                else:
-                    lines.append(line)
-            proc.wait()
-        finally:
-            killer.cancel()
-        if result is not None and proc.returncode == 0:
+        if server is not None:
+            returncode, err = server.run(
+                argv, env=env, workdir=outdir, timeout=timeout + 60, on_line=on_line
+            )
+        else:
+            returncode, err = _spawned(argv, env=env, timeout=timeout + 60, on_line=on_line)
+        if result is not None and returncode == 0:
             if keep_cache:
                 shutil.copytree(cache, keep_cache, dirs_exist_ok=True)
             return result
-        stderr.seek(0)
-        tail = "\n".join((stderr.read() + "".join(lines)).splitlines()[-25:])
-    why = "timed out and was killed" if proc.returncode == -9 else f"exit {proc.returncode}"
+        tail = "\n".join((err + "".join(lines)).splitlines()[-25:])
+    why = "timed out and was killed" if returncode == -9 else f"exit {returncode}"
     again = f" --paired {paired_rounds}" if paired_rounds else ""
     raise BenchError(
         f"measurement {_label(case)} failed ({why}); its last output:\n{tail}\n"
@@ -212,6 +214,31 @@ def _measure_once(
         f"{case.nproc} --backend {backend}{again}"
         f"{f' --mode {mode}' if mode else ''}` to see the whole error."
     )
+
+
+def _spawned(
+    argv: list[str], *, env: dict, timeout: float, on_line: Callable[[str], None]
+) -> tuple[int, str]:
+    """``python -m aotdist.bench.runner ARGV`` as a new process: its exit code (``-9``:
+    killed after ``timeout`` seconds) and stderr; ``on_line`` gets each stdout line."""
+    with tempfile.TemporaryFile(mode="w+") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aotdist.bench.runner", *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        killer = threading.Timer(timeout, proc.kill)
+        killer.start()
+        try:
+            for line in proc.stdout:
+                on_line(line)
+            proc.wait()
+        finally:
+            killer.cancel()
+        stderr.seek(0)
+        return proc.returncode, stderr.read()
 
 
 def _seed_isa_probes(
@@ -440,9 +467,13 @@ def run_bench(
     )
     paired_cells = _paired_cells(cases) if not profile else []
     pairs = {(c.model, c.depth) for c in paired_cells}
+    # measurements fork from one server that imported the compiler stack (about 4 s saved
+    # a run, none of it measured time); others' CPU use is sampled throughout
     with (
         tempfile.TemporaryDirectory(prefix="aotdist-bench-isa-") as isa_dir,
         tempfile.TemporaryDirectory(prefix="aotdist-bench-warm-") as warm_root,
+        ForkServer() if fork_available() else contextlib.nullcontext() as server,
+        OthersMeter() as others,
     ):
         isa_seed = _seed_isa_probes(isa_dir, backend=backend, device=device, progress=progress)
         for n, (rep, case) in enumerate(order, start=1):
@@ -452,6 +483,7 @@ def run_bench(
                 f"({time.perf_counter() - started:.0f}s elapsed)"
             )
             profile_dir = str(out / "profile" / f"repeat{rep}") if profile else None
+            mark = others.mark()
             r = _measure_in_fresh_process(
                 case,
                 backend=backend,
@@ -466,7 +498,9 @@ def run_bench(
                 replicate=replicate,
                 mode=mode,
                 keep_cache=_warm_dir(warm_root, case, rep, pairs),
+                server=server,
             )
+            r["others_cpu_share"] = others.share_since(mark)
             progress(
                 f"        compile {r['compile_s']:.2f}s  step {r['steady_step_s'] * 1e3:.2f}ms"
                 f"  saved {r['saved_activation_bytes'] / 1024:.0f}KiB"
@@ -485,6 +519,7 @@ def run_bench(
                 f"({time.perf_counter() - started:.0f}s elapsed)"
             )
             warm = os.path.join(warm_root, f"{case.model}-{case.depth}")
+            mark = others.mark()
             try:
                 paired.append(
                     _measure_once(
@@ -500,14 +535,17 @@ def run_bench(
                         paired_rounds=rounds,
                         mode=mode,
                         seed=warm if os.path.isdir(warm) else isa_seed,
+                        server=server,
                     )
                 )
+                paired[-1]["others_cpu_share"] = others.share_since(mark)
             except BenchError as exc:  # the round robin's results stand without it
                 failed.append(f"depth {case.depth}: {str(exc).splitlines()[0]}")
                 progress(
                     f"        paired run failed; the steady-step ratios at depth "
                     f"{case.depth} stay across processes. {exc}"
                 )
+        others_share = others.total()
     settings = {
         "backend": backend,
         "compile_mode": mode,
@@ -523,6 +561,8 @@ def run_bench(
         "duration_s": time.perf_counter() - started,
         "load_start": load_start,
         "load_end": load_snapshot(),
+        "start": "forked" if server is not None else "spawned",
+        "others_cpu_share": others_share,
         "paired_failures": failed,
         "skipped": skipped,
     }

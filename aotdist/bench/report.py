@@ -94,7 +94,11 @@ def _isa_line(results: list[dict]) -> str:
     )
 
 
-def _load_line(settings: dict) -> str:
+BUSY_SHARE = 0.10  # others' share of the CPU over the whole run from which it was busy
+BUSY_RUN_SHARE = 0.25  # ... and during one measurement
+
+
+def _load_line(settings: dict, runs: list[dict] | None = None) -> str:
     def one(snap: dict | None) -> str:
         if not snap or snap.get("loadavg") is None:
             return "n/a"
@@ -103,8 +107,27 @@ def _load_line(settings: dict) -> str:
     start, end = settings.get("load_start"), settings.get("load_end")
     cpus = (start or end or {}).get("cpus")
     line = f"Load average (1/5/15 min): {one(start)} at start, {one(end)} at end; {cpus} CPUs."
-    # The end reading includes the bench's own last run (about one busy core), the start
-    # reading does not: without that allowance a quiet machine reads as busy at the end.
+    share = settings.get("others_cpu_share")
+    if share is not None:  # sampled all along, the bench's own processes apart
+        disturbed = [
+            f"{r['strategy']} {group_of(r)} depth {r['depth']} repeat {r.get('repeat', 0) + 1}"
+            f" ({r['others_cpu_share']:.0%})"
+            for r in runs or []
+            if (r.get("others_cpu_share") or 0.0) > BUSY_RUN_SHARE
+        ]
+        line += f" Other processes used {share:.0%} of the CPU time while the bench ran."
+        if share > BUSY_SHARE or disturbed:
+            line += " **The machine was busy: timings are not those of a quiet machine.**"
+        if disturbed:
+            line += (
+                f" Runs during which others took over {BUSY_RUN_SHARE:.0%}: "
+                + ", ".join(disturbed)
+                + "."
+            )
+        return line
+    # Without the sampler: the load average. The end reading includes the bench's own last
+    # run (about one busy core), the start reading does not: without that allowance a
+    # quiet machine reads as busy at the end.
     loads = [
         start["loadavg"][0] if start and start.get("loadavg") else 0.0,
         end["loadavg"][0] - 1.0 if end and end.get("loadavg") else 0.0,
@@ -130,7 +153,7 @@ def _markdown(report: dict) -> str:
     lines = [
         f"Machine: {report['machine']}",
         "",
-        _load_line(settings),
+        _load_line(settings, report.get("runs")),
         "",
         f"Settings: backend {settings['backend']}{_mode_text(settings)}, "
         f"device {settings['device']}, "
@@ -387,7 +410,21 @@ def _paired_lines(paired: list[dict], failures: list[str]) -> list[str]:
     return lines
 
 
-def _plot(results: list[dict], path: Path) -> bool:
+def _crossings(tts: dict, group: str, depth: int) -> list[tuple[str, str, float | None]]:
+    """``(subject, peer, steps)`` of one panel's crossovers (``None``: never)."""
+    out = []
+    for key, v in tts.get("crossovers", {}).items():
+        if key.startswith(f"{group}: crossover ") and key.endswith(f" @depth{depth}"):
+            subject, peer = key.split(": crossover ")[1].split(" @")[0].split("/")
+            out.append((subject, peer, v["value"]))
+    return out
+
+
+def _plot(report: dict, path: Path) -> bool:
+    """What the report leads with: time to step N against N for each strategy, one panel
+    per model and depth (log-log, medians of the cold compile and the paired steady step),
+    the step where aotdist overtakes each peer marked; ``False`` without matplotlib or
+    anything compiled."""
     try:
         import matplotlib
 
@@ -395,41 +432,60 @@ def _plot(results: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    strategies = sorted({r["strategy"] for r in results})
+    tts = report.get("time_to_steps") or {}
+    cells = tts.get("cells") or []
+    panels = list(dict.fromkeys((c["group"], c["depth"]) for c in cells))
+    if not panels:
+        return False
+    strategies = sorted({c["strategy"] for c in cells})
     colors = {s: f"C{i}" for i, s in enumerate(strategies)}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for gi, (group, rows) in enumerate(_groups(results).items()):
-        for s in strategies:
-            pts = sorted((r for r in rows if r["strategy"] == s), key=lambda r: r["depth"])
-            if s != "eager" and len(pts) >= 2:
-                ax1.plot(
-                    [r["depth"] for r in pts],
-                    [r["compile_s"] for r in pts],
-                    marker="o",
-                    color=colors[s],
-                    linestyle=("-", "--", ":")[gi % 3],
-                    label=f"{s} ({group})",
-                )
-    ax1.set(xlabel="depth (blocks)", ylabel="cold compile (s)", title="Cold compile vs depth")
-    ax1.set_xscale("log", base=2)
-    cells = sorted({(group_of(r), r["depth"]) for r in results})
-    width = 0.8 / max(len(strategies), 1)
-    idx = {(group_of(r), r["depth"], r["strategy"]): r for r in results}
-    for j, s in enumerate(strategies):
-        xs = [i + j * width for i, c in enumerate(cells) if (*c, s) in idx]
-        ys = [idx[(*c, s)]["steady_step_s"] * 1e3 for c in cells if (*c, s) in idx]
-        ax2.bar(xs, ys, width=width, color=colors[s], label=s)
-    ax2.set_xticks(
-        [i + width * (len(strategies) - 1) / 2 for i in range(len(cells))],
-        [f"{g}\ndepth {d}" for g, d in cells],
-        fontsize=8,
+    ncols = min(3, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), squeeze=False)
+    n = [10 ** (k / 20) for k in range(0, 101)]  # 1 to 100,000 steps
+    for ax, (group, depth) in zip(axes.flat, panels, strict=False):  # spare axes hidden
+        here = {c["strategy"]: c for c in cells if (c["group"], c["depth"]) == (group, depth)}
+        for s, c in sorted(here.items()):
+            cold, step = c["cold_s"]["median"], c["step_s"]["median"]
+            ax.plot(
+                n,
+                [cold + k * step for k in n],
+                color=colors[s],
+                linewidth=2.2 if s.startswith("aotdist") else 1.2,
+                label=s,
+            )
+        notes = []
+        for subject, peer, steps in _crossings(tts, group, depth):
+            if subject not in here:
+                continue
+            if steps is None:
+                notes.append(f"{subject} never overtakes {peer}")
+            elif steps == 0:
+                notes.append(f"{subject} ahead of {peer} from step 0")
+            else:
+                c = here[subject]
+                y = c["cold_s"]["median"] + steps * c["step_s"]["median"]
+                ax.plot([steps], [y], "o", color=colors[peer], markersize=7, fillstyle="none")
+                notes.append(f"{subject} overtakes {peer} at step {steps:,.0f} (o)")
+        for h in tts.get("horizons", ()):
+            ax.axvline(h, color="0.85", linewidth=0.8, zorder=0)
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="training steps N",
+            ylabel="time to step N (s)",
+            title=f"{group}, depth {depth}",
+        )
+        if notes:
+            ax.text(0.02, 0.98, "\n".join(notes), transform=ax.transAxes, fontsize=6.5, va="top")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="lower right")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    fig.suptitle(
+        "Time to step N = cold compile + N x steady step (medians over the repeats)",
+        fontsize=10,
     )
-    ax2.set(ylabel="steady step (ms, median)", title="Step time per strategy")
-    ax2.set_yscale("log")
-    for ax in (ax1, ax2):
-        if ax.get_legend_handles_labels()[0]:  # one depth: no compile-vs-depth line
-            ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -477,7 +533,7 @@ def write_report(
         ("repeats", 1),
     ):
         report["settings"].setdefault(key, default)
-    report["plot"] = _plot(results, out / "bench.png")
+    report["plot"] = _plot(report, out / "bench.png")
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     md = _markdown(report)
     (out / "bench.md").write_text(md)

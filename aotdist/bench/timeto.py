@@ -17,7 +17,7 @@ import statistics
 
 from aotdist.bench.stats import PEERS, group_of
 
-HORIZONS = (100, 1_000, 10_000)  # the N of T(N)
+HORIZONS = (100, 1_000, 10_000, 100_000)  # the N of T(N)
 WARM_HORIZON = 100
 SUBJECTS = ("aotdist", "aotdist+lowered")  # aotdist's cold strategies, each against the peers
 WARM_SUBJECTS = ("aotdist", "aotdist+cache")  # without and with its artifact cache
@@ -104,8 +104,9 @@ def time_to_steps(runs: list[dict], paired: list[dict] | None = None) -> dict:
     Returns:
         ``horizons``; ``cells``: one per (group, depth, strategy) with ``T`` (N ->
         ``{"median", "min", "max", "n"}`` in seconds over the slots), ``warm_T`` (the same
-        at :data:`WARM_HORIZON`, cells with a warm restart) and ``step_source``
-        (``paired`` or ``cell``); ``ratios``: ``"<group>: T(N) <subject>/best peer
+        at :data:`WARM_HORIZON`, cells with a warm restart), ``cold_s`` and ``step_s``
+        (the two terms, the same spreads) and ``step_source`` (``paired`` or ``cell``);
+        ``ratios``: ``"<group>: T(N) <subject>/best peer
         @depth<d>"``, ``T(N) <subject>/<peer>`` and ``warm T(100) <subject>/best peer``,
         shaped as :func:`aotdist.bench.stats.compute_ratios`' entries (``per_repeat``: one
         row per slot, with the best peer of that slot); ``crossovers``: ``"<group>:
@@ -143,6 +144,8 @@ def time_to_steps(runs: list[dict], paired: list[dict] | None = None) -> dict:
             "depth": depth,
             "strategy": strategy,
             "step_source": figs[0]["source"],
+            "cold_s": _spread([f["cold"] for f in figs]),
+            "step_s": _spread([f["step"] for f in figs]),
             "T": {str(n): _spread([f["cold"] + n * f["step"] for f in figs]) for n in HORIZONS},
         }
         warm = [f["warm"] + WARM_HORIZON * f["step"] for f in figs if "warm" in f]

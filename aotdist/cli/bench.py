@@ -75,12 +75,12 @@ def register(sub) -> None:
         summary="compile time, step time and memory per strategy",
         description="Compile time, step time and memory of eager, whole-model torch.compile, "
         "per-block compile (Accelerate's compile_regions) and aotdist, side by side. Without "
-        "--model, --depths and --nproc: the main job (time to the first 100, 1,000 and "
-        "10,000 steps against whole-model, Accelerate's and per-block compile: GPT at depths "
+        "--model, --depths and --nproc: the main job (time to the first 100 to 100,000 "
+        "steps against whole-model, Accelerate's and per-block compile: GPT at depths "
         "8, 32 and 64, transformers' Llama at 32, a ModuleDict GPT at 8, warm restarts at "
-        f"GPT 8; {main.repeats} repeat, {main.steps} timed steps, then the strategies side "
-        "by side in one process per depth), estimated at 8-15 minutes on a quiet 2-core "
-        "Intel Xeon; --full: the whole matrix; with --quick, GPT at depth 2, "
+        f"GPT 8; {main.repeats} repeats, {main.steps} timed steps, then the strategies side "
+        "by side in one process per depth), 11 minutes on a quiet 2-core Intel Xeon; "
+        "--full: the whole matrix; with --quick, GPT at depth 2, "
         f"{quick.repeats} repeat, "
         f"{quick.steps} timed steps (about 2 minutes there, up to twice that under load). "
         "With any of --model/--depths/--nproc: their grid.",

@@ -26,14 +26,20 @@ def test_default_plan_is_the_main_job():
         ("dictgpt", 8, 1),
     }
     gpt = {(c.depth, c.strategy) for c in cases if c.model == "gpt"}
-    assert {s for d, s in gpt if d == 32} == {"full", "accelerate", "per_block", "aotdist"}
+    assert {s for d, s in gpt if d == 32} == {
+        "full",
+        "accelerate",
+        "per_block",
+        "aotdist",
+        "aotdist+lowered",  # a long run's compile, against full's step
+    }
     assert {s for d, s in gpt if d == 64} == {"accelerate", "per_block", "aotdist"}  # no
     # minutes-long full; every model has aotdist and its peers
     assert all(
         {"aotdist", "accelerate", "per_block"} <= {c.strategy for c in cases if c.model == m}
         for m in ("gpt", "llama", "dictgpt")
     )
-    assert MAIN_SETTINGS.repeats >= 1
+    assert MAIN_SETTINGS.repeats >= 2  # every figure with a spread
     only = plan_cases(strategies=["aotdist"])
     assert {c.strategy for c in only} == {"aotdist"} and len(only) == 5
 
@@ -464,6 +470,36 @@ def test_paired_runs_give_the_steady_step_ratios_per_round(tmp_path):
     assert json.loads((tmp_path / "bench.json").read_text())["paired"] == paired
 
 
+def test_a_long_runs_lowered_graph_is_held_to_full_on_step_and_time_to_100000_steps():
+    """aotdist+lowered (what compile.expected_steps >= 10,000 compiles) gets its step ratio
+    to full per paired round, and the long-run targets judge it; aotdist's own stay."""
+    runs = [_cell_fields(r) for r in _three_repeats()]
+    paired = [
+        {
+            "model": "gpt",
+            "depth": 32,
+            "nproc": 1,
+            "slices": 2,
+            "steps_per_slice": 20,
+            "slice_step_s": {
+                "full": [0.040, 0.020],
+                "aotdist": [0.044, 0.022],
+                "aotdist+lowered": [0.038, 0.019],
+            },
+        }
+    ]
+    ratios = compute_ratios(runs, paired)
+    low = ratios["gpt: step aotdist+lowered/full @depth32"]
+    assert low["source"] == "paired" and low["value"] == pytest.approx(0.95)
+    assert ratios["gpt: step aotdist/full @depth32"]["value"] == pytest.approx(1.1)
+    targets = {
+        (t["target"], t["depth"]): t for t in evaluate_targets(summarize_cells(runs), ratios)
+    }
+    long_step = targets["long run: steady step with the whole graph lowered <= 1.0x full", 32]
+    assert long_step["verdict"] == "met"
+    assert targets["steady step: aotdist <= 1.0x full", 32]["verdict"] == "missed"
+
+
 def test_paired_cells_one_per_single_process_depth_with_aotdist_and_a_peer():
     from aotdist.bench import _paired_cells
 
@@ -476,7 +512,13 @@ def test_paired_cells_one_per_single_process_depth_with_aotdist_and_a_peer():
         ("llama", 32, 1),
         ("dictgpt", 8, 1),
     ]
-    assert cells[0].strategy.split(",") == ["full", "accelerate", "per_block", "aotdist"]
+    assert cells[0].strategy.split(",") == [
+        "full",
+        "accelerate",
+        "per_block",
+        "aotdist",
+        "aotdist+lowered",
+    ]
     assert _paired_cells(plan_cases(strategies=["aotdist", "eager"])) == []
     assert _paired_cells([Case("gpt", 4, "aotdist+cache"), Case("gpt", 4, "full")]) == []
 

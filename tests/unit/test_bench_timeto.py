@@ -231,10 +231,8 @@ def test_warm_restart_time_to_100_steps_against_the_best_warm_peer(tmp_path):
     assert "gpt: T(100) aotdist+cache/best peer @depth8" not in tts["ratios"]  # warm only
     report = write_report(runs, tmp_path, settings={"repeats": 1})
     t = {x["target"]: x for x in report["targets"]}
-    assert (
-        t["warm restart T(100): aotdist (artifact cache) <= 0.5x the best peer's"]["verdict"]
-        == "met"
-    )
+    warm = t["warm restart T(100): aotdist (artifact cache) <= 0.4x the best peer's"]
+    assert (warm["value"], warm["verdict"]) == (pytest.approx(0.5), "missed")  # 2.5 / 5.0 s
     md = (tmp_path / "bench.md").read_text()
     assert "| warm T(100) |" in md and "| 8 | aotdist+cache | " in md
 
@@ -260,7 +258,12 @@ def test_plan_warm_cells_per_block_and_the_main_job():
         ("llama", 32),
         ("dictgpt", 8),
     }
-    assert "aotdist+lowered" not in {c.strategy for c in cases}
+    # a long run's compile, where a whole-model compile has the fastest step
+    assert {(c.model, c.depth) for c in cases if c.strategy == "aotdist+lowered"} == {
+        ("gpt", 8),
+        ("gpt", 32),
+        ("dictgpt", 8),
+    }
     assert len(cases) == sum(len(sb.depths) * len(sb.strategies) for sb in MAIN_JOB)
     full = plan_cases(full=True)
     assert {(c.model, c.depth) for c in full} >= {
@@ -454,3 +457,21 @@ def test_the_full_flag_runs_the_whole_matrix(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "run_bench", fake)
     assert main(["bench", "--full", "--out", str(tmp_path)]) == 0
     assert seen == [plan_cases(full=True)]
+
+
+def test_the_plot_draws_time_to_step_n_with_the_crossovers(tmp_path):
+    """The picture shows the lead table: one panel per model and depth, each strategy's
+    T(N) from its cold compile and step medians, and the step where aotdist overtakes
+    a peer (667 here against accelerate; never against full)."""
+    pytest.importorskip("matplotlib")
+    from aotdist.bench.report import _crossings
+
+    report = write_report(_two_repeats(), tmp_path, settings={"repeats": 2})
+    assert report["plot"] and (tmp_path / "bench.png").stat().st_size > 1000
+    tts = report["time_to_steps"]
+    cells = {c["strategy"]: c for c in tts["cells"]}
+    assert cells["aotdist"]["cold_s"]["n"] == 2 and cells["aotdist"]["step_s"]["median"] > 0
+    crossings = {(s, p): n for s, p, n in _crossings(tts, "gpt", 32)}
+    assert crossings[("aotdist", "accelerate")] == 667 and crossings[("aotdist", "full")] is None
+    assert _crossings(tts, "gpt", 8) == []
+    assert tts["horizons"] == [100, 1_000, 10_000, 100_000]

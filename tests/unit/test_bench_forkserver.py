@@ -1,0 +1,88 @@
+"""Bench measurements forked from a server that imported the compiler stack: the same
+result a spawned ``python -m aotdist.bench.runner`` gives, the measurement's own
+environment, failures and time-outs reported as a spawned run's are."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from aotdist.bench import _spawned
+from aotdist.bench.forkserver import START_ENV, ForkServer, fork_available
+from aotdist.bench.runner import RESULT_PREFIX
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="forks")
+
+ARGV = ["--strategy", "aotdist", "--model", "gpt", "--depth", "2", "--backend", "aot_eager"]
+ARGV += ["--steps", "2", "--warmup", "0"]
+
+
+def _result(lines: list[str]) -> dict:
+    (line,) = [ln for ln in lines if ln.startswith(RESULT_PREFIX)]
+    return json.loads(line[len(RESULT_PREFIX) :])
+
+
+def test_a_forked_measurement_matches_a_spawned_one(tmp_path):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    forked, spawned = [], []
+    with ForkServer() as server:
+        status, err = server.run(
+            ARGV, env=env, workdir=str(tmp_path), timeout=300, on_line=forked.append
+        )
+        assert status == 0, err
+        # a second child starts as fresh as the first: nothing compiled before it
+        again: list[str] = []
+        assert (
+            server.run(ARGV, env=env, workdir=str(tmp_path), timeout=300, on_line=again.append)[0]
+            == 0
+        )
+    assert _spawned(ARGV, env=env, timeout=300, on_line=spawned.append)[0] == 0
+    a, b, c = _result(forked), _result(again), _result(spawned)
+    assert a.keys() == c.keys()
+    for r in (a, b, c):
+        assert r["regions"]["GPTBlock"]["call_sites"] == 2
+        assert r["regions"]["GPTBlock"]["subgraphs"] == 1
+        assert r["frames_compiled"] == c["frames_compiled"] > 0
+        assert r["recompiles_after_first_step"] == 0
+    assert any("cold step (compile)" in ln for ln in forked)  # progress lines stream
+
+
+def test_each_child_runs_in_its_request_environment_and_reports_failures(tmp_path):
+    """aotdist+cache refuses to run without its bundle directory in the environment: one
+    server, the variable in one request and not in the next."""
+    from aotdist.bench.strategies import ARTIFACTS_ENV
+
+    assert ARTIFACTS_ENV not in os.environ  # the server starts without it
+    argv = [*ARGV[:1], "aotdist+cache", *ARGV[2:]]
+    with_dir = {**os.environ, ARTIFACTS_ENV: str(tmp_path / "artifacts")}
+    with ForkServer() as server:
+        status, err = server.run(
+            argv, env=with_dir, workdir=str(tmp_path), timeout=300, on_line=lambda line: None
+        )
+        assert status == 0, err
+        status, err = server.run(
+            argv, env=dict(os.environ), workdir=str(tmp_path), timeout=300, on_line=lambda ln: None
+        )
+    assert status != 0 and f"needs ${ARTIFACTS_ENV}" in err  # the child's traceback
+
+
+def test_a_child_past_its_time_is_killed(tmp_path):
+    with ForkServer() as server:
+        status, _ = server.run(
+            ["--strategy", "aotdist", "--model", "gpt", "--depth", "64", "--steps", "100000"],
+            env=dict(os.environ),
+            workdir=str(tmp_path),
+            timeout=3,
+            on_line=lambda line: None,
+        )
+    assert status == -9
+
+
+def test_spawn_is_one_variable_away(monkeypatch):
+    monkeypatch.setenv(START_ENV, "spawn")
+    assert not fork_available()
+    monkeypatch.setenv(START_ENV, "fork")
+    assert fork_available()
