@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from aotdist._compat import fake_mode_of
 from aotdist.config import AOTDistConfig, as_config, torch_dtype
 from aotdist.config.validation import did_you_mean
 from aotdist.errors import ConfigError
@@ -280,7 +281,11 @@ def _split(model: nn.Module, config: AOTDistConfig, degree: int) -> tuple[list[s
 
 def _keep(model: nn.Module, units: list[str], mine: tuple[str, ...]) -> nn.Module:
     """A copy of ``model`` with only ``mine`` among ``units``."""
-    part = copy.deepcopy(model)
+    # fake tensors (aotdist plan) hold their FakeTensorMode: copied with them, the mode's
+    # StorageWeakRefs of its constants got a second owner each, released twice (a freed
+    # storage, a heap corrupted at exit); the copy stays in the mode it was made in
+    modes = {fake_mode_of([t]) for t in (*model.parameters(), *model.buffers())} - {None}
+    part = copy.deepcopy(model, {id(mode): mode for mode in modes})
     for fqn in units:
         if fqn in mine:
             continue

@@ -543,3 +543,49 @@ def test_a_model_whose_forward_does_not_skip_other_stages_modules_is_refused_wit
     config = {"pipeline": {"enabled": True, "degree": 2, "microbatches": 2}}
     with pytest.raises(ConfigError, match="its forward must skip what is None"):
         plan(build, world=2, mesh=(1,), config=config)
+
+
+_COPIES_UNDER_FAKE_TENSORS = """
+import gc
+import torch
+from aotdist._compat import fake_mode_of
+from aotdist._compat.distributed import fake_tensor_mode
+from aotdist.pipelining import _keep
+
+kept = []
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        kept.append(torch.tensor(3.0))  # a constant: the mode keeps a weak ref to its storage
+
+with fake_tensor_mode() as mode:
+    model = Net()
+    for _ in range(3):  # the stage copies of the model
+        part = _keep(model, ["a", "b"], ("a",))
+        assert fake_mode_of([part.a.weight]) is mode, "the copy made a FakeTensorMode of its own"
+        del part
+        gc.collect()
+    junk = [torch.full((1,), 7.0) for _ in range(1000)]  # would reuse a freed storage
+    print("constant", kept[0].item())
+"""
+
+
+def test_a_stage_copy_under_fake_tensors_keeps_the_mode_and_its_constants():
+    """``aotdist plan --pp`` copies the model built under fake tensors for each stage. A
+    copy that deep-copied the FakeTensorMode duplicated its weak references to constants'
+    storages (torch's StorageWeakRef), released twice: torchtitan's Llama 3 70B at pp 8
+    aborted at exit with glibc's "corrupted double-linked list". Here three copies freed a
+    live constant's storage ("data is not allocated"). In a subprocess: it can crash."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _COPIES_UNDER_FAKE_TENSORS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "constant 3.0" in out.stdout
