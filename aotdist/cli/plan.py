@@ -108,11 +108,11 @@ def _run(args: argparse.Namespace) -> int:
     print(result.to_json() if args.json else result.table())
     budget = int(args.gpu_memory * 2**30)
     if result.peak_bytes > budget:
-        more = 2 * result.mesh[-1]
+        more, ranks = 2 * result.mesh[-1], args.world // max(stages, 1)  # a stage's ranks
         levers = [
             f"shard over more ranks (a shard group of {more}: --mesh "
-            f"{max(args.world // more, 1)}x{more}, or --mesh {args.world} without HSDP)"
-            if more <= args.world
+            f"{max(ranks // more, 1)}x{more}, or --mesh {ranks} without HSDP)"
+            if more <= ranks
             else "more ranks (--world)"
         ]
         levers += [

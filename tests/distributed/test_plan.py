@@ -366,6 +366,11 @@ def test_a_job_over_the_gpu_s_memory_exits_1_with_the_fix(capsys):
     out, err = capsys.readouterr()
     assert "peak (est.)" in out  # the plan is still printed
     assert "does not fit" in err and "Fix: shard over more ranks (a shard group of 4" in err
+    # pipelined: the mesh named is a stage's (4 of the 8 ranks), which --pp multiplies
+    argv = ["plan", "--depth", "4", "--world", "8", "--pp", "2", "--mesh", "2x2"]
+    assert main([*argv, "--microbatches", "2", "--gpu-memory", "0.0001"]) == 1
+    err = capsys.readouterr().err
+    assert "a shard group of 4: --mesh 1x4, or --mesh 4 without HSDP" in err, err
 
 
 # ----------------------------------------------------------------- pipelined jobs, per stage
