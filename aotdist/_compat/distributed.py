@@ -47,6 +47,20 @@ def group_of(leaves: list) -> Any:
 
 
 @checked_on("2.11", "2.14")
+def group_named(name: str) -> Any:
+    """The process group of a functional collective's ``group_name``
+    (``torch.distributed.distributed_c10d._resolve_process_group``).
+
+    Raises:
+        TorchFeatureUnavailable: This torch has no such resolver.
+    """
+    resolve = attr("torch.distributed.distributed_c10d", "_resolve_process_group")
+    if resolve is None:
+        raise unavailable("torch.distributed's _resolve_process_group")
+    return resolve(name)
+
+
+@checked_on("2.11", "2.14")
 def fake_store() -> Any:
     """A store for torch's ``fake`` process-group backend, whose collectives do nothing
     (``torch.testing._internal.distributed.fake_pg.FakeStore``).
@@ -61,10 +75,15 @@ def fake_store() -> Any:
 
 
 @checked_on("2.11", "2.14")
-def fake_tensor_mode() -> Any:
+def fake_tensor_mode(values: Any | None = None) -> Any:
     """A ``FakeTensorMode`` that also takes real tensors (``torch._subclasses.fake_tensor``):
     tensors made inside hold no memory, and fake tensors that alias one another share one
     storage, as real ones do.
+
+    With ``values``, every op the mode runs goes through ``values.dispatch(func, args,
+    kwargs, fake)``, where ``fake(func, args, kwargs)`` runs it as the mode would: a
+    subclass overriding ``__torch_dispatch__``, so that the mode stays torch's infra mode
+    (Dynamo still compiles under it) and sees the ops of compiled code too.
 
     The mode is made without its dispatch cache (``fake_tensor_cache_enabled``, read
     when the mode is made): outputs rebuilt from a cache entry get a storage each, so
@@ -78,8 +97,40 @@ def fake_tensor_mode() -> Any:
     mode = attr("torch._subclasses.fake_tensor", "FakeTensorMode")
     if mode is None:
         raise unavailable("torch's FakeTensorMode")
+    made = mode
+    if values is not None:
+
+        class Valued(mode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                def fake(f, a, k):
+                    return mode.__torch_dispatch__(self, f, types, a, k)
+
+                return values.dispatch(func, args, kwargs or {}, fake)
+
+        made = Valued
     with attr("torch._dynamo.config", "patch")(fake_tensor_cache_enabled=False):
-        return mode(allow_non_fake_inputs=True)
+        return made(allow_non_fake_inputs=True)
+
+
+@checked_on("2.11", "2.14")
+def data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """What a fake tensor raises for an op whose output needs the tensor's values: a
+    host read (``DataDependentOutputException``) or an output shape that depends on them
+    (``DynamicOutputShapeException``), from ``torch._subclasses.fake_tensor``."""
+    names = ("DataDependentOutputException", "DynamicOutputShapeException")
+    found = tuple(attr("torch._subclasses.fake_tensor", n) for n in names)
+    return tuple(e for e in found if e is not None)
+
+
+@checked_on("2.11", "2.14")
+def run_real(func: Callable, args: Any, kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` on real tensors, past every dispatch mode on the stack
+    (inside a mode's ``__torch_dispatch__``; ``torch.utils._mode_utils.no_dispatch``)."""
+    no_dispatch = attr("torch.utils._mode_utils", "no_dispatch")
+    if no_dispatch is None:
+        raise unavailable("torch.utils._mode_utils.no_dispatch")
+    with no_dispatch():
+        return func(*args, **kwargs)
 
 
 @checked_on("2.11", "2.14")

@@ -8,7 +8,7 @@ import os
 import sys
 
 from aotdist.cli import parser as cli
-from aotdist.cli.errors import import_factory, user_code
+from aotdist.cli.errors import UsageError, import_factory, user_code
 
 
 def _builder(args: argparse.Namespace):
@@ -89,6 +89,19 @@ def _run(args: argparse.Namespace) -> int:
         args.batch = config["pipeline"]["microbatches"] if stages > 1 else 1
     if args.fsdp_mode is not None:
         config["fsdp"]["mode"] = args.fsdp_mode
+    if args.expert_params:
+        config["fsdp"]["expert_params"] = args.expert_params
+    if args.hf and config["fsdp"]["expert_params"]:
+        raise UsageError(
+            f"--hf {args.hf} with expert parallelism (fsdp.expert_params): a "
+            "transformers model's MoE layers hold every expert on each rank and route "
+            "tokens without an all-to-all, so aotdist can only leave their experts whole "
+            "on every rank, which is not expert parallelism. Fix: plan your own model whose "
+            "experts are sharded over the ranks by an all-to-all dispatch, with --model "
+            "module:factory and --expert-params (a worked example: --model "
+            "aotdist.testing.moe:deepseek_v3 --expert-params 'model.layers.*.mlp.experts.*'), "
+            "or drop --expert-params to plan FSDP over every expert"
+        )
     if args.param_dtype is not None:
         config["fsdp"]["param_dtype"] = args.param_dtype
     if args.ac:
@@ -147,7 +160,8 @@ def register(sub) -> None:
         "of the job at --world ranks on this CPU (fake tensors, torch's fake "
         "process group, no weights) and prints per rank: parameter, gradient, "
         "optimizer and saved-activation bytes, a peak estimate, and per step "
-        "the collectives by mesh dimension.",
+        "the collectives by mesh dimension; with --expert-params, each rank's "
+        "experts and the all-to-alls, under balanced routing.",
     )
     p.add_argument("--model", default="gpt", help="gpt, vit or module:factory")
     p.add_argument("--depth", type=int, default=4, help="blocks of a built-in model")
@@ -209,6 +223,16 @@ def register(sub) -> None:
         choices=PIPELINE_SCHEDULES,
         default=None,
         help="pipeline.schedule (default: the config's)",
+    )
+    p.add_argument(
+        "--expert-params",
+        action="append",
+        metavar="PATTERN",
+        help="expert parallelism (fsdp.expert_params; repeatable): glob patterns of the "
+        "parameters of each rank's own experts, which the model's all-to-all dispatch "
+        "shards over the ranks; FSDP2 shards the rest. The plan adds each rank's expert "
+        "bytes and the all-to-alls per step, forward and backward, assuming balanced "
+        "routing (every expert gets the same number of tokens from every rank)",
     )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (ac.enabled)")

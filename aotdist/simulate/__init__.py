@@ -4,14 +4,13 @@ the job runs, traced on this CPU.
 :func:`plan` runs the job's own set-up and compile under fake tensors (no memory, no
 weights) in a world of torch's ``fake`` process group: ``parallelize``, a step that
 compiles (``aot_eager``), a steady step. Per rank: parameter, gradient and optimizer bytes,
-what autograd saves in the steady step (as ``SavedBytes`` measures a real one), and the
-collectives per step by kind and mesh dimension (graph mode: the bucketed graphs the job
-compiles, a region's subgraph once per call; hooks mode: FSDP2's padded units). The peak
-is an estimate: held state, saved activations, the largest gathered unit or bucket twice.
-A pipelined job (``pipeline.enabled``) is traced stage by stage, each stage's first rank
-through ``aotdist.pipeline`` and its schedule's steps: per stage its memory (activations of
-the micro-batches its schedule keeps in flight), FSDP2 collectives as torch's pipelining
-issues them, point-to-point transfers, and the schedule's bubble. Method, checks against real runs and worked examples: docs/scale.md.
+what autograd saves in the steady step, and the collectives per step by kind and mesh
+dimension (graph mode: the bucketed graphs, a region's subgraph once per call; hooks mode:
+FSDP2's padded units). The peak is an estimate: held state, saved activations, the largest
+gathered unit or bucket twice. A pipelined job is traced stage by stage through
+``aotdist.pipeline`` (:mod:`.pipeline`); an expert-parallel one (``fsdp.expert_params``)
+adds each rank's experts and its all-to-alls under balanced routing (:mod:`.experts`,
+:mod:`.routing`). Method, checks against real runs and worked examples: docs/scale.md.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from torch import nn
 from aotdist._compat.distributed import fake_tensor_mode
 from aotdist.bench.saved import SavedBytes
 from aotdist.errors import ConfigError
+from aotdist.simulate.experts import _expert_parallel, _phase, _routing
 from aotdist.simulate.pipeline import _pipeline_plan, _stages_asked
 from aotdist.simulate.report import OPTIMIZER_STATES, Collective, PipelinePlan, Plan, StagePlan
 from aotdist.simulate.trace import (
@@ -62,6 +62,10 @@ def plan(
             mesh's first dimension, each stage's first rank is traced through its
             schedule's steps, and the plan's figures are the stage with the largest peak
             (all stages: :attr:`Plan.pipeline`). ``build``'s inputs are one step's batch.
+            With ``fsdp.expert_params`` the job is expert-parallel: ``build`` runs in the
+            fake world (a model sizes its experts from ``dist.get_world_size()``), token
+            counts read on the host are those of balanced routing (:attr:`Plan.routing`),
+            and the plan adds each rank's experts and the all-to-alls per step.
         optimizer: ``adamw``, ``adam``, ``sgd`` or ``sgd-momentum`` (its state bytes).
         loss_fn: ``loss_fn(output) -> scalar``; default the mean of the first output.
         gpus_per_node: Ranks per node: a mesh dimension whose groups span nodes crosses
@@ -69,7 +73,9 @@ def plan(
 
     Raises:
         ConfigError: A mesh that does not multiply to ``world``, an unknown optimizer, a
-            process group already initialized in this process, a config that cannot run.
+            process group already initialized in this process, a config that cannot run;
+            expert parallelism whose step sends no all-to-all, reads a value on the host
+            that balanced routing does not give, or is pipelined.
     """
     config = dict(config or {})
     stages = _stages_asked(config)
@@ -88,6 +94,12 @@ def plan(
     # the job's compile, with aot_eager: the same graphs, nothing lowered
     config["compile"] = {**config.get("compile", {}), "enabled": True, "backend": "aot_eager"}
     dims = ("dp_shard",) if len(mesh) == 1 else ("dp_replicate", "dp_shard")
+    if stages > 1 and config["fsdp"].get("expert_params"):
+        raise ConfigError(
+            "plan: expert parallelism (fsdp.expert_params) in a pipelined job is not "
+            "planned: each stage's trace has no balanced-routing values. Fix: plan the "
+            "expert-parallel job without --pp (pipeline.enabled: false)"
+        )
     if stages > 1:
         return _pipeline_plan(
             build, world, mesh, dims, config, optimizer, loss_fn or _mean_of_first, gpus_per_node
@@ -99,7 +111,10 @@ def plan(
         from aotdist.backends.bucketing import graphs_observed
 
         device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=dims)
-        with fake_tensor_mode():
+        groups = {device_mesh.get_group(d).group_name: d for d in dims}
+        # expert parallelism: token counts read on the host, known under balanced routing
+        routing = _routing(config, groups, world, gpus_per_node)
+        with fake_tensor_mode(routing):
             model, inputs = build()
             aotdist.parallelize(model, config=config, mesh=device_mesh)
             loss_of = loss_fn or _mean_of_first
@@ -107,14 +122,14 @@ def plan(
                 loss_of(model(*inputs)).backward()  # the compile, as the job's first step
             held = [*model.parameters(), *model.buffers()]
             # the steady step: what autograd saves once everything is compiled
-            with SavedBytes(exclude=held) as saved:
+            with SavedBytes(exclude=held) as saved, _phase(routing, "forward"):
                 loss = loss_of(model(*inputs))
-            loss.backward()
+            with _phase(routing, "backward"):
+                loss.backward()
         info = aotdist.parallelize_info(model)
         mode = info.config.fsdp.mode
         out = Plan(world=world, mesh=mesh, mesh_dims=dims, fsdp_mode=mode, optimizer=optimizer)
         _memory(out, model, optimizer)
-        groups = {device_mesh.get_group(d).group_name: d for d in dims}
         span = {d: _spans_nodes(mesh, i, gpus_per_node) for i, d in enumerate(dims)}
         if mode == "graph":
             _graph_collectives(out, graphs, groups, span)
@@ -122,6 +137,8 @@ def plan(
         else:
             _unit_collectives(out, model, dims, span, info.config.fsdp)
         out.activation_bytes = saved.activation_bytes
+        if routing is not None:
+            _expert_parallel(out, model, routing, info.config.fsdp, span, world > gpus_per_node)
         out.regions = {
             name: {"call_sites": r.call_sites, "subgraphs": r.subgraphs}
             for name, r in m.regions.items()

@@ -20,6 +20,7 @@ class Collective:
         count: How many per step.
         bytes: Their unsharded bytes (a gather's output, a reduce-scatter's input).
         network: Whether the dimension crosses nodes (``gpus_per_node``).
+        phase: ``forward`` or ``backward`` for an all-to-all; empty for FSDP's (per step).
     """
 
     kind: str
@@ -27,6 +28,7 @@ class Collective:
     count: int = 0
     bytes: int = 0
     network: bool = False
+    phase: str = ""
 
 
 @dataclass
@@ -96,7 +98,13 @@ class PipelinePlan:
 
 @dataclass
 class Plan:
-    """Per-rank memory and per-step collectives of one configuration (see :func:`plan`)."""
+    """Per-rank memory and per-step collectives of one configuration (see :func:`plan`).
+
+    An expert-parallel job (``fsdp.expert_params``) adds ``expert_param_bytes`` (this
+    rank's experts, held whole; part of ``param_bytes``), ``all_to_all`` (per phase and
+    mesh dimension: count and the bytes this rank sends, its own share included) and
+    ``routing``, the assumption its token counts were read under.
+    """
 
     world: int
     mesh: tuple[int, ...]
@@ -111,6 +119,9 @@ class Plan:
     collectives: list[Collective] = field(default_factory=list)
     regions: dict[str, dict] = field(default_factory=dict)
     pipeline: PipelinePlan | None = None
+    expert_param_bytes: int = 0
+    all_to_all: list[Collective] = field(default_factory=list)
+    routing: str = ""
 
     @property
     def peak_bytes(self) -> int:
@@ -132,6 +143,11 @@ class Plan:
             f"plan: {self.world} ranks, mesh {mesh} ({', '.join(self.mesh_dims)}), "
             f"FSDP {self.fsdp_mode}, optimizer {self.optimizer} (per rank; simulated)",
             f"  parameters   {_mib(self.param_bytes)}",
+            *(
+                [f"    experts    {_mib(self.expert_param_bytes)} this rank's, whole"]
+                if self.routing
+                else []
+            ),
             f"  gradients    {_mib(self.grad_bytes)}",
             f"  optimizer    {_mib(self.optimizer_bytes)}",
             f"  activations  {_mib(self.activation_bytes)} saved for backward",
@@ -142,6 +158,13 @@ class Plan:
             where = "network" if c.network else "within a node"
             lines.append(
                 f"    {c.kind:<15}{c.dim:<14}{c.count:>5} x  {_mib(c.bytes)} unsharded ({where})"
+            )
+        if self.routing:
+            lines.append(f"  all-to-all per step, assuming {self.routing}:")
+        for c in self.all_to_all:
+            where = "network" if c.network else "within a node"
+            lines.append(
+                f"    {c.phase:<15}{c.dim:<14}{c.count:>5} x  {_mib(c.bytes)} sent ({where})"
             )
         for name, r in self.regions.items():
             lines.append(

@@ -143,7 +143,8 @@ def _unit_collectives(
         nested = {
             id(q) for other in units.values() if _inside(other, unit) for q in other.parameters()
         }
-        own = [p for p in unit.parameters() if id(p) not in nested]
+        # fsdp.expert_params: each rank's experts, FSDP2's ignored_params, never gathered
+        own = [p for p in unit.parameters() if id(p) not in nested and hasattr(p, "to_local")]
         full = sum(_padded(p) * (1 if id(p) in float8 else size(p, gather_dtype)) for p in own)
         grads = sum(_padded(p) * size(p, reduce_dtype) for p in own if p.requires_grad)
         shard_bytes = sum(_local(p).numel() * size(p, reduce_dtype) for p in own if p.requires_grad)
