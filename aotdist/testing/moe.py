@@ -195,7 +195,7 @@ DEEPSEEK_V3 = {
 }
 
 
-def deepseek_v3(layers: int = 4, seq: int = 4096, batch: int = 1):
+def deepseek_v3(layers: int = 5, seq: int = 4096, batch: int = 1):
     """transformers' DeepSeek-V3 at its sizes with ``layers`` decoder layers (the first 3
     dense, as in the model), each MoE layer's experts replaced by
     :class:`ExpertParallelExperts` over the world's ranks; ``(model, (ids,))``, one batch
