@@ -27,6 +27,7 @@ from aotdist._compat.distributed import (
     group_of,
     is_fake,
     run_real,
+    storage_id,
 )
 from aotdist._compat.ops import op_schema
 from aotdist.errors import ConfigError
@@ -115,7 +116,7 @@ class BalancedRouting:
 
     def _set(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         self.values[fake] = real
-        key = id(fake.untyped_storage())
+        key = storage_id(fake.untyped_storage())
         self.by_storage.setdefault(key, []).append(weakref.ref(fake))
 
     def _forget_written(self, func, args, kwargs) -> None:
@@ -130,7 +131,7 @@ class BalancedRouting:
                 self._forget(t)
 
     def _forget(self, t: torch.Tensor) -> None:
-        for ref in self.by_storage.pop(id(t.untyped_storage()), []):
+        for ref in self.by_storage.pop(storage_id(t.untyped_storage()), []):
             other = ref()
             if other is not None:
                 self.values.pop(other, None)
