@@ -467,12 +467,14 @@ def run_bench(
     )
     paired_cells = _paired_cells(cases) if not profile else []
     pairs = {(c.model, c.depth) for c in paired_cells}
-    # measurements fork from one server that imported the compiler stack (about 4 s saved
-    # a run, none of it measured time); others' CPU use is sampled throughout
+    # On CPU measurements fork from one server that imported the compiler stack (about 2 s
+    # saved a run, none of it measured time); on CUDA each is spawned: a CUDA runtime
+    # touched before a fork fails in the child. Others' CPU use is sampled throughout.
+    forked = fork_available() and device == "cpu"
     with (
         tempfile.TemporaryDirectory(prefix="aotdist-bench-isa-") as isa_dir,
         tempfile.TemporaryDirectory(prefix="aotdist-bench-warm-") as warm_root,
-        ForkServer() if fork_available() else contextlib.nullcontext() as server,
+        ForkServer() if forked else contextlib.nullcontext() as server,
         OthersMeter() as others,
     ):
         isa_seed = _seed_isa_probes(isa_dir, backend=backend, device=device, progress=progress)

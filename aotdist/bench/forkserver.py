@@ -10,8 +10,10 @@ everything measured (nothing was compiled, no kernel or thread pool started, no 
 context in the server), runs :func:`aotdist.bench.runner.main` with the measurement's
 arguments and environment, and writes its output to files the caller reads.
 
-The server is started per ``run_bench`` call, with the bench's environment; Linux only
-(``fork``). ``AOTDIST_BENCH_START=spawn`` turns it off (each run a ``python -m`` process).
+The server is started per ``run_bench`` call, with the bench's environment; Linux and
+``--device cpu`` only (``fork``; a CUDA runtime touched before a fork fails in the child,
+so CUDA measurements are spawned). ``AOTDIST_BENCH_START=spawn`` turns it off (each run
+a ``python -m`` process).
 """
 
 from __future__ import annotations

@@ -86,3 +86,55 @@ def test_spawn_is_one_variable_away(monkeypatch):
     assert not fork_available()
     monkeypatch.setenv(START_ENV, "fork")
     assert fork_available()
+
+
+@pytest.mark.parametrize(("device", "forked"), [("cpu", True), ("cuda", False)])
+def test_cpu_measurements_fork_cuda_ones_are_spawned(tmp_path, monkeypatch, device, forked):
+    """A CUDA runtime touched before a fork fails in the child: with --device cuda no
+    server starts and every measurement is its own process."""
+    import aotdist.bench as bench
+    from aotdist.bench import Case
+
+    started, servers = [], []
+
+    class Server:
+        def __enter__(self):
+            started.append(self)
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    def fake_measure_once(case, *, server=None, **kwargs):
+        servers.append(server)
+        return {
+            "strategy": case.strategy,
+            "model": case.model,
+            "depth": case.depth,
+            "nproc": 1,
+            "compile_s": 0.0,
+            "first_step_s": 0.01,
+            "steady_step_s": 0.01,
+            "saved_activation_bytes": 1,
+            "peak_mem_mib": 1.0,
+            "frames_compiled": 0,
+            "graph_breaks": 0,
+            "recompiles_after_first_step": 0,
+            "memory_metric": "RSS",
+            "regions": {},
+            "compile_split_s": {},
+        }
+
+    monkeypatch.setattr(bench, "ForkServer", Server)
+    monkeypatch.setattr(bench, "_measure_once", fake_measure_once)
+    monkeypatch.setenv(START_ENV, "fork")
+    report = bench.run_bench(
+        [Case("gpt", 2, "eager")],
+        backend="aot_eager",
+        device=device,
+        repeats=1,
+        out=tmp_path,
+        progress=lambda line: None,
+    )
+    assert servers == ([started[0]] if forked else [None]) and len(started) == int(forked)
+    assert report["settings"]["start"] == ("forked" if forked else "spawned")
