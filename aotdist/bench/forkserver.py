@@ -2,18 +2,16 @@
 
 Each bench measurement must be a fresh process: empty in-memory compiler state, its own
 Inductor cache dir, its own memory high-water mark. Started with ``python -m``, each also
-spends about 4 s importing torch, Dynamo, AOTAutograd and Inductor before it measures
-anything (the runner imports the compiler stack before its timers start, so the figures
-never held that time). :class:`ForkServer` starts one server process that imports them
-once and then forks a child per measurement: the child is as fresh as a spawned one for
-everything measured (nothing was compiled, no kernel or thread pool started, no CUDA
-context in the server), runs :func:`aotdist.bench.runner.main` with the measurement's
-arguments and environment, and writes its output to files the caller reads.
+spends seconds importing torch, Dynamo, AOTAutograd and Inductor (never in a timed
+figure: the runner imports them before its timers start). :class:`ForkServer` starts one
+server that imports them once and forks a child per measurement, as fresh as a spawned
+one for everything measured (nothing compiled, no kernel or thread pool, no CUDA context
+in the server); the child runs :func:`aotdist.bench.runner.main` with the measurement's
+arguments and environment and writes its output to files the caller reads.
 
-The server is started per ``run_bench`` call, with the bench's environment; Linux and
-``--device cpu`` only (``fork``; a CUDA runtime touched before a fork fails in the child,
-so CUDA measurements are spawned). ``AOTDIST_BENCH_START=spawn`` turns it off (each run
-a ``python -m`` process).
+One server per ``run_bench`` call, Linux and ``--device cpu`` only (a CUDA runtime touched
+before a fork fails in the child). ``AOTDIST_BENCH_START=spawn`` turns it off. Method and
+the fork-against-spawn check: docs/bench/README.md.
 """
 
 from __future__ import annotations
