@@ -25,8 +25,10 @@ def kernel_files() -> dict[str, bytes]:
     for key in keys:
         sub = os.path.join(root, key[1:3])
         for name in os.listdir(sub) if os.path.isdir(sub) else ():
-            if name.startswith(key) and not name.endswith(".lock"):
-                with open(os.path.join(sub, name), "rb") as fh:
+            path = os.path.join(sub, name)
+            # files only: torch's C++ builder may leave a <key>_CxxBuild folder beside them
+            if name.startswith(key) and not name.endswith(".lock") and os.path.isfile(path):
+                with open(path, "rb") as fh:
                     out[f"{key[1:3]}/{name}"] = fh.read()
     return out
 
@@ -91,6 +93,8 @@ def isa_probe_files() -> dict[str, bytes]:
         folder = os.path.join(root, key[1:3])
         for name in os.listdir(folder) if os.path.isdir(folder) else ():
             if not name.startswith(key) or name.endswith(".lock"):
+                continue
+            if not os.path.isfile(os.path.join(folder, name)):  # a <key>_CxxBuild folder
                 continue
             if name.endswith(".load_ok") and not signature:
                 continue

@@ -432,3 +432,24 @@ def test_warm_start_runs_no_cpp_compiler_and_no_isa_probe(tmp_path):
     assert [b for b in warm["builds"] if not b.endswith(".i")] == [], warm  # .i: a header
     assert cold["probes"] > 0 and warm["probes"] == 0, (cold, warm)
     assert warm["loss"] == cold["loss"]
+
+
+def test_kernel_files_skip_the_cpp_builders_folders(tmp_path, monkeypatch):
+    """torch's C++ builder can leave a ``<key>_CxxBuild`` folder beside a kernel's files;
+    the bundle takes the files and passes the folder over (it failed every save with
+    IsADirectoryError)."""
+    from aotdist import _compat
+    from aotdist.cache import artifacts
+
+    key = "cabcdef0123"
+    sub = tmp_path / key[1:3]
+    (sub / f"{key}_CxxBuild").mkdir(parents=True)
+    (sub / f"{key}.so").write_bytes(b"so")
+    (sub / f"{key}.cpp").write_bytes(b"cpp")
+    monkeypatch.setattr(_compat, "inductor_cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(_compat, "cpp_code_cache_keys", lambda: {key})
+    monkeypatch.setattr(_compat, "isa_probe_keys", lambda root: {key})
+    expected = {f"{key[1:3]}/{key}.so": b"so", f"{key[1:3]}/{key}.cpp": b"cpp"}
+    assert artifacts.kernel_files() == expected
+    probes = artifacts.isa_probe_files()
+    assert {k: v for k, v in probes.items() if not k.startswith("aotdist/")} == expected
