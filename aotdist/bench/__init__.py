@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -43,7 +42,7 @@ from aotdist.bench.cells import (
     interleave,
     plan_cases,
 )
-from aotdist.bench.forkserver import ForkServer, fork_available
+from aotdist.bench.forkserver import ForkServer, fork_available, spawned
 from aotdist.bench.report import load_snapshot, write_report
 from aotdist.bench.runner import PHASE_PREFIX, RESULT_PREFIX
 from aotdist.bench.stats import PEERS, fresh_start_s, restart_s
@@ -199,7 +198,7 @@ def _measure_once(
                 argv, env=env, workdir=outdir, timeout=timeout + 60, on_line=on_line
             )
         else:
-            returncode, err = _spawned(argv, env=env, timeout=timeout + 60, on_line=on_line)
+            returncode, err = spawned(argv, env=env, timeout=timeout + 60, on_line=on_line)
         if result is not None and returncode == 0:
             if keep_cache:
                 shutil.copytree(cache, keep_cache, dirs_exist_ok=True)
@@ -214,31 +213,6 @@ def _measure_once(
         f"{case.nproc} --backend {backend}{again}"
         f"{f' --mode {mode}' if mode else ''}` to see the whole error."
     )
-
-
-def _spawned(
-    argv: list[str], *, env: dict, timeout: float, on_line: Callable[[str], None]
-) -> tuple[int, str]:
-    """``python -m aotdist.bench.runner ARGV`` as a new process: its exit code (``-9``:
-    killed after ``timeout`` seconds) and stderr; ``on_line`` gets each stdout line."""
-    with tempfile.TemporaryFile(mode="w+") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "aotdist.bench.runner", *argv],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-        )
-        killer = threading.Timer(timeout, proc.kill)
-        killer.start()
-        try:
-            for line in proc.stdout:
-                on_line(line)
-            proc.wait()
-        finally:
-            killer.cancel()
-        stderr.seek(0)
-        return proc.returncode, stderr.read()
 
 
 def _seed_isa_probes(

@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -189,3 +190,28 @@ def _follow(path: Path, on_line: Callable[[str], None], done: threading.Event) -
                 return
             else:
                 time.sleep(0.1)
+
+
+def spawned(
+    argv: list[str], *, env: dict, timeout: float, on_line: Callable[[str], None]
+) -> tuple[int, str]:
+    """``python -m aotdist.bench.runner ARGV`` as a new process: its exit code (``-9``:
+    killed after ``timeout`` seconds) and stderr; ``on_line`` gets each stdout line."""
+    with tempfile.TemporaryFile(mode="w+") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aotdist.bench.runner", *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        killer = threading.Timer(timeout, proc.kill)
+        killer.start()
+        try:
+            for line in proc.stdout:
+                on_line(line)
+            proc.wait()
+        finally:
+            killer.cancel()
+        stderr.seek(0)
+        return proc.returncode, stderr.read()

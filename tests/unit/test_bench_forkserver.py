@@ -10,8 +10,7 @@ import sys
 
 import pytest
 
-from aotdist.bench import _spawned
-from aotdist.bench.forkserver import START_ENV, ForkServer, fork_available
+from aotdist.bench.forkserver import START_ENV, ForkServer, fork_available, spawned
 from aotdist.bench.runner import RESULT_PREFIX
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="forks")
@@ -27,7 +26,7 @@ def _result(lines: list[str]) -> dict:
 
 def test_a_forked_measurement_matches_a_spawned_one(tmp_path):
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
-    forked, spawned = [], []
+    forked, fresh = [], []
     with ForkServer() as server:
         status, err = server.run(
             ARGV, env=env, workdir=str(tmp_path), timeout=300, on_line=forked.append
@@ -39,8 +38,8 @@ def test_a_forked_measurement_matches_a_spawned_one(tmp_path):
             server.run(ARGV, env=env, workdir=str(tmp_path), timeout=300, on_line=again.append)[0]
             == 0
         )
-    assert _spawned(ARGV, env=env, timeout=300, on_line=spawned.append)[0] == 0
-    a, b, c = _result(forked), _result(again), _result(spawned)
+    assert spawned(ARGV, env=env, timeout=300, on_line=fresh.append)[0] == 0
+    a, b, c = _result(forked), _result(again), _result(fresh)
     assert a.keys() == c.keys()
     for r in (a, b, c):
         assert r["regions"]["GPTBlock"]["call_sites"] == 2
