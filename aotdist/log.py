@@ -74,6 +74,13 @@ def _internal_prefixes() -> tuple[str, ...]:
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + "callbacks",
     }
     dirs |= {os.path.abspath(sysconfig.get_paths()[k]) for k in ("stdlib", "purelib", "platlib")}
+    # packages found outside this environment's own: a venv with --system-site-packages,
+    # a .pth file naming another environment's site-packages, a user site
+    dirs |= {
+        os.path.abspath(p)
+        for p in sys.path
+        if os.path.basename(os.path.normpath(p)) in ("site-packages", "dist-packages")
+    }
     return tuple(d + os.sep for d in dirs)
 
 

@@ -75,3 +75,21 @@ def test_a_region_demoted_in_the_first_call_names_the_caller_s_line():
         test_a_region_demoted_in_the_first_call_names_the_caller_s_line,
         "model(torch.randn(2, 8)).sum().backward()",
     )
+
+
+def test_packages_from_another_environment_are_not_the_users_line(tmp_path, monkeypatch):
+    """torch found through a venv's --system-site-packages or a .pth naming another
+    environment (outside this one's purelib) is a library, not the user's code."""
+    from aotdist.log import _internal_prefixes, is_user_file
+
+    elsewhere = tmp_path / "other-env" / "lib" / "python3" / "site-packages"
+    library = elsewhere / "torch" / "nn" / "modules" / "module.py"
+    assert is_user_file(str(library))  # not on sys.path: could be anyone's file
+    monkeypatch.syspath_prepend(str(elsewhere))
+    _internal_prefixes.cache_clear()  # read once per process, from sys.path at that time
+    try:
+        assert not is_user_file(str(library))
+        assert is_user_file(str(tmp_path / "train.py"))  # the user's script stays theirs
+    finally:
+        monkeypatch.undo()
+        _internal_prefixes.cache_clear()
