@@ -70,8 +70,9 @@ class CompileMetrics:
     eager: dict[str, str] = field(default_factory=dict)  # region -> why it ran uncompiled
     reuse: dict[str, str] = field(default_factory=dict)  # region -> why >1 subgraph
     # "graph": one whole-model graph calling region subgraphs; "frames": each region its
-    # own compiled graph (under FSDP2, or tensor parallelism without it); "" when no
-    # aotdist model was tracked
+    # own compiled graph, the code around them eager (under FSDP2, tensor parallelism
+    # without it, or compile.outer eager: a short run's choice); "" when no aotdist model
+    # was tracked
     mode: CompileMode | str = ""
     # the window ran a whole-model graph loaded from the cache bundle (no trace); calls
     # its guards did not cover (each compiled as usual), with the failing guard

@@ -40,7 +40,9 @@ def resolve_outer(
     outer: str, backend: str | Callable, mode: str | None, options: dict | None = None
 ) -> str | None:
     """``"inductor"`` or ``"fx"``: how Inductor compiles the graph around the regions;
-    ``None`` for a backend that is not Inductor (``outer`` does not apply).
+    ``None`` for a backend that is not Inductor (``outer`` does not apply). ``eager``
+    (no graph around the regions: :func:`aotdist.compile_regions` compiles frames) resolves
+    as ``auto`` for what still compiles whole (a model without regions).
 
     ``auto`` is ``fx`` unless the mode records CUDA graphs (``reduce-overhead``,
     ``max-autotune``: one lowered graph to replay) or ``options`` turn on Inductor's
@@ -57,6 +59,8 @@ def resolve_outer(
     name = backend if isinstance(backend, str) else getattr(backend, "compiler_name", None)
     if name != "inductor":
         return None
+    if outer == "eager":
+        outer = "auto"
     overlap = any(options.get(key) for key in _OVERLAP_KEYS) if options else False
     if outer == "auto":
         return "inductor" if mode in _GRAPHED_MODES or overlap else "fx"
@@ -80,6 +84,10 @@ def resolve_outer(
 # CPU, depths 8-64) pays back its longer cold compile within 2,000-8,000 steps there
 # (docs/guide/performance.md), so past this the fastest step wins.
 LONG_RUN_STEPS = 10_000
+# A run shorter than this compiles each region as a function of its own (``eager``): the
+# whole graph's faster step pays back its longer compile from about 950 steps (GPT depth
+# 64) to 4,000 (depth 8) on CPU (docs/guide/performance.md), so below it the start wins.
+SHORT_RUN_STEPS = 1_000
 
 
 def configured_outer(config) -> str:
@@ -87,12 +95,23 @@ def configured_outer(config) -> str:
     ``inductor`` where the artifact cache is on (``cache.mode``): torch's caches keep
     Inductor's lowered output only (AOTAutograd's cache entry, the saved whole-model
     graph), so the first run lowers the graph once and warm starts skip its trace; and
-    where ``compile.expected_steps`` is at least :data:`LONG_RUN_STEPS`, logged once."""
+    where ``compile.expected_steps`` is at least :data:`LONG_RUN_STEPS`; ``eager`` for an
+    unsharded Inductor run shorter than :data:`SHORT_RUN_STEPS`. Each choice logged once."""
     cc = config.compile
     if cc.outer != "auto":
         return cc.outer
     if config.cache.mode != "off":
         return "inductor"
+    if 0 < cc.expected_steps < SHORT_RUN_STEPS and _short_run_eager(config):
+        rank_zero_info(
+            get_logger(__name__),
+            f"aotdist: compile.outer auto -> eager: a run of {cc.expected_steps} steps "
+            f"(compile.expected_steps, under {SHORT_RUN_STEPS}) compiles each region as a "
+            "function of its own and runs the code between them eagerly: the shortest "
+            "compile, which a longer run would pay back with the whole graph's faster step. "
+            "Set compile.outer: fx to keep the whole graph",
+        )
+        return "eager"
     if cc.expected_steps >= LONG_RUN_STEPS:
         if cc.backend == "inductor":
             rank_zero_info(
@@ -104,6 +123,19 @@ def configured_outer(config) -> str:
             )
         return "inductor"
     return "auto"
+
+
+def _short_run_eager(config) -> bool:
+    """Whether ``auto`` may take ``eager`` for a short run: Inductor (the compile it
+    shortens), no CUDA graphs (one graph to replay), nothing sharded or pipelined (FSDP2's
+    hooks compile frames already; graph-mode FSDP needs the whole graph)."""
+    cc = config.compile
+    return (
+        cc.backend == "inductor"
+        and cc.mode not in _GRAPHED_MODES
+        and not config.fsdp.enabled
+        and not config.pipeline.enabled
+    )
 
 
 class RegionBody:

@@ -247,6 +247,7 @@ def _seed_isa_probes(
 PAIRED = (
     "aotdist",
     "aotdist+lowered",
+    "aotdist+frames",
     "full",
     "accelerate",
     "per_block",

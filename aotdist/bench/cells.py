@@ -72,19 +72,21 @@ class JobSettings:
 #   finds no blocks and compiles the whole model (so that model has no separate full cell).
 # - Where a whole-model compile has the fastest step (GPT 8 and 32, the ModuleDict model),
 #   aotdist+lowered too: what aotdist compiles for a long run (compile.expected_steps), so
-#   that T(10,000) and T(100,000) show the choice a long run gets.
+#   that T(10,000) and T(100,000) show the choice a long run gets; everywhere
+#   aotdist+frames, what a short run gets (each region a frame of its own), for T(100).
 # Left out (in the --full job): full at depth 64, Llama at 8 and 64 and its full cells, the
 # ModuleDict model at 32, eager. Still available with --model / --nproc: torchvision's
 # ViT and the FSDP2 groups (gloo step times on CPU say little about NCCL on GPUs).
 _PEERS_AND_AOTDIST = ("full", "accelerate", "per_block", "aotdist")
 _WARM = (*_PEERS_AND_AOTDIST, "aotdist+cache")
 _LONG = "aotdist+lowered"  # what compile.expected_steps >= 10,000 compiles: a long run
+_SHORT = "aotdist+frames"  # what compile.expected_steps < 1,000 compiles: a short run
 MAIN_JOB = (
-    SubBench("gpt", (8,), strategies=(*_WARM, _LONG), warm=_WARM),
-    SubBench("gpt", (32,), strategies=(*_PEERS_AND_AOTDIST, _LONG)),
-    SubBench("gpt", (64,), strategies=_PEERS_AND_AOTDIST[1:]),
-    SubBench("llama", (32,), strategies=_PEERS_AND_AOTDIST[1:]),
-    SubBench("dictgpt", (8,), strategies=(*_PEERS_AND_AOTDIST[1:], _LONG)),
+    SubBench("gpt", (8,), strategies=(*_WARM, _LONG, _SHORT), warm=_WARM),
+    SubBench("gpt", (32,), strategies=(*_PEERS_AND_AOTDIST, _LONG, _SHORT)),
+    SubBench("gpt", (64,), strategies=(*_PEERS_AND_AOTDIST[1:], _SHORT)),
+    SubBench("llama", (32,), strategies=(*_PEERS_AND_AOTDIST[1:], _SHORT)),
+    SubBench("dictgpt", (8,), strategies=(*_PEERS_AND_AOTDIST[1:], _LONG, _SHORT)),
 )
 MAIN_SETTINGS = JobSettings(steps=20, warmup=3, repeats=2)
 

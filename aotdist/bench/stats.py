@@ -92,6 +92,14 @@ TARGETS = (
         "every",
     ),
     (
+        "short run (compile.expected_steps under 1,000: each region a frame of its own): "
+        "T(100) <= 1.0x the best peer",
+        "T(100) aotdist+frames/best peer @depth{d}",
+        "<=",
+        1.0,
+        "every",
+    ),
+    (
         "long run (compile.expected_steps: the whole graph lowered): T(100000) <= 1.0x "
         "the best peer",
         "T(100000) aotdist+lowered/best peer @depth{d}",
@@ -326,8 +334,9 @@ def _paired_step_ratios(paired: list[dict]) -> dict:
     ratios = {}
     for p in paired:
         medians = p["slice_step_s"]
-        # aotdist as it compiles by default, and with the whole graph lowered (a long run)
-        for subject in ("aotdist", "aotdist+lowered"):
+        # aotdist as it compiles by default, with the whole graph lowered (a long run) and
+        # with each region a frame of its own (a short run)
+        for subject in ("aotdist", "aotdist+lowered", "aotdist+frames"):
             for peer in PEERS:
                 if not medians.get(subject) or not medians.get(peer):
                     continue

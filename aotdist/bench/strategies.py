@@ -324,6 +324,16 @@ def _aotdist_lowered(model: nn.Module, setup: Setup) -> nn.Module:
 
 
 @register_strategy(
+    "aotdist+frames",
+    description="aotdist.parallelize with compile.outer: "
+    "eager (what a run of under 1,000 steps gets): each region compiled once as a "
+    "function of its own, shared by its instances; the code between them eager",
+)
+def _aotdist_frames(model: nn.Module, setup: Setup) -> nn.Module:
+    return _parallelize(model, setup, outer="eager")
+
+
+@register_strategy(
     "aotdist-graph+lowered",
     description="aotdist-graph with compile.outer: "
     "inductor (the whole sharded step lowered by Inductor, bucket copies and "

@@ -19,7 +19,8 @@ from aotdist.bench.stats import PEERS, group_of
 
 HORIZONS = (100, 1_000, 10_000, 100_000)  # the N of T(N)
 WARM_HORIZON = 100
-SUBJECTS = ("aotdist", "aotdist+lowered")  # aotdist's cold strategies, each against the peers
+# aotdist's cold strategies, each against the peers: the default, a long run's, a short one's
+SUBJECTS = ("aotdist", "aotdist+lowered", "aotdist+frames")
 WARM_SUBJECTS = ("aotdist", "aotdist+cache")  # without and with its artifact cache
 
 

@@ -7,15 +7,15 @@ does): ``state_dict()`` keys, ``named_parameters()`` and hooks are unchanged.
 
 Two compile modes (:class:`aotdist.compile.state.CompileMode`), chosen from the model:
 ``graph`` (no FSDP2: the whole model is one graph, each region an ``invoke_subgraph``
-call in it) and ``frames`` (FSDP2 units, whose hooks Dynamo does not trace, and regions
-holding tensor-parallel DTensors, which ``invoke_subgraph`` cannot take: each region's
-forward is one compiled function shared by its instances, run from eager code).
+call in it) and ``frames`` (FSDP2 units, whose hooks Dynamo does not trace, regions
+holding tensor-parallel DTensors, which ``invoke_subgraph`` cannot take, and
+``outer="eager"``: each region's forward is one compiled function shared by its
+instances, run from eager code).
 Details: docs/internals.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import types
 from collections.abc import Callable
@@ -40,7 +40,7 @@ from aotdist.compile.state import (
     RegionState,
 )
 from aotdist.compile.verify import install_frames_check
-from aotdist.errors import OrderingError, RegionCompileWarning
+from aotdist.errors import ConfigError, OrderingError, RegionCompileWarning
 from aotdist.fsdp import NoSharding, sharding_of
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan
@@ -118,11 +118,14 @@ def compile_regions(
             (outputs and gradients; :mod:`aotdist.compile.verify`) and raise
             ``RegionMismatchError`` naming the regions on a mismatch. Costs one eager
             and one compiled forward and backward more in the first step.
-        outer: How Inductor compiles the graph around the regions: ``"inductor"`` lowers
-            it whole (region bodies once each, inside it), ``"fx"`` compiles only the
-            region bodies and runs the glue between them unlowered
+        outer: How the code around the regions runs. With Inductor: ``"inductor"``
+            lowers the whole graph (region bodies once each, inside it), ``"fx"`` compiles
+            only the region bodies and runs the glue between them unlowered
             (:mod:`aotdist.backends.regional`), ``"auto"`` picks
-            (:func:`aotdist.backends.regional.resolve_outer`). Other backends: ignored.
+            (:func:`aotdist.backends.regional.resolve_outer`). Any backend: ``"eager"``
+            builds no whole-model graph; each region compiles as a function of its own,
+            shared by its instances, and the code between them runs eagerly
+            (:mod:`aotdist.compile.frames`; the shortest compile, the slowest step).
 
     Returns:
         ``model`` itself.
@@ -166,18 +169,8 @@ def compile_regions(
         assert (m.regions["Block"].call_sites, m.regions["Block"].subgraphs) == (4, 1)
     """
     state = _prepare(model, plan, backend, mode, dynamic, options, verify, outer)
-    if state.settings.mode is CompileMode.GRAPH and _tensor_parallel_regions(model, state):
-        state.settings = dataclasses.replace(state.settings, mode=CompileMode.FRAMES)
-    if state.settings.mode is CompileMode.FRAMES:  # FSDP2 hooks, DTensor regions: module doc
-        compile_frames(
-            model,
-            state,
-            functools.partial(
-                torch.compile, backend=state.backend, dynamic=_torch_dynamic(dynamic)
-            ),
-        )
-        if verify:
-            install_frames_check(model, state)
+    if state.settings.mode is CompileMode.FRAMES:  # FSDP2 hooks, DTensor regions, eager
+        _compile_frames(model, state)
     else:
         # Through an aotdist function, not model._call_impl: see _compat.root_call_function
         # (torch 2.11 does not trace an nn.Sequential root's _call_impl); its code is this
@@ -229,6 +222,10 @@ def compile_callable(
             "use aotdist.compile_regions(model), which compiles inside the FSDP units."
         )
     state = _prepare(model, plan, backend, mode, dynamic, options, verify, outer)
+    if state.settings.mode is CompileMode.FRAMES:  # outer "eager", DTensor regions
+        _compile_frames(model, state)
+        state.compiled = True
+        return fn
     # A bound method (Accelerate's saved forward) is compiled as its function, its object
     # bound outside: torch 2.11 compiles a bound method through one shared wrapper code
     # (external_utils' ``inner``), whose cached graph a later compile of another method
@@ -254,7 +251,10 @@ def _prepare(
     verify: bool = False,
     outer: str = "auto",
 ) -> RegionState:
-    """Checks, marks (unless marked) and attaches the recording backend; no compile yet."""
+    """Checks, marks (unless marked) and attaches the recording backend; no compile yet.
+    The compile mode is the sharding's, made ``frames`` for tensor-parallel regions and
+    for ``outer="eager"``."""
+    eager_outer = outer == "eager" and _eager_outer_allowed(model)
     state = vars(model).get(STATE_ATTR)
     if state is not None and state.compiled:
         raise OrderingError(
@@ -281,14 +281,46 @@ def _prepare(
     state.backend = RecordingBackend(
         inner, model=model, plan=state.plan, outer=resolve_outer(outer, backend, mode, options)
     )
+    frames = len(state.plan) > 0 and (eager_outer or _tensor_parallel_regions(model, state))
     state.settings = CompileSettings(
-        mode=sharding_of(model).compile_mode,
+        mode=CompileMode.FRAMES if frames else sharding_of(model).compile_mode,
         backend_name=backend if isinstance(backend, str) else "",
         verify=verify,
         dynamic_inputs=dynamic is True,
         dynamic=_torch_dynamic(dynamic),
     )
     return state
+
+
+def _eager_outer_allowed(model: nn.Module) -> bool:
+    """``outer="eager"``: no graph around the regions, each compiled as a frame of its own
+    (as under FSDP2's hooks). Refused, before anything changes, where the sharding needs
+    the whole graph (graph-mode FSDP's collectives live in it).
+
+    Raises:
+        ConfigError: ``model`` is sharded by graph-mode FSDP.
+    """
+    sharding = sharding_of(model)
+    if sharding.compile_mode is CompileMode.GRAPH and not isinstance(sharding, NoSharding):
+        raise ConfigError(
+            "compile.outer: eager builds no graph around the regions, but graph-mode FSDP "
+            "(fsdp.mode: graph) gathers and reduces parameters inside that graph. Fix: "
+            "compile.outer: auto (or fx), or fsdp.mode: hooks, whose regions compile as "
+            "frames already."
+        )
+    return True
+
+
+def _compile_frames(model: nn.Module, state: RegionState) -> None:
+    """Each region's forward compiled once, shared by its instances, run from eager code
+    (:mod:`aotdist.compile.frames`), with the first-step check where asked."""
+    compile_frames(
+        model,
+        state,
+        functools.partial(torch.compile, backend=state.backend, dynamic=state.settings.dynamic),
+    )
+    if state.settings.verify:
+        install_frames_check(model, state)
 
 
 def _tensor_parallel_regions(model: nn.Module, state: RegionState) -> bool:

@@ -45,7 +45,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # The values a mode key accepts (public: the CLI and ``aotdist check`` offer the same ones).
 FSDP_MODES = ("hooks", "graph")  # fsdp.mode (aotdist.fsdp.modes)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-OUTER_MODES = ("auto", "inductor", "fx")  # compile.outer (aotdist.backends.regional)
+OUTER_MODES = ("auto", "inductor", "fx", "eager")  # compile.outer (aotdist.backends.regional)
 _COMMON_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")  # known without torch._dynamo
 _FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -103,15 +103,20 @@ class CompileConfig(Section):
         options: Backend options (Inductor config keys), scoped to this model.
         verify: Check the first training step against eager from the same state and
             stop with ``RegionMismatchError`` naming the region on a mismatch.
-        outer: With ``inductor``, how the graph around the regions compiles: ``fx``
+        outer: How the code around the regions runs: ``fx`` (with ``inductor``)
             compiles each distinct region body once and runs the glue between them
             unlowered (a shorter cold compile), ``inductor`` lowers the whole graph,
-            ``auto`` (default) takes ``fx`` unless the mode records CUDA graphs, the
-            artifact cache is on, or ``expected_steps`` says the run is long.
+            ``eager`` builds no graph around the regions: each region compiles as a
+            function of its own, shared by its instances, and the code between them runs
+            eagerly (the shortest cold compile, the slowest step; not with graph-mode
+            FSDP). ``auto`` (default) takes ``fx`` unless the mode records CUDA graphs,
+            the artifact cache is on, or ``expected_steps`` says the run is long or short.
         expected_steps: How many optimizer steps the run takes, ``0`` (default) when
             unknown; Lightning's and the Trainer's integrations fill it from their
-            ``max_steps``. With ``outer: auto``, a run of at least 10,000 steps lowers the
-            whole graph (the faster step pays back its longer compile).
+            ``max_steps``. With ``outer: auto`` and ``inductor``, a run of at least 10,000
+            steps lowers the whole graph (the faster step pays back its longer compile);
+            one of fewer than 1,000 steps, not sharded, takes ``eager`` (the shorter
+            compile is not paid back).
     """
 
     _key: typing.ClassVar[str] = "compile"

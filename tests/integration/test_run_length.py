@@ -1,8 +1,9 @@
 """What the trainer knows of the run's length reaches ``compile.outer: auto``: Lightning's
 ``Trainer(max_steps=)`` and ``TrainingArguments(max_steps=)`` fill
 ``compile.expected_steps`` (an explicit value wins; an epoch-bound run leaves it unknown),
-and a run of at least ``LONG_RUN_STEPS`` steps runs the whole graph lowered, which
-``metrics`` reports (``outer inductor``; a short run's ``outer fx``)."""
+a run of at least ``LONG_RUN_STEPS`` steps runs the whole graph lowered and one under
+``SHORT_RUN_STEPS`` each region as a frame of its own, which ``metrics`` reports (``outer
+inductor``, ``mode frames``; a run between them ``outer fx``)."""
 
 from __future__ import annotations
 
@@ -132,10 +133,16 @@ def test_trainer_max_steps_reaches_the_compile_config(tmp_path):
 
 @pytest.mark.inductor
 @pytest.mark.slow
-@pytest.mark.parametrize(("max_steps", "outer"), [(LONG_RUN_STEPS, "inductor"), (100, "fx")])
-def test_a_long_lightning_run_runs_the_whole_graph_lowered(max_steps, outer):
-    # Inductor with auto: the long run's graph lowered whole, the short one's glue left
-    # unlowered; metrics say which ran
+@pytest.mark.parametrize(
+    ("max_steps", "mode", "outer"),
+    [(LONG_RUN_STEPS, "graph", "inductor"), (5_000, "graph", "fx"), (100, "frames", "")],
+)
+def test_the_run_length_chooses_what_compiles(max_steps, mode, outer):
+    # Inductor with auto: the long run's graph lowered whole, a middling one's glue left
+    # unlowered, a short one's regions compiled as frames of their own, the code between
+    # them eager; metrics say which ran
     module = _fit(RegionalCompile(), max_steps=max_steps)
-    assert module.seen.outer == outer, module.seen.summary()
-    assert f"outer {outer}" in module.seen.summary()
+    summary = module.seen.summary()
+    assert (str(module.seen.mode), module.seen.outer) == (mode, outer), summary
+    assert f"mode {mode}" in summary and (not outer or f"outer {outer}" in summary)
+    assert module.seen.regions["GPTBlock"].subgraphs == 1, summary

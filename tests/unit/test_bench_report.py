@@ -32,11 +32,18 @@ def test_default_plan_is_the_main_job():
         "per_block",
         "aotdist",
         "aotdist+lowered",  # a long run's compile, against full's step
+        "aotdist+frames",  # a short run's, against the best peer's start
     }
-    assert {s for d, s in gpt if d == 64} == {"accelerate", "per_block", "aotdist"}  # no
-    # minutes-long full; every model has aotdist and its peers
+    # no minutes-long full at 64; every model has aotdist, its short-run choice and peers
+    assert {s for d, s in gpt if d == 64} == {
+        "accelerate",
+        "per_block",
+        "aotdist",
+        "aotdist+frames",
+    }
     assert all(
-        {"aotdist", "accelerate", "per_block"} <= {c.strategy for c in cases if c.model == m}
+        {"aotdist", "aotdist+frames", "accelerate", "per_block"}
+        <= {c.strategy for c in cases if c.model == m}
         for m in ("gpt", "llama", "dictgpt")
     )
     assert MAIN_SETTINGS.repeats >= 2  # every figure with a spread
@@ -485,10 +492,12 @@ def test_a_long_runs_lowered_graph_is_held_to_full_on_step_and_time_to_100000_st
                 "full": [0.040, 0.020],
                 "aotdist": [0.044, 0.022],
                 "aotdist+lowered": [0.038, 0.019],
+                "aotdist+frames": [0.050, 0.025],
             },
         }
     ]
     ratios = compute_ratios(runs, paired)
+    assert ratios["gpt: step aotdist+frames/full @depth32"]["value"] == pytest.approx(1.25)
     low = ratios["gpt: step aotdist+lowered/full @depth32"]
     assert low["source"] == "paired" and low["value"] == pytest.approx(0.95)
     assert ratios["gpt: step aotdist/full @depth32"]["value"] == pytest.approx(1.1)
@@ -518,6 +527,7 @@ def test_paired_cells_one_per_single_process_depth_with_aotdist_and_a_peer():
         "per_block",
         "aotdist",
         "aotdist+lowered",
+        "aotdist+frames",
     ]
     assert _paired_cells(plan_cases(strategies=["aotdist", "eager"])) == []
     assert _paired_cells([Case("gpt", 4, "aotdist+cache"), Case("gpt", 4, "full")]) == []

@@ -119,6 +119,21 @@ def test_time_to_n_steps_per_repeat_against_the_best_peer():
     json.dumps(tts, allow_nan=False)  # no infinity in the JSON
 
 
+def test_a_short_runs_frames_are_judged_at_time_to_100_steps():
+    """aotdist+frames (what compile.expected_steps < 1,000 compiles) gets its own T(N)
+    ratios against the best peer, and the short-run target judges its T(100)."""
+    runs = _two_repeats() + [
+        _run("aotdist+frames", 32, cold, 0.021, repeat=rep) for rep, cold in ((0, 9.5), (1, 10.5))
+    ]
+    tts = time_to_steps(runs)
+    t100 = tts["ratios"]["gpt: T(100) aotdist+frames/best peer @depth32"]
+    # per_block's 12.0 s is the best peer's T(100); frames 11.6 and 12.6 s
+    assert [x["value"] for x in t100["per_repeat"]] == pytest.approx([11.6 / 12.0, 12.6 / 12.0])
+    assert tts["ratios"]["gpt: T(100) aotdist/best peer @depth32"]["value"] > t100["value"]
+    short = [t for t in TARGETS if "aotdist+frames" in t[1]]
+    assert [t[1] for t in short] == ["T(100) aotdist+frames/best peer @depth{d}"]
+
+
 def test_paired_rounds_give_each_repeat_its_steady_steps():
     """Round k of a paired run goes to the k-th repeat modulo the repeats, and each
     (repeat, round) gives one T(N) ratio; a strategy the paired run did not time keeps its
@@ -257,6 +272,10 @@ def test_plan_warm_cells_per_block_and_the_main_job():
         ("gpt", 64),
         ("llama", 32),
         ("dictgpt", 8),
+    }
+    # a short run's compile everywhere, against the best peer's start
+    assert {(c.model, c.depth) for c in cases if c.strategy == "aotdist+frames"} == {
+        (c.model, c.depth) for c in cases
     }
     # a long run's compile, where a whole-model compile has the fastest step
     assert {(c.model, c.depth) for c in cases if c.strategy == "aotdist+lowered"} == {
@@ -423,7 +442,11 @@ def test_aotdist_lowered_passes_compile_outer_or_is_skipped_with_a_note(tmp_path
         aotdist, "parallelize", lambda model, config: seen.append(config["compile"]) or model
     )
     get_strategy("aotdist+lowered").apply(torch.nn.Linear(2, 2), Setup(backend="aot_eager"))
-    assert seen == [{"backend": "aot_eager", "outer": "inductor"}]
+    get_strategy("aotdist+frames").apply(torch.nn.Linear(2, 2), Setup(backend="aot_eager"))
+    assert seen == [
+        {"backend": "aot_eager", "outer": "inductor"},  # a long run's choice
+        {"backend": "aot_eager", "outer": "eager"},  # a short run's
+    ]
     gone = dataclasses.replace(
         STRATEGIES["aotdist+lowered"], unavailable=lambda: "no compile.outer key in this build"
     )

@@ -13,6 +13,7 @@ import aotdist
 from aotdist import _compat
 from aotdist.backends.regional import (
     LONG_RUN_STEPS,
+    SHORT_RUN_STEPS,
     RegionBody,
     configured_outer,
     regional_inner_compile,
@@ -122,6 +123,9 @@ def test_outer_resolution():
         assert resolve_outer("fx", "inductor", None, overlap) == "fx"
     with pytest.raises(ConfigError, match="did you mean 'inductor'"):
         resolve_outer("inductr", "inductor", None)
+    # no graph around the regions: what still compiles whole (no regions) is auto's
+    assert resolve_outer("eager", "inductor", None) == "fx"
+    assert resolve_outer("eager", "inductor", "reduce-overhead") == "inductor"
 
 
 def test_with_the_artifact_cache_auto_lowers_the_whole_graph():
@@ -136,12 +140,27 @@ def test_with_the_artifact_cache_auto_lowers_the_whole_graph():
     assert configured_outer(config(no_saved_graph)) == "inductor"
 
 
-def test_a_long_run_lowers_the_whole_graph_and_a_short_one_keeps_fx(caplog):
+def test_a_long_run_lowers_the_whole_graph_and_a_short_one_compiles_frames(caplog):
     """compile.expected_steps: from LONG_RUN_STEPS on, auto lowers the whole graph (its
-    faster step pays back the longer compile) and says so; a short or unknown run keeps
-    auto's fx; an explicit outer wins."""
+    faster step pays back the longer compile) and says so; under SHORT_RUN_STEPS an
+    unsharded Inductor run builds no graph around the regions (eager) and says so; a run
+    between them or of unknown length keeps auto's fx; an explicit outer wins."""
     config = aotdist.AOTDistConfig.from_dict
-    assert configured_outer(config({"compile": {"expected_steps": 500}})) == "auto"
+    assert configured_outer(config({"compile": {"expected_steps": SHORT_RUN_STEPS}})) == "auto"
+    assert configured_outer(config({})) == "auto"
+    with caplog.at_level(logging.INFO, logger="aotdist"):
+        assert configured_outer(config({"compile": {"expected_steps": 500}})) == "eager"
+    assert "a run of 500 steps" in caplog.text and "outer: fx" in caplog.text, caplog.text
+    # where the whole graph is needed or the compile is not Inductor's, auto stays auto
+    for other in (
+        {"backend": "aot_eager"},
+        {"mode": "reduce-overhead"},
+    ):
+        assert configured_outer(config({"compile": {"expected_steps": 500, **other}})) == "auto"
+    sharded = {"compile": {"expected_steps": 500}, "fsdp": {"enabled": True}}
+    assert configured_outer(config(sharded)) == "auto"
+    cached = {"compile": {"expected_steps": 500}, "cache": {"mode": "local", "dir": "unused"}}
+    assert configured_outer(config(cached)) == "inductor"
     with caplog.at_level(logging.INFO, logger="aotdist"):
         long_run = config({"compile": {"expected_steps": LONG_RUN_STEPS}})
         assert configured_outer(long_run) == "inductor"
@@ -159,11 +178,13 @@ def test_config_names_a_bad_outer_value():
 
 @pytest.mark.inductor
 @pytest.mark.slow
-def test_inductor_bodies_only_match_eager_and_metrics_say_so():
+@pytest.mark.parametrize(("outer", "shown"), [("fx", "outer fx"), ("eager", "mode frames")])
+def test_inductor_bodies_only_or_frames_match_eager_and_metrics_say_so(outer, shown):
+    # fx: the region bodies compiled, the glue unlowered; eager: each region a frame
     model, batches = _model_and_batches()
     reference = copy.deepcopy(model)
-    aotdist.compile_regions(model, backend="inductor", outer="fx")
+    aotdist.compile_regions(model, backend="inductor", outer=outer)
     with track(model) as m:
         assert_training_parity(model, reference, batches, rtol=1e-4, atol=1e-5)
-    assert m.outer == "fx" and "outer fx" in m.summary()
+    assert shown in m.summary(), m.summary()
     assert (m.regions["GPTBlock"].call_sites, m.regions["GPTBlock"].subgraphs) == (3, 1)
