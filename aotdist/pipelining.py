@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aotdist._compat import fake_mode_of
+from aotdist._compat import fake_constant, fake_mode_of
 from aotdist.config import AOTDistConfig, as_config, torch_dtype
 from aotdist.config.validation import did_you_mean
 from aotdist.errors import ConfigError
@@ -283,9 +283,12 @@ def _keep(model: nn.Module, units: list[str], mine: tuple[str, ...]) -> nn.Modul
     """A copy of ``model`` with only ``mine`` among ``units``."""
     # fake tensors (aotdist plan) hold their FakeTensorMode: copied with them, the mode's
     # StorageWeakRefs of its constants got a second owner each, released twice (a freed
-    # storage, a heap corrupted at exit); the copy stays in the mode it was made in
-    modes = {fake_mode_of([t]) for t in (*model.parameters(), *model.buffers())} - {None}
-    part = copy.deepcopy(model, {id(mode): mode for mode in modes})
+    # storage, a heap corrupted at exit); the copy stays in the mode it was made in. A fake
+    # tensor made from a constant (Gemma's torch.tensor(embed_scale)) holds the real one,
+    # which cannot be copied inside the mode: the copies share it (the mode never writes it)
+    tensors = [t for module in model.modules() for t in _tensors_in(vars(module))]
+    kept = {fake_mode_of([t]) for t in tensors} | {fake_constant(t) for t in tensors}
+    part = copy.deepcopy(model, {id(obj): obj for obj in kept - {None}})
     for fqn in units:
         if fqn in mine:
             continue
@@ -296,6 +299,17 @@ def _keep(model: nn.Module, units: list[str], mine: tuple[str, ...]) -> nn.Modul
         else:
             setattr(parent, name, None)
     return part
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value`` and in the dicts, lists, tuples and sets it holds."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
 
 
 def _shapes(
