@@ -27,7 +27,7 @@ from aotdist._compat import fake_constant, fake_mode_of
 from aotdist.config import AOTDistConfig, as_config, torch_dtype
 from aotdist.config.validation import did_you_mean
 from aotdist.errors import ConfigError
-from aotdist.parallelize import parallelize
+from aotdist.parallelize import parallelize, refuse_context_parallel
 from aotdist.regions import find_regions
 
 _SCHEDULES = {
@@ -220,6 +220,7 @@ def _placement(config: AOTDistConfig, mesh: Any) -> tuple[Any, int, int, Any]:
             )
         return dist.group.WORLD, dist.get_rank(), degree, None
     names = tuple(mesh.mesh_dim_names or ())
+    refuse_context_parallel(mesh)
     if "pp" not in names:
         raise ConfigError(
             f"the mesh's dimensions are {names}; aotdist.pipeline needs one named 'pp'. "
