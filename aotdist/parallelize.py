@@ -102,6 +102,7 @@ def parallelize(
             "one stage per rank. Fix: call aotdist.pipeline(model, microbatch=..., "
             "loss_fn=..., config=...), which splits it and parallelizes each stage"
         )
+    refuse_context_parallel(mesh)
     sharding = sharding_for(config)  # NoSharding, HooksSharding or GraphSharding
     _check_fresh(model)
     # Float8 conversion and FSDP2 must both come before the user's own fully_shard.
@@ -189,3 +190,25 @@ def _check_fresh(model: nn.Module) -> None:
             "convert and shard before compiling. Fix: call aotdist.restore(model) first."
         )
     check_not_compiled(model)
+
+
+def refuse_context_parallel(mesh: Any) -> None:
+    """A mesh with a ``cp`` dimension (torchtitan's and Accelerate's name for context
+    parallelism) asks for what aotdist does not run: FSDP2 would shard over it as over data."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "cp" not in names:
+        return
+    device = getattr(mesh, "device_type", "cpu")
+    why = (
+        "torch's context_parallel shards attention through CUDA's SDPA kernels only (flash, "
+        "memory-efficient, cuDNN); on CPU, SDPA runs "
+        "aten._scaled_dot_product_flash_attention_for_cpu, for which neither "
+        "context_parallel nor DTensor has a rule, so a CPU job cannot split the sequence"
+        if device == "cpu"
+        else "aotdist does not compose context parallelism yet (nothing here runs torch's "
+        "context_parallel around the step, nor shards FSDP2 over data and cp together)"
+    )
+    raise ConfigError(
+        f"the mesh has dimensions {names}, with 'cp' (context parallelism) on {device}: "
+        f"{why}. Fix: pass a mesh without the cp dimension (Accelerate: cp_size=1)"
+    )

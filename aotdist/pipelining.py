@@ -23,29 +23,40 @@ from typing import Any
 import torch
 from torch import nn
 
-from aotdist._compat import fake_mode_of
+from aotdist._compat import fake_constant, fake_mode_of
 from aotdist.config import AOTDistConfig, as_config, torch_dtype
 from aotdist.config.validation import did_you_mean
 from aotdist.errors import ConfigError
-from aotdist.parallelize import parallelize
+from aotdist.parallelize import parallelize, refuse_context_parallel
 from aotdist.regions import find_regions
 
-_SCHEDULES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}
+_SCHEDULES = {
+    "1F1B": "Schedule1F1B",
+    "GPipe": "ScheduleGPipe",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "LoopedBFS": "ScheduleLoopedBFS",
+}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 _DESCRIPTOR = 12  # dtype code, ndim, up to 10 sizes
 
 
 @dataclass
 class Pipeline:
-    """This rank's stage of a pipelined model and the schedule that runs it.
+    """This rank's stages of a pipelined model and the schedule that runs them.
 
     Attributes:
-        module: The stage's modules, parallelized (build the optimizer on its parameters).
-        stage_index: This rank's stage.
-        stages: How many stages.
-        units: The stage's modules (region instances and modules outside the regions).
+        module: The stage's modules, parallelized (build the optimizer on its parameters);
+            with several stages per rank (an interleaved schedule), an ``nn.ModuleList`` of
+            them (its names are prefixed by the stage's position: see ``modules``).
+        stage_index: This rank's (first) stage.
+        stages: How many stages, over all ranks.
+        units: The modules of this rank's stages (region instances and modules outside
+            the regions), in stage order.
         schedule: The ``torch.distributed.pipelining`` schedule.
         microbatches: Micro-batches per step.
+        modules: Each of this rank's stages, in stage order, parallelized on its own; each
+            keeps the whole model's names.
+        stage_indices: Their stages: ``stage_index``, then every pipeline degree-th after it.
     """
 
     module: nn.Module
@@ -54,14 +65,16 @@ class Pipeline:
     units: tuple[str, ...]
     schedule: Any
     microbatches: int
+    modules: tuple[nn.Module, ...] = ()
+    stage_indices: tuple[int, ...] = ()
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return 0 in (self.stage_indices or (self.stage_index,))
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.stages - 1
+        return self.stages - 1 in (self.stage_indices or (self.stage_index,))
 
     def step(self, *args: Any, target: Any = None, losses: list | None = None) -> Any:
         """One step of the schedule: the first stage takes the batch (``args``), the last
@@ -96,8 +109,9 @@ def pipeline(
     config: AOTDistConfig | Mapping | str | os.PathLike | None = None,
     mesh: Any = None,
 ) -> Pipeline:
-    """Splits ``model`` into ``pipeline.degree`` stages, keeps this rank's, parallelizes it
-    as :func:`aotdist.parallelize` does and builds the schedule.
+    """Splits ``model`` into ``pipeline.degree`` stages (times ``pipeline.stages_per_rank``
+    for an interleaved schedule), keeps this rank's, parallelizes each as
+    :func:`aotdist.parallelize` does and builds the schedule.
 
     Args:
         model: The whole model, built the same on every rank; its ``forward`` skips the
@@ -126,36 +140,63 @@ def _pipeline(
     loss_fn: Callable,
     config: AOTDistConfig,
     mesh: Any,
-    received: tuple[tuple[int, ...], torch.dtype] | None = None,
-) -> tuple[Pipeline, torch.Tensor]:
-    """:func:`pipeline`, and the stage's micro-batch output (a meta tensor). ``received``:
-    the stage's input ``(shape, dtype)`` where the stage before did not run in this world
-    (``aotdist plan`` traces one stage at a time), instead of receiving it."""
+    received: Mapping[int, tuple[tuple[int, ...], torch.dtype]] | None = None,
+) -> tuple[Pipeline, dict[int, torch.Tensor]]:
+    """:func:`pipeline`, and each of its stages' micro-batch output (meta tensors) by stage.
+    ``received``: the stages' inputs ``(shape, dtype)`` by stage, where the stages before
+    did not run in this world (``aotdist plan`` traces one rank at a time): read there,
+    nothing received or sent."""
     if not config.pipeline.enabled:
         raise ConfigError(
             "aotdist.pipeline needs pipeline.enabled: true. Fix: set it, or call "
             "aotdist.parallelize for a model that is not pipelined"
         )
-    group, index, degree, inner_mesh = _placement(config, mesh)
-    units, stage_of = _split(model, config, degree)
-    mine = tuple(u for u in units if stage_of[u] == index)
-    stage_module = _keep(model, units, mine)
+    group, rank, degree, inner_mesh = _placement(config, mesh)
+    pp = config.pipeline
+    _check_rounds(pp.schedule, pp.microbatches, degree)
+    total = degree * pp.local_stages
+    units, stage_of = _split(model, config, total)
+    held = tuple(range(rank, total, degree))  # torch's looped placement: stage s on rank s % degree
     # FSDP2's param_dtype: the stage computes, and sends, in it (its inputs cast too)
     compute = torch_dtype(config.fsdp.param_dtype) if config.fsdp.enabled else None
-    inputs, outputs = _shapes(stage_module, microbatch, index, degree, group, received, compute)
+    parts, shapes = [], {}
+    for index in held:  # in stage order: each one's input is the output of the one before
+        part = _keep(model, units, tuple(u for u in units if stage_of[u] == index))
+        shapes[index] = _shapes(part, microbatch, index, total, group, received, compute)
+        parts.append(part)
     rest = config.replace(pipeline={"enabled": False})
-    parallelize(stage_module, config=rest, mesh=inner_mesh)
+    for part in parts:
+        parallelize(part, config=rest, mesh=inner_mesh)
 
     from torch.distributed import pipelining
 
-    device = next(iter(stage_module.parameters())).device
-    stage = pipelining.PipelineStage(
-        stage_module, index, degree, device, inputs, outputs, group=group
+    device = next(iter(parts[0].parameters())).device
+    stages = [
+        pipelining.PipelineStage(part, index, total, device, *shapes[index], group=group)
+        for part, index in zip(parts, held, strict=True)
+    ]
+    cls = getattr(pipelining, _SCHEDULES[pp.schedule])
+    schedule = cls(
+        stages if len(stages) > 1 else stages[0], n_microbatches=pp.microbatches, loss_fn=loss_fn
     )
-    cls = getattr(pipelining, _SCHEDULES[config.pipeline.schedule])
-    schedule = cls(stage, n_microbatches=config.pipeline.microbatches, loss_fn=loss_fn)
-    pipe = Pipeline(stage_module, index, degree, mine, schedule, config.pipeline.microbatches)
-    return pipe, outputs
+    module = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+    mine = tuple(u for u in units if stage_of[u] in held)
+    pipe = Pipeline(module, rank, total, mine, schedule, pp.microbatches, tuple(parts), held)
+    return pipe, {index: shapes[index][1] for index in held}
+
+
+def _check_rounds(schedule: str, microbatches: int, degree: int) -> None:
+    """torch's Interleaved1F1B runs ``max(1, microbatches // degree)`` rounds, which must
+    divide the micro-batches; said here, with the fix, rather than by its ValueError."""
+    rounds = max(1, microbatches // degree)
+    if schedule == "Interleaved1F1B" and microbatches % rounds:
+        raise ConfigError(
+            f"pipeline.microbatches = {microbatches} over {degree} pipeline ranks: "
+            f"Interleaved1F1B runs {microbatches} // {degree} = {rounds} rounds of "
+            "micro-batches, which must divide them. Fix: a multiple of the pipeline "
+            f"degree ({degree * rounds} or {degree * (rounds + 1)}), or fewer micro-batches "
+            "than pipeline ranks"
+        )
 
 
 def _placement(config: AOTDistConfig, mesh: Any) -> tuple[Any, int, int, Any]:
@@ -179,6 +220,7 @@ def _placement(config: AOTDistConfig, mesh: Any) -> tuple[Any, int, int, Any]:
             )
         return dist.group.WORLD, dist.get_rank(), degree, None
     names = tuple(mesh.mesh_dim_names or ())
+    refuse_context_parallel(mesh)
     if "pp" not in names:
         raise ConfigError(
             f"the mesh's dimensions are {names}; aotdist.pipeline needs one named 'pp'. "
@@ -226,7 +268,7 @@ def _units(model: nn.Module, instances: set[str]) -> list[str]:
     return out
 
 
-def _split(model: nn.Module, config: AOTDistConfig, degree: int) -> tuple[list[str], dict]:
+def _split(model: nn.Module, config: AOTDistConfig, stages: int) -> tuple[list[str], dict]:
     rc = config.regions
     plan = find_regions(model, include=rc.include, exclude=rc.exclude, min_repeats=rc.min_repeats)
     instances = {fqn for region in plan for fqn in region.fqns}
@@ -234,17 +276,18 @@ def _split(model: nn.Module, config: AOTDistConfig, degree: int) -> tuple[list[s
     points = list(config.pipeline.split_points)
     if not points:
         ordered = [u for u in units if u in instances]
-        if len(ordered) < degree:
+        if len(ordered) < stages:
             raise ConfigError(
-                f"{len(ordered)} region instance(s) cannot make {degree} pipeline stages. "
-                "Fix: lower pipeline.degree, or name pipeline.split_points"
+                f"{len(ordered)} region instance(s) cannot make {stages} pipeline stages. "
+                "Fix: lower pipeline.degree (or pipeline.stages_per_rank), or name "
+                "pipeline.split_points"
             )
-        per, extra = divmod(len(ordered), degree)
-        starts = [sum(per + (k < extra) for k in range(s)) for s in range(1, degree)]
+        per, extra = divmod(len(ordered), stages)
+        starts = [sum(per + (k < extra) for k in range(s)) for s in range(1, stages)]
         points = [ordered[i] for i in starts]
-    elif len(points) != degree - 1:
+    elif len(points) != stages - 1:
         raise ConfigError(
-            f"pipeline.split_points names {len(points)} point(s) for {degree} stages. "
+            f"pipeline.split_points names {len(points)} point(s) for {stages} stages. "
             "Fix: give one split point fewer than the stages"
         )
     positions = []
@@ -267,9 +310,9 @@ def _split(model: nn.Module, config: AOTDistConfig, degree: int) -> tuple[list[s
             f"{units[1:]}"
         )
     bounds = [0, *positions, len(units)]
-    stage_of = {u: s for s in range(degree) for u in units[bounds[s] : bounds[s + 1]]}
+    stage_of = {u: s for s in range(stages) for u in units[bounds[s] : bounds[s + 1]]}
     params = {u: sum(p.numel() for p in model.get_submodule(u).parameters()) for u in units}
-    for s in range(degree):
+    for s in range(stages):
         held = units[bounds[s] : bounds[s + 1]]
         if not any(params[u] for u in held):
             raise ConfigError(
@@ -283,9 +326,12 @@ def _keep(model: nn.Module, units: list[str], mine: tuple[str, ...]) -> nn.Modul
     """A copy of ``model`` with only ``mine`` among ``units``."""
     # fake tensors (aotdist plan) hold their FakeTensorMode: copied with them, the mode's
     # StorageWeakRefs of its constants got a second owner each, released twice (a freed
-    # storage, a heap corrupted at exit); the copy stays in the mode it was made in
-    modes = {fake_mode_of([t]) for t in (*model.parameters(), *model.buffers())} - {None}
-    part = copy.deepcopy(model, {id(mode): mode for mode in modes})
+    # storage, a heap corrupted at exit); the copy stays in the mode it was made in. A fake
+    # tensor made from a constant (Gemma's torch.tensor(embed_scale)) holds the real one,
+    # which cannot be copied inside the mode: the copies share it (the mode never writes it)
+    tensors = [t for module in model.modules() for t in _tensors_in(vars(module))]
+    kept = {fake_mode_of([t]) for t in tensors} | {fake_constant(t) for t in tensors}
+    part = copy.deepcopy(model, {id(obj): obj for obj in kept - {None}})
     for fqn in units:
         if fqn in mine:
             continue
@@ -298,33 +344,46 @@ def _keep(model: nn.Module, units: list[str], mine: tuple[str, ...]) -> nn.Modul
     return part
 
 
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value`` and in the dicts, lists, tuples and sets it holds."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
+
+
 def _shapes(
     stage: nn.Module,
     microbatch: Sequence[torch.Tensor],
     index: int,
-    degree: int,
+    stages: int,
     group: Any,
-    received: tuple[tuple[int, ...], torch.dtype] | None = None,
+    received: Mapping[int, tuple[tuple[int, ...], torch.dtype]] | None = None,
     compute: torch.dtype | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """This stage's micro-batch input and output as meta tensors: the first stage's from
-    ``microbatch``, each later one's received from the stage before (its output), or
-    ``received``. ``compute``: FSDP2's ``param_dtype``, which the stage's floating
+    ``microbatch``, each later one's received from the stage before (its output, on the
+    pipeline rank before), or, with ``received`` (stage -> input), read there and nothing
+    sent. ``compute``: FSDP2's ``param_dtype``, which the stage's floating
     parameters and forward inputs are cast to (buffers are not), so its output, and what
     the next stage receives, is in it."""
     import torch.distributed as dist
 
-    ranks = dist.get_process_group_ranks(group)
+    ranks = dist.get_process_group_ranks(group) if received is None else [0]
+    before, after = ranks[(index - 1) % len(ranks)], ranks[(index + 1) % len(ranks)]
     if index == 0:
         inputs = tuple(t.to("meta") for t in microbatch)
     elif received is not None:
-        shape, dtype = received
+        shape, dtype = received[index]
         inputs = (
             torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point),
         )
     else:
         descriptor = torch.zeros(_DESCRIPTOR, dtype=torch.int64)
-        dist.recv(descriptor, src=ranks[index - 1], group=group)
+        dist.recv(descriptor, src=before, group=group)
         inputs = (_from_descriptor(descriptor, requires_grad=True),)
 
     def meta(t: torch.Tensor, cast: bool) -> torch.Tensor:
@@ -353,9 +412,25 @@ def _shapes(
             "tensor between stages. Fix: return a tensor from each stage's forward"
         )
     output = torch.empty(out.shape, dtype=out.dtype, device="meta", requires_grad=True)
-    if index < degree - 1 and received is None:
-        dist.send(_descriptor(out), dst=ranks[index + 1], group=group)
+    if index < stages - 1 and received is None:
+        dist.send(_descriptor(out), dst=after, group=group)
     return inputs, output
+
+
+def _stage_inputs(
+    model: nn.Module, microbatch: Sequence[torch.Tensor], config: AOTDistConfig, stages: int
+) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+    """Each stage's micro-batch input ``(shape, dtype)`` after the first, from the stages'
+    copies run in turn on this rank alone (``aotdist plan`` of an interleaved schedule,
+    whose first rank holds stages that come after the last rank's)."""
+    units, stage_of = _split(model, config, stages)
+    compute = torch_dtype(config.fsdp.param_dtype) if config.fsdp.enabled else None
+    known: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+    for index in range(stages - 1):
+        part = _keep(model, units, tuple(u for u in units if stage_of[u] == index))
+        _, out = _shapes(part, microbatch, index, stages, None, known, compute)
+        known[index + 1] = (tuple(out.shape), out.dtype)
+    return known
 
 
 def _descriptor(t: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,8 @@ def prepare_pipeline(
         check_optimizer(opt, old_names)
     model.to(accelerator.device)
     pipe = aotdist.pipeline(model, microbatch=microbatch, loss_fn=loss_fn, config=cfg, mesh=mesh)
-    mine = dict(pipe.module.named_parameters())
+    # each stage keeps the whole model's names (pipe.module prefixes them with several)
+    mine = {n: p for part in pipe.modules for n, p in part.named_parameters()}
     for opt in optimizers:  # each keeps the parameters of this process's stage
         for group in opt.param_groups:
             group["params"] = [

@@ -156,6 +156,16 @@ def fake_mode_of(values: list) -> Any:
     return None
 
 
+@checked_on("2.11", "2.14")
+def fake_constant(value: Any) -> torch.Tensor | None:
+    """The real tensor a fake tensor made from a constant (``torch.tensor(2.0)`` under a
+    ``FakeTensorMode``) carries beside it (its ``constant``), or ``None``."""
+    fake = attr("torch._subclasses.fake_tensor", "FakeTensor")
+    if fake is None or not isinstance(value, fake):
+        return None
+    return getattr(value, "constant", None)
+
+
 class _Writes:
     """The storages the aten ops run under :func:`recorded_writes` wrote."""
 

@@ -83,6 +83,8 @@ def _run(args: argparse.Namespace) -> int:
         config["pipeline"]["microbatches"] = args.microbatches
     if args.schedule is not None:
         config["pipeline"]["schedule"] = args.schedule
+    if args.stages_per_rank is not None:
+        config["pipeline"]["stages_per_rank"] = args.stages_per_rank
     stages = config["pipeline"]["degree"] if config["pipeline"]["enabled"] else 1
     mesh = (args.world // max(stages, 1),) if args.mesh is None else args.mesh
     if args.batch is None:  # one sequence per micro-batch
@@ -149,7 +151,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Adds ``plan`` to the subcommands."""
-    from aotdist.config import PIPELINE_SCHEDULES
+    from aotdist.config.pipeline import PIPELINE_SCHEDULES
     from aotdist.simulate import OPTIMIZER_STATES
 
     p = cli.add_command(
@@ -223,6 +225,14 @@ def register(sub) -> None:
         choices=PIPELINE_SCHEDULES,
         default=None,
         help="pipeline.schedule (default: the config's)",
+    )
+    p.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=None,
+        metavar="V",
+        help="pipeline.stages_per_rank: an interleaved schedule's stages on each rank "
+        "(default: the config's; 2 for Interleaved1F1B and LoopedBFS)",
     )
     p.add_argument(
         "--expert-params",

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aotdist.config.pipeline import PipelineConfig
 from aotdist.config.validation import Section, did_you_mean, problems_message
 from aotdist.errors import ConfigError, ConfigWarning
 from aotdist.log import rank_zero_warn
@@ -310,58 +311,6 @@ class ACConfig(Section):
 
     _key: typing.ClassVar[str] = "ac"
     enabled: bool = False
-
-
-PIPELINE_SCHEDULES = ("1F1B", "GPipe")  # pipeline.schedule (aotdist.pipelining)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineConfig(Section):
-    """Pipeline parallelism (``aotdist.pipeline``): the model split into stages at region
-    boundaries, one stage per rank of the mesh's ``pp`` dimension, run by a schedule of
-    ``torch.distributed.pipelining``; each stage is parallelized as ``aotdist.parallelize``
-    does (Float8, checkpointing, regions, FSDP2 over the other mesh dimensions, compile).
-
-    Attributes:
-        enabled: Split and pipeline the model (``aotdist.pipeline``; ``parallelize``
-            refuses a config with this on).
-        degree: Stages; ``0``: the mesh's ``pp`` dimension, or every rank without a mesh.
-        schedule: ``1F1B`` or ``GPipe`` (one stage per rank).
-        microbatches: Micro-batches per step; they must divide each step's batch.
-        split_points: The first module of each stage after the first (torchtitan's
-            ``pipeline_parallel_split_points``: ``[layers.4]``), each a region instance or
-            a module outside the regions; empty: the region instances split evenly.
-    """
-
-    _key: typing.ClassVar[str] = "pipeline"
-    enabled: bool = False
-    degree: int = 0
-    schedule: str = "1F1B"
-    microbatches: int = 2
-    split_points: tuple[str, ...] = ()
-
-    def _rule_problems(self) -> list[str]:
-        out = []
-        if self.schedule not in PIPELINE_SCHEDULES:
-            out.append(
-                f"pipeline.schedule: unknown schedule {self.schedule!r}"
-                f"{did_you_mean(self.schedule, PIPELINE_SCHEDULES)}; use one of "
-                f"{list(PIPELINE_SCHEDULES)}"
-            )
-        if self.degree < 0 or self.degree == 1:
-            out.append(
-                f"pipeline.degree: must be 0 (the mesh's pp size) or at least 2, got "
-                f"{self.degree}. Fix: set it to the number of stages"
-            )
-        if self.microbatches < 1:
-            out.append(f"pipeline.microbatches: must be >= 1, got {self.microbatches}")
-        if self.split_points and self.degree and len(self.split_points) != self.degree - 1:
-            out.append(
-                f"pipeline.split_points: {len(self.split_points)} split point(s) make "
-                f"{len(self.split_points) + 1} stages, but pipeline.degree is {self.degree}. "
-                "Fix: give degree - 1 split points, or none (an even split)"
-            )
-        return out
 
 
 _CACHE_MODES = ("off", "local", "shared")

@@ -3,6 +3,7 @@ traced in a fake world of its own through ``aotdist.pipeline`` and its schedule'
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable
@@ -53,6 +54,7 @@ def _pipeline_plan(
 
     cfg = as_config(config)
     degree, micro = cfg.pipeline.degree, cfg.pipeline.microbatches
+    per_rank = cfg.pipeline.local_stages
     full = (degree, *mesh)
     per_stage = math.prod(mesh)
     span = {d: _spans_nodes(full, i + 1, gpus_per_node) for i, d in enumerate(dims)}
@@ -60,18 +62,24 @@ def _pipeline_plan(
         degree=degree,
         schedule=cfg.pipeline.schedule,
         microbatches=micro,
-        bubble_fraction=(degree - 1) / (micro + degree - 1),
+        # v stages per rank shorten the fill and drain v-fold (Megatron's interleaving)
+        bubble_fraction=(degree - 1) / (per_rank * micro + degree - 1),
         network=_spans_nodes(full, 0, gpus_per_node),
+        stages_per_rank=per_rank,
     )
-    received = None
+    received: dict = {}  # stage -> its input's (shape, dtype)
+    if per_rank > 1:  # rank 0's second stage follows the last rank's first: found up front
+        received = _stage_inputs(build, cfg, world, degree * per_rank)
     for index in range(degree):
         ranks = (index * per_stage, (index + 1) * per_stage - 1)
         with _fake_world(world, rank=ranks[0]):
-            stage, received = _trace_stage(
+            stage, outputs = _trace_stage(
                 build, cfg, full, dims, span, loss_of, optimizer, received
             )
+        received.update({s + 1: out for s, out in outputs.items()})
         stage.index, stage.ranks = index, ranks
-        stage.in_flight = micro if cfg.pipeline.schedule == "GPipe" else min(micro, degree - index)
+        if per_rank == 1:
+            stage.in_flight = micro if pp.schedule == "GPipe" else min(micro, degree - index)
         stage.activation_bytes = stage.microbatch_activation_bytes * stage.in_flight
         pp.stages.append(stage)
     top = max(pp.stages, key=lambda st: st.peak_bytes)  # the rank that binds
@@ -96,8 +104,19 @@ def _pipeline_plan(
     return out
 
 
+def _stage_inputs(build, cfg, world: int, stages: int) -> dict:
+    """Each stage's input ``(shape, dtype)`` after the first, from one build."""
+    from aotdist.pipelining import _stage_inputs as inputs_of
+
+    with _fake_world(world), fake_tensor_mode(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        model, inputs = build()
+        microbatch = tuple(t.chunk(cfg.pipeline.microbatches)[0] for t in inputs)
+        return inputs_of(model, microbatch, cfg, stages)
+
+
 def _trace_stage(build, cfg, full, dims, span, loss_of, optimizer, received):
-    """(this rank's :class:`StagePlan`, its output's ``(shape, dtype)``)."""
+    """(this rank's :class:`StagePlan`, its stages' outputs' ``(shape, dtype)`` by stage)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import aotdist
@@ -111,7 +130,7 @@ def _trace_stage(build, cfg, full, dims, span, loss_of, optimizer, received):
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         model, inputs = build()
         microbatch = tuple(t.chunk(micro)[0] for t in inputs)
-        pipe, output = _pipeline(
+        pipe, outputs = _pipeline(
             model,
             microbatch,
             lambda out, target: loss_of(out),
@@ -126,7 +145,8 @@ def _trace_stage(build, cfg, full, dims, span, loss_of, optimizer, received):
             else:  # the loss ignores the target: any tensor of the batch's rows
                 pipe.step(target=inputs[0], losses=[]) if pipe.is_last else pipe.step()
 
-        with graphs_observed() as graphs, aotdist.metrics.track(pipe.module) as m:
+        with graphs_observed() as graphs, contextlib.ExitStack() as stack:
+            tracked = [stack.enter_context(aotdist.metrics.track(m)) for m in pipe.modules]
             step()  # the compile, as the job's first step
         held = [*pipe.module.parameters(), *pipe.module.buffers()]
         with SavedBytes(exclude=held) as saved:  # the steady step's, every micro-batch's
@@ -135,9 +155,12 @@ def _trace_stage(build, cfg, full, dims, span, loss_of, optimizer, received):
         names[device_mesh.get_group("pp").group_name] = "pp"
         with _CountedCollectives(names) as counted:
             step()
-    out = StagePlan(index=0, ranks=(0, 0), units=pipe.units)
+    out = StagePlan(index=0, ranks=(0, 0), units=pipe.units, stages=pipe.stage_indices)
     _memory(out, pipe.module, optimizer)
-    out.microbatch_activation_bytes = saved.activation_bytes // micro
+    # with several stages per rank: one stage's micro-batch, the mean over the rank's stages
+    out.microbatch_activation_bytes = saved.activation_bytes // (micro * len(pipe.modules))
+    if len(pipe.modules) > 1:
+        out.in_flight = _in_flight(pipe.schedule.pipeline_order[pipe.stage_index])
     out.sends, out.recvs = counted.sends, counted.recvs
     if cfg.fsdp.mode == "graph":  # each micro-batch runs the stage's graphs once
         _graph_collectives(out, graphs, names, span)
@@ -150,11 +173,25 @@ def _trace_stage(build, cfg, full, dims, span, loss_of, optimizer, received):
             for (kind, dim), (count, nbytes) in sorted(counted.collectives.items())
         ]
         out.gathered_unit_bytes = counted.largest_gather
-    out.regions = {
-        name: {"call_sites": r.call_sites, "subgraphs": r.subgraphs}
-        for name, r in m.regions.items()
-    }
-    return out, (tuple(output.shape), output.dtype)
+    for m in tracked:  # the rank's stages together
+        for name, r in m.regions.items():
+            held = out.regions.setdefault(name, {"call_sites": 0, "subgraphs": 0})
+            held["call_sites"] += r.call_sites
+            held["subgraphs"] += r.subgraphs
+    return out, {s: (tuple(t.shape), t.dtype) for s, t in outputs.items()}
+
+
+def _in_flight(actions: list) -> int:
+    """The most stage micro-batches whose forward ran and backward did not, at once, in
+    one rank's order of actions (torch's own schedule: ``pipeline_order``)."""
+    live = peak = 0
+    for action in actions:
+        if action is None:  # a bubble
+            continue
+        kind = action.computation_type
+        live += 1 if kind == "F" else -1 if kind in ("B", "I") else 0
+        peak = max(peak, live)
+    return peak
 
 
 class _CountedCollectives:

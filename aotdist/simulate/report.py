@@ -33,18 +33,22 @@ class Collective:
 
 @dataclass
 class StagePlan:
-    """One pipeline stage's rank: what it holds and what it sends per step.
+    """One pipeline stage's rank (an interleaved schedule's: its stages'): what it holds
+    and what it sends per step.
 
     Attributes:
-        index: The stage.
+        index: The stage (interleaved: the pipeline rank).
         ranks: Its first and last global rank (the ``pp`` dimension is the mesh's first).
         units: The stage's modules (region instances and the modules around them).
         param_bytes, grad_bytes, optimizer_bytes: As :class:`Plan`'s, for this stage.
         activation_bytes: Saved for backward at the schedule's peak: one micro-batch's
             saved bytes times the micro-batches in flight (GPipe: all of them; 1F1B:
-            ``stages - index``, at most all of them).
-        microbatch_activation_bytes: One micro-batch's saved bytes.
+            ``stages - index``, at most all of them; interleaved: counted on torch's
+            order of the rank's actions, a stage's micro-batch each).
+        microbatch_activation_bytes: One micro-batch's saved bytes (interleaved: of one
+            stage, the mean over the rank's stages).
         in_flight: Micro-batches whose activations the stage holds at once.
+        stages: Interleaved: the stages the rank holds (``index``, ``index + degree``...).
         gathered_unit_bytes: The largest FSDP unit or bucket it gathers.
         sends, recvs: Point-to-point transfers per step (activations forward, gradients
             back): ``[count, bytes]``.
@@ -66,6 +70,7 @@ class StagePlan:
     recvs: list[int] = field(default_factory=lambda: [0, 0])
     collectives: list[Collective] = field(default_factory=list)
     regions: dict[str, dict] = field(default_factory=dict)
+    stages: tuple[int, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -78,14 +83,15 @@ class PipelinePlan:
     """A pipelined job's schedule and stages (:func:`plan` with ``pipeline.enabled``).
 
     Attributes:
-        degree: Stages.
-        schedule: ``1F1B`` or ``GPipe``.
+        degree: Pipeline ranks (stages, with one per rank).
+        schedule: ``1F1B``, ``GPipe``, ``Interleaved1F1B`` or ``LoopedBFS``.
         microbatches: Micro-batches per step.
-        bubble_fraction: The share of a step each stage idles, ``(stages - 1) /
-            (microbatches + stages - 1)`` for both schedules (forward and backward of a
-            micro-batch taken as equal on every stage).
+        bubble_fraction: The share of a step each rank idles, ``(degree - 1) /
+            (stages_per_rank * microbatches + degree - 1)`` for every schedule (forward
+            and backward of a micro-batch taken as equal on every stage).
         network: Whether the stage-to-stage transfers cross nodes.
-        stages: Each stage's :class:`StagePlan`.
+        stages: Each stage's (interleaved: each pipeline rank's) :class:`StagePlan`.
+        stages_per_rank: Stages each rank holds (``pipeline.stages_per_rank``).
     """
 
     degree: int
@@ -94,6 +100,7 @@ class PipelinePlan:
     bubble_fraction: float
     network: bool
     stages: list[StagePlan] = field(default_factory=list)
+    stages_per_rank: int = 1
 
 
 @dataclass
@@ -187,14 +194,18 @@ def _peak(held: Plan | StagePlan) -> int:
 
 def _pipeline_lines(pp: PipelinePlan) -> list[str]:
     where = "network" if pp.network else "within a node"
+    per = pp.stages_per_rank
+    held = f"{pp.degree} ranks x {per} stages" if per > 1 else f"{pp.degree} stages"
     lines = [
-        f"  pipeline: {pp.degree} stages, {pp.schedule}, {pp.microbatches} micro-batches; "
+        f"  pipeline: {held}, {pp.schedule}, {pp.microbatches} micro-batches; "
         f"bubble {100 * pp.bubble_fraction:.1f}% of each step; the figures above are the "
-        "stage with the largest peak",
+        f"{'rank' if per > 1 else 'stage'} with the largest peak",
     ]
     for st in pp.stages:
+        name = f"pp rank {st.index}, stages {', '.join(map(str, st.stages))}" if per > 1 else ""
         lines.append(
-            f"    stage {st.index} (ranks {st.ranks[0]}-{st.ranks[1]}, {st.units[0]} .. "
+            f"    {name or f'stage {st.index}'} (ranks {st.ranks[0]}-{st.ranks[1]}, "
+            f"{st.units[0]} .. "
             f"{st.units[-1]}): peak {_size(st.peak_bytes)}, parameters "
             f"{_size(st.param_bytes)}, activations {st.in_flight} x "
             f"{_size(st.microbatch_activation_bytes)}"

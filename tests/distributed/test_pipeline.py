@@ -49,10 +49,10 @@ class Block(nn.Module):
 class Net(nn.Module):
     """stem -> blocks -> head; a stage's copy holds ``None`` for what other stages run."""
 
-    def __init__(self, dim: int = 16, norm: type[nn.Module] = nn.BatchNorm1d):
+    def __init__(self, dim: int = 16, norm: type[nn.Module] = nn.BatchNorm1d, blocks: int = BLOCKS):
         super().__init__()
         self.stem = nn.Linear(8, dim)
-        self.blocks = nn.ModuleDict({str(i): Block(dim, norm) for i in range(BLOCKS)})
+        self.blocks = nn.ModuleDict({str(i): Block(dim, norm) for i in range(blocks)})
         self.head = nn.Linear(dim, 4)
 
     def forward(self, x):
@@ -63,9 +63,9 @@ class Net(nn.Module):
         return self.head(x) if self.head is not None else x
 
 
-def _model() -> Net:
+def _model(blocks: int = BLOCKS) -> Net:
     torch.manual_seed(0)  # every block's weights differ; every rank builds the same model
-    return Net()
+    return Net(blocks=blocks)
 
 
 def _stage(model: Net, stage: int, stages: int) -> Net:
@@ -151,11 +151,11 @@ def _both_schedules(rank: int, world_size: int) -> dict:
     return {name: _pipelined(rank, world_size, name) for name in SCHEDULES}
 
 
-def _eager_reference(model: Net, batches, micro_batches: int):
+def _eager_reference(model: Net, batches, micro_batches: int, grads: list | None = None):
     """The whole model in one process, the same micro-batches in the same order, each
     micro-batch's gradient scaled by their number (as the schedules, and FSDP's average
     over the data-parallel ranks, scale it). Returns the losses (a tensor: step x
-    micro-batch) and the state."""
+    micro-batch) and the state; appends each step's gradients to ``grads``."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for x, y in batches:
@@ -163,6 +163,8 @@ def _eager_reference(model: Net, batches, micro_batches: int):
         micro = zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)
         parts = [_loss(model(xm), ym) for xm, ym in micro]
         (sum(parts) / micro_batches).backward()
+        if grads is not None:
+            grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
         opt.step()
         losses.append([p.detach() for p in parts])
     return torch.tensor(losses), model.state_dict()
@@ -198,11 +200,11 @@ def test_each_stage_compiles_its_blocks_as_one_subgraph(runs, schedule):
 # ------------------------------------------------ stages sharded with FSDP2: pp 2 x dp 2
 
 
-def _ln_model() -> Net:
+def _ln_model(blocks: int = BLOCKS) -> Net:
     """The FSDP runs' model: LayerNorm, since BatchNorm's statistics would differ per
     data-parallel rank (each sees its own slice) and match no single eager run."""
     torch.manual_seed(0)
-    return Net(norm=nn.LayerNorm)
+    return Net(norm=nn.LayerNorm, blocks=blocks)
 
 
 DP = 2
@@ -378,3 +380,85 @@ def test_aotdist_pipeline_with_tensor_parallel_stages_trains_as_the_whole_model(
             torch.testing.assert_close(value, ref_state[key], msg=f"rank {rank}: {key}")
         assert result["regions"] == {"Block": (BLOCKS // 2, 1)}, (rank, result["regions"])
         assert result["warnings"] == [], (rank, result["warnings"])
+
+
+# ------------------------------- interleaved schedules: several stages per rank, 2 gloo ranks
+
+
+def _interleaved(rank: int, world_size: int, schedule: str, micro: int) -> dict:
+    """``aotdist.pipeline`` with 2 stages per rank: 4 stages of two blocks each (a stage
+    finds its regions on itself), rank 0 holding stages 0 and 2, rank 1 stages 1 and 3
+    (torch's looped placement). LayerNorm blocks: BatchNorm over the 2 rows of a
+    micro-batch amplifies the rounding of the gradients' summation order (each
+    micro-batch's backward adds its own; eager differentiates the mean) to 2e-4."""
+    import contextlib
+
+    torch._dynamo.reset()
+    config = {
+        "compile": {"backend": "aot_eager"},
+        "pipeline": {
+            "enabled": True,
+            "schedule": schedule,
+            "microbatches": micro,
+            "stages_per_rank": 2,
+        },
+    }
+    batches = _batches()
+    microbatch = (batches[0][0].chunk(micro)[0],)
+    pipe = aotdist.pipeline(_ln_model(8), microbatch=microbatch, loss_fn=_loss, config=config)
+    opt = torch.optim.SGD(pipe.module.parameters(), lr=LR)
+    losses, grads = [], []
+    with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as tracked:
+        warnings.simplefilter("always")
+        per_stage = [tracked.enter_context(metrics.track(part)) for part in pipe.modules]
+        for x, y in batches:
+            opt.zero_grad()
+            step_losses: list[torch.Tensor] = []
+            pipe.step(x, target=y, losses=step_losses)
+            grads.append(
+                {k: p.grad.clone() for part in pipe.modules for k, p in part.named_parameters()}
+            )
+            opt.step()
+            losses.append([float(v.detach()) for v in step_losses])
+    return {
+        "losses": losses,
+        "grads": grads,
+        "units": pipe.units,
+        "stages": pipe.stage_indices,
+        "first_last": (pipe.is_first, pipe.is_last),
+        "state": {
+            k: v.detach().clone() for part in pipe.modules for k, v in part.state_dict().items()
+        },
+        "regions": [
+            {n: (r.call_sites, r.subgraphs) for n, r in m.regions.items()} for m in per_stage
+        ],
+        "warnings": [
+            str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
+        ],
+    }
+
+
+@pytest.mark.parametrize(("schedule", "micro"), [("Interleaved1F1B", 4), ("LoopedBFS", 2)])
+def test_interleaved_schedules_train_as_the_whole_model(schedule, micro):
+    """Every micro-batch's loss, every parameter's gradient at every step and the state
+    after each SGD step equal one eager process's; each stage compiles its block once."""
+    runs = run_distributed(_interleaved, 2, schedule, micro, timeout=240.0)
+    ref_grads: list[dict] = []
+    ref_losses, ref_state = _eager_reference(_ln_model(8), _batches(), micro, ref_grads)
+    assert runs[0]["units"] == ("stem", "blocks.0", "blocks.1", "blocks.4", "blocks.5")
+    assert runs[1]["units"] == ("blocks.2", "blocks.3", "blocks.6", "blocks.7", "head")
+    assert (runs[0]["stages"], runs[1]["stages"]) == ((0, 2), (1, 3))
+    assert (runs[0]["first_last"], runs[1]["first_last"]) == ((True, False), (False, True))
+    assert runs[0]["losses"] == [[]] * STEPS
+    torch.testing.assert_close(torch.tensor(runs[1]["losses"]), ref_losses)
+    for rank, result in enumerate(runs):
+        for step, (grads, ref) in enumerate(zip(result["grads"], ref_grads, strict=True)):
+            for key, grad in grads.items():
+                where = f"rank {rank} step {step}: {key}"
+                torch.testing.assert_close(grad, ref[key], msg=where)
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, ref_state[key], msg=f"rank {rank}: {key}")
+        assert result["regions"] == [{"Block": (2, 1)}] * 2, (rank, result["regions"])
+        assert result["warnings"] == [], (rank, result["warnings"])
+    assert set(runs[0]["state"]) | set(runs[1]["state"]) == set(ref_state)
+    assert set(runs[0]["grads"][0]) | set(runs[1]["grads"][0]) == set(ref_grads[0])

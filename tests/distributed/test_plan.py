@@ -374,14 +374,16 @@ def test_a_job_over_the_gpu_s_memory_exits_1_with_the_fix(capsys):
 
 
 # ----------------------------------------------------------------- pipelined jobs, per stage
-PIPELINE_CASES = {  # id: (fsdp mode, schedule, micro-batches); 2 stages x 2 dp ranks
+PIPELINE_CASES = {  # id: (fsdp mode, schedule, micro-batches); 2 pp ranks x 2 dp ranks
     "pp-hooks-1f1b": ("hooks", "1F1B", 2),
     "pp-graph-gpipe": ("graph", "GPipe", 4),
+    "pp-hooks-interleaved": ("hooks", "Interleaved1F1B", 4),  # 2 stages per rank
 }
 
 
-def _pp_build():
-    model = build_model("gpt", depth=4)
+def _pp_build(case: str = "pp-hooks-1f1b"):
+    # two blocks per stage: a stage finds its regions on itself
+    model = build_model("gpt", depth=8 if "interleaved" in case else 4)
     (x,), _ = example_inputs(model, 4)
     return model, (x,)
 
@@ -406,7 +408,7 @@ def _real_pipeline(rank: int, world_size: int, case: str) -> dict:
     config = {**_pp_config(case), "compile": {"backend": "aot_eager"}}
     config["fsdp"]["enabled"] = True
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
-    model, (x,) = _pp_build()
+    model, (x,) = _pp_build(case)
     pipe = aotdist.pipeline(
         model,
         microbatch=(x.chunk(micro)[0],),
@@ -437,7 +439,7 @@ def _real_pipeline(rank: int, world_size: int, case: str) -> dict:
     collectives = in_graphs if mode == "graph" else counter.counted
     return {
         "params": out.param_bytes,
-        "saved_per_microbatch": saved.activation_bytes / micro,
+        "saved_per_microbatch": saved.activation_bytes / (micro * len(pipe.modules)),
         "collectives": sorted((k, d, n, b) for (k, d), (n, b) in collectives.items()),
         "sends": counter.p2p["send"],
         "recvs": counter.p2p["recv"],
@@ -453,7 +455,7 @@ def test_the_pipeline_plan_is_what_each_stage_runs(case):
     micro-batch's saved activations within 5%."""
     from aotdist.simulate import plan
 
-    simulated = plan(_pp_build, world=4, mesh=(2,), config=_pp_config(case))
+    simulated = plan(lambda: _pp_build(case), world=4, mesh=(2,), config=_pp_config(case))
     real = run_distributed(_real_pipeline, 4, case, timeout=300)
     for stage, rank in ((0, 0), (1, 2)):
         sim, ran = simulated.pipeline.stages[stage], real[rank]
@@ -495,6 +497,41 @@ def test_a_pipelined_plan_splits_the_model_and_names_the_schedule_s_bubble():
     assert [s.in_flight for s in stages] == [4, 3, 2, 1]
     assert all(s.regions["GPTBlock"] == {"call_sites": 2, "subgraphs": 1} for s in stages)
     assert piped.peak_bytes == max(s.peak_bytes for s in stages)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "in_flight"), [("Interleaved1F1B", [5, 3]), ("LoopedBFS", [16, 16])]
+)
+def test_an_interleaved_plan_holds_two_stages_per_rank_and_a_shorter_bubble(schedule, in_flight):
+    """2 pipeline ranks x 2 stages of two blocks (4 ranks): rank r holds stages r and r + 2;
+    each stage sends an activation per micro-batch on and a gradient back (none past the
+    ends); the bubble is (2 - 1) / (2 * 8 + 2 - 1); the stage micro-batches in flight
+    follow torch's own order of each rank's actions (Interleaved1F1B: its warm-up, 4 and 2
+    forwards, plus one)."""
+    from aotdist.simulate import plan
+
+    def build():
+        model = build_model("gpt", depth=8)
+        (x,), _ = example_inputs(model, 8)
+        return model, (x,)
+
+    pipeline = {"enabled": True, "degree": 2, "microbatches": 8, "schedule": schedule}
+    piped = plan(build, world=4, mesh=(2,), config={"pipeline": pipeline})
+    pp = piped.pipeline
+    assert (pp.stages_per_rank, pp.bubble_fraction) == (2, pytest.approx(1 / 17))
+    ranks = pp.stages
+    assert [s.stages for s in ranks] == [(0, 2), (1, 3)]
+    assert [s.units for s in ranks] == [
+        ("tok", "blocks.0", "blocks.1", "blocks.4", "blocks.5"),
+        ("blocks.2", "blocks.3", "blocks.6", "blocks.7", "ln_f", "head"),
+    ]
+    assert [s.sends[0] for s in ranks] == [24, 24]  # 8 + 16 and 16 + 8
+    assert [s.recvs[0] for s in ranks] == [24, 24]
+    assert [s.in_flight for s in ranks] == in_flight
+    for s in ranks:  # each stage's two blocks: one subgraph per stage
+        assert s.regions["GPTBlock"] == {"call_sites": 4, "subgraphs": 2}, s.regions
+        assert s.activation_bytes == s.in_flight * s.microbatch_activation_bytes
+    assert piped.peak_bytes == max(s.peak_bytes for s in ranks)
 
 
 def test_the_command_plans_a_pipeline_and_refuses_a_world_it_does_not_divide(capsys):

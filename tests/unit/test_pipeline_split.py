@@ -104,3 +104,42 @@ def test_stage_copies_without_fsdp_to_average_their_gradients_are_refused():
                 mesh=mesh,
             )
     assert "('dp',) dimension(s) hold 2 copies of each stage" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "says"),
+    [
+        ({"schedule": "1F1B", "stages_per_rank": 2}, "1F1B runs one stage per rank, got 2"),
+        ({"schedule": "LoopedBFS", "stages_per_rank": 1}, "interleaves several stages per rank"),
+        (
+            {"schedule": "Interleaved1F1B", "degree": 2, "split_points": ["blocks.2"]},
+            "but pipeline.degree is 2 x 2 per rank. Fix: give 3 split points",
+        ),
+    ],
+)
+def test_stages_per_rank_that_the_schedule_cannot_run_is_refused_with_the_fix(pipeline, says):
+    with pytest.raises(aotdist.ConfigError, match="Fix") as err:
+        aotdist.AOTDistConfig.from_dict({"pipeline": pipeline})
+    assert says in str(err.value), err.value
+
+
+def test_interleaved_schedules_hold_two_stages_per_rank_unless_told():
+    def held(**pipeline):
+        return aotdist.AOTDistConfig.from_dict({"pipeline": pipeline}).pipeline.local_stages
+
+    assert (held(), held(schedule="GPipe")) == (1, 1)
+    assert (held(schedule="Interleaved1F1B"), held(schedule="LoopedBFS")) == (2, 2)
+    assert held(schedule="Interleaved1F1B", stages_per_rank=3) == 3
+
+
+def test_micro_batches_interleaved_1f1b_cannot_divide_into_rounds_are_refused():
+    # torch runs 5 // 2 = 2 rounds, which do not divide 5 micro-batches
+    with pytest.raises(aotdist.ConfigError, match="Fix: a multiple of the pipeline") as err:
+        _pipeline(schedule="Interleaved1F1B", microbatches=5)
+    assert "Interleaved1F1B runs 5 // 2 = 2 rounds" in str(err.value)
+
+
+def test_an_interleaved_split_needs_a_region_instance_per_stage():
+    with pytest.raises(aotdist.ConfigError, match="cannot make 4 pipeline stages") as err:
+        _pipeline(Net(blocks=3), schedule="LoopedBFS")
+    assert "pipeline.stages_per_rank" in str(err.value)
