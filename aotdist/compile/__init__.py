@@ -254,7 +254,9 @@ def _prepare(
     """Checks, marks (unless marked) and attaches the recording backend; no compile yet.
     The compile mode is the sharding's, made ``frames`` for tensor-parallel regions and
     for ``outer="eager"``."""
-    eager_outer = outer == "eager" and _eager_outer_allowed(model)
+    eager_outer = outer == "eager"
+    if eager_outer:
+        _check_eager_outer(model)
     state = vars(model).get(STATE_ATTR)
     if state is not None and state.compiled:
         raise OrderingError(
@@ -292,7 +294,7 @@ def _prepare(
     return state
 
 
-def _eager_outer_allowed(model: nn.Module) -> bool:
+def _check_eager_outer(model: nn.Module) -> None:
     """``outer="eager"``: no graph around the regions, each compiled as a frame of its own
     (as under FSDP2's hooks). Refused, before anything changes, where the sharding needs
     the whole graph (graph-mode FSDP's collectives live in it).
@@ -308,7 +310,6 @@ def _eager_outer_allowed(model: nn.Module) -> bool:
             "compile.outer: auto (or fx), or fsdp.mode: hooks, whose regions compile as "
             "frames already."
         )
-    return True
 
 
 def _compile_frames(model: nn.Module, state: RegionState) -> None:
