@@ -462,7 +462,11 @@ def _also_eval(loaded: Precompiled, data: bytes, info: dict) -> None:
 def _load(data: bytes, modules: dict[str, str]) -> tuple[Any, str]:
     """A saved graph loaded, with its source checked: ``(function, "")`` or ``(None, why)``."""
     try:
-        with _compat.rerooted_autotune_lookups(), _compat.remembered_isa_loads():
+        with (
+            _compat.rerooted_autotune_lookups(),
+            _compat.remembered_isa_loads(),
+            _compat.loading_kernels_only(),
+        ):
             fn = _compat.PrecompiledFunction(data, modules)
         changed = fn.changed_source()
     except Exception as exc:  # noqa: BLE001 - a bad entry must not stop the job

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -148,6 +150,22 @@ def _diff(stored: dict, key: dict) -> str:
     )
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while a bundle installs and loads, and back
+    as it was after (torch's ``state_dict`` does the same). The load builds many
+    long-lived objects (guards, graph modules, kernel modules) among the compiler's
+    millions: each full collection in it walks them all, 0.19 s of a 0.48 s load of GPT
+    depth 8 on a 2-core CPU. Cycles the load drops are freed by the next collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _use(
     data: bytes | None, key: dict, path: str, model: nn.Module, config: AOTDistConfig
 ) -> CacheLoad:
@@ -222,7 +240,8 @@ def load(
         result = CacheLoad(CacheStatus.UNSAFE, f"others could have written it: {unsafe}", path)
     else:
         try:
-            result = _use(data, key, path, model, config)
+            with _collector_paused():
+                result = _use(data, key, path, model, config)
         except Exception as exc:  # a failure installing must never stop the job
             result = CacheLoad(
                 CacheStatus.CORRUPT, f"could not install it: {type(exc).__name__}: {exc}", path
