@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
 import json
 import os
@@ -33,6 +31,7 @@ from aotdist.cache.artifacts import ENTRY_PREFIX, install, pack
 from aotdist.cache.bundle import FORMAT, check_safe, decode, write_atomic
 from aotdist.cache.examples import eval_pending, record, release_examples, watches_eval
 from aotdist.cache.share import CompileSharing
+from aotdist.compile.collector import collector_paused
 from aotdist.compile.state import INFO_ATTR
 from aotdist.compile.state import STATE_ATTR as REGION_STATE_ATTR
 from aotdist.config import AOTDistConfig, CacheConfig
@@ -150,22 +149,6 @@ def _diff(stored: dict, key: dict) -> str:
     )
 
 
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off while a bundle installs and loads, and back
-    as it was after (torch's ``state_dict`` does the same). The load builds many
-    long-lived objects (guards, graph modules, kernel modules) among the compiler's
-    millions: each full collection in it walks them all, 0.19 s of a 0.48 s load of GPT
-    depth 8 on a 2-core CPU. Cycles the load drops are freed by the next collection."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _use(
     data: bytes | None, key: dict, path: str, model: nn.Module, config: AOTDistConfig
 ) -> CacheLoad:
@@ -240,7 +223,7 @@ def load(
         result = CacheLoad(CacheStatus.UNSAFE, f"others could have written it: {unsafe}", path)
     else:
         try:
-            with _collector_paused():
+            with collector_paused():
                 result = _use(data, key, path, model, config)
         except Exception as exc:  # a failure installing must never stop the job
             result = CacheLoad(

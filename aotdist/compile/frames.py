@@ -12,12 +12,14 @@ frame compiled more than once (its instances differ) is named too (``reuse``).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from aotdist import _compat
+from aotdist.compile.collector import older_objects_frozen
 from aotdist.compile.guard import CallModes, captured_scalars, mark_dynamic_inputs
 from aotdist.compile.state import CompiledCall, RegionState
 from aotdist.compile.subgraph_reuse import report_reuse
@@ -41,6 +43,7 @@ def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
         def forward(
             self, *args, _compiled=compiled, _calls=calls, _state=state, _name=region.name, **kwargs
         ):
+            first = not _calls  # the region class's first call compiles its frame
             _calls.add(id(self))
             if _state.settings.dynamic_inputs:
                 mark_dynamic_inputs(args, kwargs)
@@ -49,7 +52,10 @@ def compile_frames(model: nn.Module, state: RegionState, compile_fn) -> None:
                 hit, out = saved.run((self, *args), kwargs, _state.backend)  # aotdist.cache's
                 if hit:
                     return out
-            with captured_scalars(_state):  # only where a region asked (trace_host_scalars)
+            with (
+                captured_scalars(_state),  # only where a region asked (trace_host_scalars)
+                older_objects_frozen() if first else contextlib.nullcontext(),
+            ):
                 if _state.hooks.watchers:  # aotdist.cache keeps calls to save
                     called = _state.hooks.calling(CompiledCall(self, args, kwargs, frame=_name))
                     out = _compiled(self, *args, **kwargs)

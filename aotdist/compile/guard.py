@@ -26,6 +26,7 @@ from aotdist._compat.messages import (
     names_invoke_subgraph,
     stores_into_an_argument,
 )
+from aotdist.compile.collector import older_objects_frozen
 from aotdist.compile.isolate import Trials
 from aotdist.compile.marking import apply_region_class, unmark_region
 from aotdist.compile.state import STATE_ATTR, CompiledCall, RegionState
@@ -157,7 +158,8 @@ class RegionGuardedCall(_compat.CallWrapper):
         )  # aotdist.cache keeps calls to save
         for _ in range(2 * len(state.plan) + 2):
             try:
-                out = self._run(*args, **kwargs)
+                with older_objects_frozen() if first else contextlib.nullcontext():
+                    out = self._run(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - re-raised unless it is a region failure
                 if not self.handle(exc, lambda: self._run(*args, **kwargs)):
                     raise
