@@ -3,11 +3,12 @@ torchtitan's model code (3 blocks, 8 experts top-2, random weights), each block'
 sharded over 2 gloo ranks (4 each) and tokens exchanged by torchtitan's
 ``AllToAllTokenDispatcher`` (its split sizes read on the host), the rest replicated.
 
-Compared over 3 SGD steps with the same ranks run eagerly (equal within float32 rounding)
-and with one process holding every expert (torchtitan's experts compute in bfloat16, and
-a rank's tokens meet other rows in each grouped matmul: equal within bfloat16's rounding).
-Each block is one subgraph reused by its 3 call sites. torchtitan's model code needs torch
-2.12 or newer.
+Under ``compile_regions`` (the test averages the replicated gradients) and under
+``aotdist.parallelize`` with FSDP2 over the rest (``fsdp.expert_params``). Compared over
+3 SGD steps with the same ranks run eagerly and with one process holding every expert
+(torchtitan's experts compute in bfloat16, and a rank's tokens share each grouped matmul
+with other rows: equal within bfloat16's rounding). Each block is one subgraph reused by
+its 3 call sites. torchtitan's model code needs torch 2.12 or newer.
 """
 
 from __future__ import annotations
@@ -64,7 +65,16 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return _next_token_loss(model(ids))
 
 
-def _train(rank: int, world_size: int, compiled: bool) -> dict:
+FSDP_EP = {
+    "compile": {"backend": "aot_eager"},
+    "fsdp": {"enabled": True, "expert_params": ["layers.*.moe.routed_experts.inner_experts.*"]},
+}
+
+
+def _train(rank: int, world_size: int, compiled: bool | str) -> dict:
+    """``compiled``: ``False`` eager, ``True`` ``compile_regions``, ``"fsdp"``
+    ``aotdist.parallelize`` with FSDP2 over the rest and the experts per rank
+    (``fsdp.expert_params``): no gradient arithmetic of the test's."""
     import torch.distributed as dist
     from torchtitan.distributed import utils as titan_utils
 
@@ -74,7 +84,9 @@ def _train(rank: int, world_size: int, compiled: bool) -> dict:
     torch._dynamo.reset()
     model = _model()
     _shard_experts(model, rank, world_size)
-    if compiled:
+    if compiled == "fsdp":
+        aotdist.parallelize(model, config=FSDP_EP)
+    elif compiled:
         aotdist.compile_regions(model, backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -84,7 +96,7 @@ def _train(rank: int, world_size: int, compiled: bool) -> dict:
             opt.zero_grad()
             loss = _loss(model, _batch(rank, step))
             loss.backward()
-            for name, p in model.named_parameters():
+            for name, p in model.named_parameters() if compiled != "fsdp" else ():
                 if name.rpartition(".")[2] in EXPERTS:  # every rank's tokens: the sum
                     p.grad /= world_size
                 else:  # replicated: averaged, as data parallelism does
@@ -93,7 +105,11 @@ def _train(rank: int, world_size: int, compiled: bool) -> dict:
             losses.append(float(loss))
     return {
         "losses": losses,
-        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+        "params": {
+            k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+            for k, v in model.named_parameters()
+        },
+        "plain": sorted(k for k, v in model.named_parameters() if not hasattr(v, "full_tensor")),
         "regions": {n: (r.call_sites, r.subgraphs) for n, r in m.regions.items()},
         "warnings": [
             str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
@@ -102,7 +118,7 @@ def _train(rank: int, world_size: int, compiled: bool) -> dict:
 
 
 def _both(rank: int, world_size: int) -> dict:
-    return {"eager": _train(rank, world_size, False), "aotdist": _train(rank, world_size, True)}
+    return {how: _train(rank, world_size, how) for how in (False, True, "fsdp")}
 
 
 def _unsharded() -> tuple[list[list[float]], dict]:
@@ -131,27 +147,39 @@ def runs():
     return run_distributed(_both, RANKS, timeout=240.0)
 
 
-def test_torchtitan_s_moe_block_is_one_reused_subgraph_under_expert_parallelism(runs):
+@pytest.fixture(scope="module")
+def unsharded():
+    return _unsharded()
+
+
+@pytest.mark.parametrize("how", [True, "fsdp"], ids=["compile_regions", "parallelize_fsdp"])
+def test_torchtitan_s_moe_block_is_one_reused_subgraph_under_expert_parallelism(runs, how):
     for rank, run in enumerate(runs):
-        result = run["aotdist"]
+        result = run[how]
         assert result["regions"] == {"Qwen3TransformerBlock": (3, 1)}, (rank, result)
         demoted = [w for w in result["warnings"] if "cannot be a reusable subgraph" in w]
         assert demoted == [], demoted  # torch's PendingUnbackedSymbolNotFound, before the fix
+        if how == "fsdp":  # FSDP2 shards the rest; each rank keeps its experts whole
+            inner = "moe.routed_experts.inner_experts"
+            experts = [f"layers.{i}.{inner}.{w}" for i in range(3) for w in EXPERTS]
+            assert result["plain"] == sorted(experts), result["plain"]
 
 
-def test_torchtitan_s_sharded_experts_train_as_the_same_ranks_eagerly(runs):
+@pytest.mark.parametrize("how", [True, "fsdp"], ids=["compile_regions", "parallelize_fsdp"])
+def test_torchtitan_s_sharded_experts_train_as_the_same_ranks_eagerly(runs, how):
     for rank, run in enumerate(runs):
-        eager, compiled = run["eager"], run["aotdist"]
+        eager, compiled = run[False], run[how]
         torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]))
         for key, value in compiled["params"].items():
             torch.testing.assert_close(value, eager["params"][key], msg=f"rank {rank}: {key}")
 
 
-def test_torchtitan_s_sharded_experts_train_as_one_process_holding_them_all(runs):
-    losses, params = _unsharded()
+@pytest.mark.parametrize("how", [True, "fsdp"], ids=["compile_regions", "parallelize_fsdp"])
+def test_torchtitan_s_sharded_experts_train_as_one_process_holding_them_all(runs, unsharded, how):
+    losses, params = unsharded
     bf16 = {"rtol": 1e-4, "atol": 2e-4}  # the experts' bfloat16 grouped matmuls
     for rank, run in enumerate(runs):
-        result = run["aotdist"]
+        result = run[how]
         want = torch.tensor([s[rank] for s in losses])
         torch.testing.assert_close(torch.tensor(result["losses"]), want, **bf16)
         assert result["losses"][0] == pytest.approx(losses[0][rank], abs=1e-5)  # same weights
