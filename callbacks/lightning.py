@@ -80,7 +80,9 @@ class RegionalCompile(Callback):
         log_metrics: Log compile metrics to every logger in ``trainer.loggers``.
 
     Raises:
-        ConfigError: A bad config or argument (at construction).
+        ConfigError: A bad config or argument, or ``pipeline.enabled`` (Lightning's loop
+            cannot drive a pipeline schedule: ``prepare_pipeline`` under Accelerate or
+            ``aotdist.pipeline`` in a script can), at construction.
 
     Example::
 
@@ -128,6 +130,8 @@ class RegionalCompile(Callback):
         self.config: AOTDistConfig = merge_config(
             config, include=include, exclude=exclude, backend=backend, mode=mode
         )
+        if self.config.pipeline.enabled:
+            raise _pipeline_error()
         self.log_metrics = log_metrics
         self.applied: Applied | None = None
         self._window: metrics.Tracker | None = None  # the metrics window in progress
@@ -283,6 +287,23 @@ class RegionalCompile(Callback):
                 f"run now uses {self.config.to_dict()} instead of {saved}."
             )
         self.recompiles_after_first_epoch = int(state_dict.get("recompiles_after_first_epoch", 0))
+
+
+def _pipeline_error() -> ConfigError:
+    return ConfigError(
+        "RegionalCompile: the aotdist config has pipeline.enabled, which Lightning's loop "
+        "cannot drive: a pipeline schedule runs every micro-batch's forward and backward "
+        "inside its own step (only the last stage has a loss), where Lightning's automatic "
+        "optimization calls backward on training_step's loss; and Lightning splits the "
+        "batches over every data-parallel process (DDP over all of them, "
+        "ModelParallelStrategy over its data_parallel dim, which has no pipeline dim), "
+        "where the stages of one replica must read the same batch. Fix: train the "
+        "pipelined model with Accelerate (aotdist.callbacks.prepare_pipeline under "
+        "accelerate launch) or a script (pipe = aotdist.pipeline(model, microbatch=..., "
+        "loss_fn=..., config=..., mesh=...); each step pipe.step(x, target=y, "
+        "losses=losses) then optimizer.step(), under torchrun), or set pipeline.enabled: "
+        "false for RegionalCompile."
+    )
 
 
 def _is_model_parallel(strategy: Any) -> bool:

@@ -157,6 +157,16 @@ def fake_mode_of(values: list) -> Any:
 
 
 @checked_on("2.11", "2.14")
+def fresh_unbacked_ignored(mode: Any) -> contextlib.AbstractContextManager:
+    """Within: the unbacked symbols that ``mode``'s ``ShapeEnv`` creates (a ``.tolist()``
+    run on fake tensors outside any trace) are not left pending, for the next trace in
+    that ``ShapeEnv`` to fail on (``PendingUnbackedSymbolNotFound``); a no-op without
+    one."""
+    ignore = getattr(getattr(mode, "shape_env", None), "ignore_fresh_unbacked_symbols", None)
+    return ignore() if ignore is not None else contextlib.nullcontext()
+
+
+@checked_on("2.11", "2.14")
 def fake_constant(value: Any) -> torch.Tensor | None:
     """The real tensor a fake tensor made from a constant (``torch.tensor(2.0)`` under a
     ``FakeTensorMode``) carries beside it (its ``constant``), or ``None``."""

@@ -119,6 +119,7 @@ def _run(args: argparse.Namespace) -> int:
         config=config,
         optimizer=args.optimizer,
         gpus_per_node=args.gpus_per_node,
+        expert_imbalance=args.expert_imbalance,
     )
     print(result.to_json() if args.json else result.table())
     budget = int(args.gpu_memory * 2**30)
@@ -243,6 +244,15 @@ def register(sub) -> None:
         "shards over the ranks; FSDP2 shards the rest. The plan adds each rank's expert "
         "bytes and the all-to-alls per step, forward and backward, assuming balanced "
         "routing (every expert gets the same number of tokens from every rank)",
+    )
+    p.add_argument(
+        "--expert-imbalance",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="with --expert-params: plan the hottest rank, which receives F times the mean "
+        "tokens (F/world of every rank's router choices go to its experts; 1 to --world, "
+        "default 1: balanced); its all-to-all bytes and activations",
     )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (ac.enabled)")

@@ -298,7 +298,8 @@ def _written_inputs(body: fx.GraphModule) -> list[int]:
     if mode is None:
         return []
     try:
-        with mode, torch.no_grad():
+        # a .tolist() run here (an MoE's split sizes) makes unbacked symbols no trace binds
+        with mode, torch.no_grad(), _compat.fresh_unbacked_ignored(mode):
             args = [e.clone() if isinstance(e, torch.Tensor) else e for e in examples]
             with _compat.recorded_writes() as writes:
                 fx.Interpreter(body).run(*args)

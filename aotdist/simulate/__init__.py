@@ -23,7 +23,7 @@ from torch import nn
 from aotdist._compat.distributed import fake_tensor_mode
 from aotdist.bench.saved import SavedBytes
 from aotdist.errors import ConfigError
-from aotdist.simulate.experts import _expert_parallel, _phase, _routing
+from aotdist.simulate.experts import _check_imbalance, _expert_parallel, _phase, _routing
 from aotdist.simulate.pipeline import _pipeline_plan, _stages_asked
 from aotdist.simulate.report import OPTIMIZER_STATES, Collective, PipelinePlan, Plan, StagePlan
 from aotdist.simulate.trace import (
@@ -48,6 +48,7 @@ def plan(
     optimizer: str = "adamw",
     loss_fn: Callable | None = None,
     gpus_per_node: int = 8,
+    expert_imbalance: float = 1.0,
 ) -> Plan:
     """Traces one training step of the job at ``world`` ranks and returns its :class:`Plan`.
 
@@ -70,12 +71,16 @@ def plan(
         loss_fn: ``loss_fn(output) -> scalar``; default the mean of the first output.
         gpus_per_node: Ranks per node: a mesh dimension whose groups span nodes crosses
             the network.
+        expert_imbalance: With ``fsdp.expert_params``: the hottest rank's tokens over the
+            mean (1 to ``world``); the plan is that rank's (its all-to-all bytes and
+            activations): ``F / world`` of every rank's router choices go to its experts.
 
     Raises:
         ConfigError: A mesh that does not multiply to ``world``, an unknown optimizer, a
             process group already initialized in this process, a config that cannot run;
             expert parallelism whose step sends no all-to-all, reads a value on the host
-            that balanced routing does not give, or is pipelined.
+            that balanced routing does not give, or is pipelined; an
+            ``expert_imbalance`` outside 1 to ``world``, or without expert parallelism.
     """
     config = dict(config or {})
     stages = _stages_asked(config)
@@ -94,6 +99,7 @@ def plan(
     # the job's compile, with aot_eager: the same graphs, nothing lowered
     config["compile"] = {**config.get("compile", {}), "enabled": True, "backend": "aot_eager"}
     dims = ("dp_shard",) if len(mesh) == 1 else ("dp_replicate", "dp_shard")
+    _check_imbalance(config, world, expert_imbalance)
     if stages > 1 and config["fsdp"].get("expert_params"):
         raise ConfigError(
             "plan: expert parallelism (fsdp.expert_params) in a pipelined job is not "
@@ -113,7 +119,7 @@ def plan(
         device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=dims)
         groups = {device_mesh.get_group(d).group_name: d for d in dims}
         # expert parallelism: token counts read on the host, known under balanced routing
-        routing = _routing(config, groups, world, gpus_per_node)
+        routing = _routing(config, groups, world, gpus_per_node, expert_imbalance)
         with fake_tensor_mode(routing):
             model, inputs = build()
             aotdist.parallelize(model, config=config, mesh=device_mesh)
@@ -138,7 +144,8 @@ def plan(
             _unit_collectives(out, model, dims, span, info.config.fsdp)
         out.activation_bytes = saved.activation_bytes
         if routing is not None:
-            _expert_parallel(out, model, routing, info.config.fsdp, span, world > gpus_per_node)
+            spans = world > gpus_per_node
+            _expert_parallel(out, model, routing, info.config.fsdp, span, spans, world)
         out.regions = {
             name: {"call_sites": r.call_sites, "subgraphs": r.subgraphs}
             for name, r in m.regions.items()

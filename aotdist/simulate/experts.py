@@ -13,20 +13,37 @@ from torch import nn
 
 from aotdist.errors import ConfigError
 from aotdist.simulate.report import Collective, Plan
-from aotdist.simulate.routing import ASSUMPTION, BalancedRouting
+from aotdist.simulate.routing import ASSUMPTION, BalancedRouting, imbalanced
+
+
+def _check_imbalance(config: dict, world: int, imbalance: float) -> None:
+    """``plan``'s ``expert_imbalance``: 1, or up to ``world`` for an expert-parallel job."""
+    expert_parallel = bool((config.get("fsdp") or {}).get("expert_params"))
+    if imbalance != 1.0 and not (expert_parallel and 1.0 < imbalance <= world):
+        raise ConfigError(
+            f"plan: expert_imbalance {imbalance:g} "
+            + (
+                f"is outside 1 to {world}: the hottest of {world} ranks receives between "
+                f"the mean and every token. Fix: --expert-imbalance between 1 and {world}"
+                if expert_parallel
+                else "without expert parallelism: there is no routing to skew. Fix: add "
+                "--expert-params (fsdp.expert_params), or drop --expert-imbalance"
+            )
+        )
 
 
 def _routing(
-    config: dict, groups: dict[str, str], world: int, per_node: int
+    config: dict, groups: dict[str, str], world: int, per_node: int, imbalance: float = 1.0
 ) -> BalancedRouting | None:
-    """The balanced-routing values of an expert-parallel job's trace, else ``None``."""
+    """The routing values of an expert-parallel job's trace (balanced, or ``imbalance``
+    times the mean tokens to the traced rank), else ``None``."""
     if not (config.get("fsdp") or {}).get("expert_params"):
         return None
     import torch.distributed as dist
 
     # a user's all-to-all over the default group spans every rank
     default = dist.distributed_c10d.GroupMember.WORLD.group_name
-    return BalancedRouting({default: "world", **groups})
+    return BalancedRouting({default: "world", **groups}, imbalance)
 
 
 @contextlib.contextmanager
@@ -49,6 +66,7 @@ def _expert_parallel(
     fsdp: Any,
     span: dict[str, bool],
     world_spans_nodes: bool,
+    world: int,
 ) -> None:
     from aotdist.fsdp.hooks import expert_params
 
@@ -64,7 +82,7 @@ def _expert_parallel(
             "one), or drop fsdp.expert_params (--expert-params) to let FSDP2 shard them"
         )
     out.expert_param_bytes = sum(p.numel() * p.element_size() for p in experts.values())
-    out.routing = ASSUMPTION
+    out.routing = ASSUMPTION if routing.imbalance == 1.0 else imbalanced(routing.imbalance, world)
     out.all_to_all = [
         Collective(
             "all_to_all",

@@ -1,6 +1,6 @@
 """``aotdist plan`` for expert parallelism: the token counts a mixture-of-experts step
 reads on the host (``.tolist()`` to size its all-to-all), known under fake tensors by
-assuming balanced routing.
+assuming balanced routing, or routing that sends the traced rank F x the mean tokens.
 
 Fake tensors hold no values, so :class:`BalancedRouting` keeps a real value beside each
 small fake tensor whose value follows from known ones (factories that are not random,
@@ -42,15 +42,28 @@ _ARG = ("aten::argmax", "aten::argmin")
 _ALL_TO_ALL = ("c10d::alltoall_base_", "_c10d_functional::all_to_all_single")
 
 
+def imbalanced(factor: float, ranks: int) -> str:
+    """The assumption of a plan whose hottest rank receives ``factor`` x the mean tokens."""
+    return (
+        f"imbalanced routing: the hottest rank (the one planned) receives {factor:g}x the "
+        f"mean tokens ({factor:g}/{ranks} of every rank's router choices go to its experts, "
+        "the rest spread evenly over the others), every rank routing alike"
+    )
+
+
 class BalancedRouting:
     """The ``values`` of :func:`aotdist._compat.distributed.fake_tensor_mode`.
 
     Args:
         group_dims: Process group name -> mesh dimension name (all-to-alls counted by it).
+        imbalance: The hottest rank's tokens over the mean: 1 is balanced; F > 1 sends
+            ``F / world`` of the choices to rank 0's experts (the rank traced), as
+            :func:`aotdist.testing.moe.planned_choice` does.
     """
 
-    def __init__(self, group_dims: dict[str, str]):
+    def __init__(self, group_dims: dict[str, str], imbalance: float = 1.0):
         self.group_dims = group_dims
+        self.imbalance = imbalance
         self.values = WeakTensorKeyDictionary()  # fake tensor -> its real value
         self.by_storage: dict[int, list] = {}  # storage -> weakrefs of valued fake tensors
         self.phase: str | None = None  # "forward" / "backward" while counting, else None
@@ -147,7 +160,18 @@ class BalancedRouting:
             indices = out[_DECISIONS[name]] if name in _DECISIONS else out
         if dim is None or indices.numel() > LIMIT:
             return
-        choice = torch.arange(indices.numel()).remainder(scores.shape[dim]).view(indices.shape)
+        import torch.distributed as dist
+
+        from aotdist.testing.moe import planned_choice
+
+        top_k = indices.shape[-1] if name == "aten::topk" else 1
+        choice = planned_choice(
+            indices.numel() // top_k,
+            top_k,
+            scores.shape[dim],
+            ranks=dist.get_world_size(),
+            imbalance=self.imbalance,
+        ).view(indices.shape)
         if name == "aten::topk":
             self._set(out[1], choice.movedim(-1, dim).contiguous())
         else:

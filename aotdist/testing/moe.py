@@ -38,6 +38,28 @@ class AllToAll(torch.autograd.Function):
         return back, None, None
 
 
+def planned_choice(
+    tokens: int, top_k: int, experts: int, *, ranks: int = 1, imbalance: float = 1.0
+) -> torch.Tensor:
+    """The router choices ``aotdist plan`` assumes, ``(tokens, top_k)`` expert indices.
+
+    ``imbalance`` 1: round robin, token ``i``'s ``j``-th choice is expert ``(i * top_k +
+    j) % experts`` (balanced). ``imbalance`` F > 1: ``F / ranks`` of the choices, spread
+    evenly in order, go to rank 0's experts (the first ``experts // ranks``) round robin,
+    the rest to the other experts round robin, so rank 0 receives F times the mean tokens
+    from every rank that routes alike.
+    """
+    slots = torch.arange(tokens * top_k)
+    if imbalance == 1.0 or ranks == 1:
+        return slots.remainder(experts).view(tokens, top_k)
+    local, scale = experts // ranks, 1 << 20
+    share = round(imbalance * scale)  # exact integer arithmetic: the same on every machine
+    hot = (slots + 1) * share // (ranks * scale) > slots * share // (ranks * scale)
+    hot_index, cold_index = hot.cumsum(0) - 1, (~hot).cumsum(0) - 1
+    cold = local + cold_index.remainder(experts - local)
+    return torch.where(hot, hot_index.remainder(local), cold).view(tokens, top_k)
+
+
 def _ranks() -> int:
     import torch.distributed as dist
 
@@ -80,7 +102,9 @@ class MoE(nn.Module):
 
     ``balanced=True`` adds to the router's scores a bonus that sends token ``i``'s
     ``j``-th choice to expert ``(i * top_k + j) % experts``: routing that is balanced for
-    real, as ``aotdist plan`` assumes it (tests compare the two).
+    real, as ``aotdist plan`` assumes it (tests compare the two); with ``imbalance`` F > 1
+    the bonus follows :func:`planned_choice` instead: rank 0's experts get F times the
+    mean tokens, as ``aotdist plan --expert-imbalance F`` assumes.
     """
 
     def __init__(
@@ -92,10 +116,12 @@ class MoE(nn.Module):
         *,
         ranks: int | None = None,
         balanced: bool = False,
+        imbalance: float = 1.0,
     ):
         super().__init__()
         self.ranks = _ranks() if ranks is None else ranks
         self.n_experts, self.top_k, self.balanced = experts, top_k, balanced
+        self.imbalance = imbalance
         local = experts // self.ranks
         self.router = nn.Linear(dim, experts, bias=False)
         self.gate_up = nn.Parameter(torch.randn(local, dim, 2 * hidden) * dim**-0.5)
@@ -112,8 +138,10 @@ class MoE(nn.Module):
         scores = self.router(tokens).softmax(-1)
         if self.balanced:
             n = tokens.shape[0]
-            choice = torch.arange(n * self.top_k, device=x.device).remainder(self.n_experts)
-            bonus = torch.zeros_like(scores).scatter_(1, choice.view(n, self.top_k), 2.0)
+            choice = planned_choice(
+                n, self.top_k, self.n_experts, ranks=self.ranks, imbalance=self.imbalance
+            )
+            bonus = torch.zeros_like(scores).scatter_(1, choice.to(x.device), 2.0)
             scores = scores + bonus
         weights, experts = scores.topk(self.top_k, dim=-1)
         out = dispatch(tokens, experts, weights, self.expert, self.n_experts, self.ranks)
@@ -133,12 +161,14 @@ class MoENet(nn.Module):
         vocab: int = 64,
         *,
         balanced: bool = True,
+        imbalance: float = 1.0,
     ):
         super().__init__()
         self.vocab = vocab
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(
-            MoE(dim, hidden, experts, top_k, balanced=balanced) for _ in range(depth)
+            MoE(dim, hidden, experts, top_k, balanced=balanced, imbalance=imbalance)
+            for _ in range(depth)
         )
         self.head = nn.Linear(dim, vocab)
 

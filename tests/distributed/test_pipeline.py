@@ -462,3 +462,93 @@ def test_interleaved_schedules_train_as_the_whole_model(schedule, micro):
         assert result["warnings"] == [], (rank, result["warnings"])
     assert set(runs[0]["state"]) | set(runs[1]["state"]) == set(ref_state)
     assert set(runs[0]["grads"][0]) | set(runs[1]["grads"][0]) == set(ref_grads[0])
+
+
+# ------------------------- interleaved stages sharded with FSDP2: 2 stages per rank, pp 2 x dp 2
+
+
+def _interleaved_fsdp(rank: int, world_size: int, mode: str) -> dict:
+    """``aotdist.pipeline`` with Interleaved1F1B, 2 stages per rank (4 stages of two
+    blocks), each stage sharded over the 2 data-parallel ranks by FSDP2 in ``mode``: rank
+    (pp, dp) holds stages pp and pp + 2 of its replica. Every step's full gradients (a
+    collective over ``dp``: both ranks of a stage read them in the same order)."""
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    micro = 4
+    config = {
+        "compile": {"backend": "aot_eager"},
+        "fsdp": {"enabled": True, "mode": mode},
+        "pipeline": {
+            "enabled": True,
+            "schedule": "Interleaved1F1B",
+            "microbatches": micro,
+            "stages_per_rank": 2,
+        },
+    }
+    mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
+    dp = mesh["dp"].get_local_rank()
+    batches = [(x.chunk(DP)[dp], y.chunk(DP)[dp]) for x, y in _global_batches()]
+    microbatch = (batches[0][0].chunk(micro)[0],)
+    model = _ln_model(8)
+    pipe = aotdist.pipeline(model, microbatch=microbatch, loss_fn=_loss, config=config, mesh=mesh)
+    opt = torch.optim.SGD(pipe.module.parameters(), lr=LR)
+    losses, grads = [], []
+    with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as tracked:
+        warnings.simplefilter("always")
+        per_stage = [tracked.enter_context(metrics.track(part)) for part in pipe.modules]
+        for x, y in batches:
+            opt.zero_grad()
+            step_losses: list[torch.Tensor] = []
+            pipe.step(x, target=y, losses=step_losses)
+            grads.append(
+                {
+                    k: p.grad.full_tensor()
+                    for part in pipe.modules
+                    for k, p in part.named_parameters()
+                }
+            )
+            opt.step()
+            losses.append([float(v.detach()) for v in step_losses])
+    return {
+        "losses": losses,
+        "grads": grads,
+        "stages": pipe.stage_indices,
+        "state": {
+            k: v.full_tensor() for part in pipe.modules for k, v in part.state_dict().items()
+        },
+        "regions": [
+            {n: (r.call_sites, r.subgraphs) for n, r in m.regions.items()} for m in per_stage
+        ],
+        "warnings": [
+            str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
+        ],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["hooks", "graph"])
+def test_interleaved_stages_sharded_with_fsdp_train_as_the_whole_model(mode):
+    """Interleaved1F1B, 2 stages per rank, on 2 pipeline x 2 data-parallel ranks: every
+    micro-batch's loss, every gradient at every step and the parameters after each step
+    equal one eager process's; each stage compiles its block once."""
+    runs = run_distributed(_interleaved_fsdp, 4, mode, timeout=240.0)
+    ref_grads: list[dict] = []
+    ref_losses, ref_state = _eager_reference(_ln_model(8), _global_batches(), DP * 4, ref_grads)
+    # ranks (pp, dp): 0 = (0, 0), 1 = (0, 1), 2 = (1, 0), 3 = (1, 1)
+    assert [r["stages"] for r in runs] == [(0, 2), (0, 2), (1, 3), (1, 3)]
+    for dp, rank in enumerate((2, 3)):  # the last stage's data-parallel ranks
+        mine = ref_losses[:, 4 * dp : 4 * (dp + 1)]
+        torch.testing.assert_close(torch.tensor(runs[rank]["losses"]), mine)
+    for rank, result in enumerate(runs):
+        for step, (grads, ref) in enumerate(zip(result["grads"], ref_grads, strict=True)):
+            for key, grad in grads.items():
+                torch.testing.assert_close(grad, ref[key], msg=f"rank {rank} step {step}: {key}")
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, ref_state[key], msg=f"rank {rank}: {key}")
+        assert result["regions"] == [{"Block": (2, 1)}] * 2, (rank, result["regions"])
+        assert result["warnings"] == [], (rank, result["warnings"])
+    assert set().union(*(r["state"] for r in runs)) == set(ref_state)

@@ -19,9 +19,11 @@ EXPERT_PARAMS = ["blocks.*.gate_up", "blocks.*.down"]
 CONFIG = {"fsdp": {"mode": "hooks", "expert_params": EXPERT_PARAMS}}
 
 
-def _build():
+def _build(imbalance: float = 1.0):
+    """``imbalance`` > 1: rank 0's experts get that many times the mean tokens, for real
+    (the router's bonus) as in the plan (``expert_imbalance``)."""
     torch.manual_seed(0)
-    model = MoENet(DEPTH, DIM, HIDDEN, EXPERTS, TOP_K, VOCAB, balanced=True)
+    model = MoENet(DEPTH, DIM, HIDDEN, EXPERTS, TOP_K, VOCAB, balanced=True, imbalance=imbalance)
     return model, (torch.randint(0, VOCAB, (2, 8)),)
 
 
@@ -69,7 +71,7 @@ class _Counted:
         self.mode = Mode()
 
 
-def _real(rank: int, world_size: int) -> dict:
+def _real(rank: int, world_size: int, imbalance: float = 1.0) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import aotdist
@@ -79,7 +81,7 @@ def _real(rank: int, world_size: int) -> dict:
     config = {**CONFIG, "compile": {"backend": "aot_eager"}}
     config["fsdp"] = {**config["fsdp"], "enabled": True}
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
-    model, (x,) = _build()
+    model, (x,) = _build(imbalance)
     aotdist.parallelize(model, config=config, mesh=mesh)
     out = Plan(
         world=world_size, mesh=(2,), mesh_dims=("dp_shard",), fsdp_mode="hooks", optimizer="adamw"
@@ -91,7 +93,7 @@ def _real(rank: int, world_size: int) -> dict:
     loss.backward()
     # counted as they run, in an eager step of the same sharding (a dispatch mode around
     # a compiled step would make Dynamo skip it)
-    eager, _ = _build()
+    eager, _ = _build(imbalance)
     aotdist.parallelize(eager, config={**config, "compile": {"enabled": False}}, mesh=mesh)
     names = {mesh.get_group("dp_shard").group_name: "dp_shard"}
     names[torch.distributed.group.WORLD.group_name] = "dp_shard"
@@ -133,6 +135,64 @@ def test_the_expert_parallel_plan_is_what_the_ranks_run():
         )
     assert "balanced routing" in simulated.routing
     assert "balanced routing" in simulated.table()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_imbalanced_plan_is_what_the_hottest_rank_runs():
+    """A router biased so that rank 0's experts get 1.5x the mean tokens (24 of each
+    rank's 32 choices), for real on 2 gloo ranks and in the plan (``expert_imbalance``):
+    the plan is the hottest rank's, its all-to-alls (count and bytes) and FSDP2's
+    collectives equal, its saved activations within 5%; the balanced plan is not it."""
+    from aotdist.simulate import plan
+
+    factor = 1.5
+    simulated = plan(
+        lambda: _build(factor), world=2, mesh=(2,), config=CONFIG, expert_imbalance=factor
+    )
+    balanced = plan(_build, world=2, mesh=(2,), config=CONFIG)
+    hot, cold = run_distributed(_real, 2, factor, timeout=240)
+    planned = sorted(
+        (c.kind, c.dim, c.phase, c.count, c.bytes)
+        for c in (*simulated.collectives, *simulated.all_to_all)
+    )
+    assert planned == hot["collectives"]
+    assert simulated.param_bytes == hot["params"] and simulated.expert_param_bytes == hot["experts"]
+    assert simulated.activation_bytes == pytest.approx(hot["saved"], rel=0.05), (
+        simulated.activation_bytes,
+        hot["saved"],
+    )
+    a2a = {c.phase: c.bytes for c in simulated.all_to_all}
+    even = {c.phase: c.bytes for c in balanced.all_to_all}
+    cold_a2a = {ph: b for k, _, ph, _, b in cold["collectives"] if k == "all_to_all"}
+    for phase in ("forward", "backward"):  # the hot rank sends back its 1.5x tokens' rows
+        assert a2a[phase] > even[phase] > cold_a2a[phase], (phase, a2a, even, cold_a2a)
+    assert simulated.activation_bytes > balanced.activation_bytes
+    assert "1.5x the mean tokens" in simulated.routing and "1.5x" in simulated.table()
+
+
+def test_an_imbalance_outside_the_world_or_without_experts_is_refused_with_the_fix():
+    from aotdist.errors import ConfigError
+    from aotdist.simulate import plan
+
+    with pytest.raises(ConfigError, match="outside 1 to 2") as err:
+        plan(_build, world=2, config=CONFIG, expert_imbalance=3.0)
+    assert "Fix: --expert-imbalance between 1 and 2" in str(err.value)
+    with pytest.raises(ConfigError, match="without expert parallelism") as err:
+        plan(_build, world=2, config={"fsdp": {"mode": "hooks"}}, expert_imbalance=2.0)
+    assert "--expert-params" in str(err.value)
+
+
+def test_the_planned_choice_gives_rank_0_its_share():
+    from aotdist.testing.moe import planned_choice
+
+    even = planned_choice(16, 2, 4, ranks=2)
+    assert torch.bincount(even.flatten(), minlength=4).tolist() == [8, 8, 8, 8]
+    skewed = planned_choice(16, 2, 4, ranks=2, imbalance=1.5)
+    assert torch.bincount(skewed.flatten(), minlength=4).tolist() == [12, 12, 4, 4]
+    assert all(len(set(row.tolist())) == 2 for row in skewed)  # a token's choices differ
+    top = planned_choice(64, 8, 256, ranks=64, imbalance=4.0)  # DeepSeek-V3 at 64 ranks
+    assert (top < 4).sum() == 4 * 64 * 8 // 64  # rank 0's 4 experts: 4x the mean
 
 
 def test_at_64_ranks_a_rank_holds_its_experts_and_sends_its_tokens_to_every_rank():
@@ -227,6 +287,14 @@ def test_the_command_plans_expert_parallelism_and_refuses_it_for_a_transformers_
     }
     assert main(argv) == 0
     assert "all-to-all per step, assuming balanced routing" in capsys.readouterr().out
+    assert main([*argv, "--expert-imbalance", "4", "--json"]) == 0
+    skewed = json.loads(capsys.readouterr().out)
+    assert "receives 4x the mean tokens" in skewed["routing"]
+    a2a = {c["phase"]: c["bytes"] for c in skewed["all_to_all"]}
+    assert a2a["forward"] > {c["phase"]: c["bytes"] for c in out["all_to_all"]}["forward"]
+    assert main([*argv, "--expert-imbalance", "17"]) == 2
+    err = capsys.readouterr().err
+    assert "outside 1 to 16" in err and "Fix:" in err and "Traceback" not in err
 
     code = main(["plan", "--hf", "deepseek_v3", "--world", "8", "--expert-params", "*.experts.*"])
     err = capsys.readouterr().err

@@ -11,6 +11,7 @@ the refusals that would otherwise train wrongly or lose state.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import warnings
 
@@ -44,10 +45,10 @@ class Block(nn.Module):
 class Net(nn.Module):
     """stem -> blocks -> head; a stage holds ``None`` for what other stages run."""
 
-    def __init__(self, norm: type[nn.Module], dim: int = 16):
+    def __init__(self, norm: type[nn.Module], dim: int = 16, blocks: int = BLOCKS):
         super().__init__()
         self.stem = nn.Linear(8, dim)
-        self.blocks = nn.ModuleDict({str(i): Block(dim, norm) for i in range(BLOCKS)})
+        self.blocks = nn.ModuleDict({str(i): Block(dim, norm) for i in range(blocks)})
         self.head = nn.Linear(dim, 4)
 
     def forward(self, x):
@@ -58,9 +59,9 @@ class Net(nn.Module):
         return self.head(x) if self.head is not None else x
 
 
-def _model(norm: type[nn.Module]) -> Net:
+def _model(norm: type[nn.Module], blocks: int = BLOCKS) -> Net:
     torch.manual_seed(0)  # the blocks' weights differ; every process builds the same model
-    return Net(norm)
+    return Net(norm, blocks=blocks)
 
 
 def _loss(out, target):
@@ -91,13 +92,18 @@ def _accelerator():
     return Accelerator(cpu=True)
 
 
-def _train(rank: int, world_size: int) -> dict:
+def _train(rank: int, world_size: int, interleaved: bool = False) -> dict:
+    """``interleaved``: Interleaved1F1B, 2 stages of two blocks per process (8 blocks)."""
     from aotdist.callbacks import prepare_pipeline
 
     torch._dynamo.reset()
     accelerator = _accelerator()
     replicas = world_size // 2
-    model = _model(nn.BatchNorm1d if replicas == 1 else nn.LayerNorm)
+    norm = nn.BatchNorm1d if replicas == 1 else nn.LayerNorm
+    model = _model(norm, 2 * BLOCKS if interleaved else BLOCKS)
+    pipeline = {"enabled": True, "degree": 2, "microbatches": MICRO}
+    if interleaved:  # 2 micro-batches over 2 ranks: one round
+        pipeline.update(schedule="Interleaved1F1B", stages_per_rank=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)  # on the whole model
     loader = torch.utils.data.DataLoader(_dataset(replicas), batch_size=ROWS)
     pipe, optimizer, loader = prepare_pipeline(
@@ -107,22 +113,23 @@ def _train(rank: int, world_size: int) -> dict:
         loader,
         microbatch=(torch.zeros(ROWS // MICRO, 8),),
         loss_fn=_loss,
-        config=_config(pipeline={"enabled": True, "degree": 2, "microbatches": MICRO}),
+        config=_config(pipeline=pipeline),
     )
     losses, rows = [], []
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as tracked:
         warnings.simplefilter("always")
-        with metrics.track(pipe.module) as m:
-            for x, y in loader:  # the same loop on every process
-                optimizer.zero_grad()
-                step_losses: list[torch.Tensor] = []
-                pipe.step(x, target=y, losses=step_losses)
-                optimizer.step()
-                losses.append([float(v.detach()) for v in step_losses])
-                rows.append(x[:, 0].tolist())
-    state = {
+        per_stage = [tracked.enter_context(metrics.track(part)) for part in pipe.modules]
+        for x, y in loader:  # the same loop on every process
+            optimizer.zero_grad()
+            step_losses: list[torch.Tensor] = []
+            pipe.step(x, target=y, losses=step_losses)
+            optimizer.step()
+            losses.append([float(v.detach()) for v in step_losses])
+            rows.append(x[:, 0].tolist())
+    state = {  # each stage keeps the whole model's names
         k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
-        for k, v in pipe.module.state_dict().items()
+        for part in pipe.modules
+        for k, v in part.state_dict().items()
     }
     from aotdist.errors import ConfigError
 
@@ -135,11 +142,13 @@ def _train(rank: int, world_size: int) -> dict:
     return {
         "losses": losses,
         "rows": rows,
-        "stage": pipe.stage_index,
+        "stages": pipe.stage_indices,
         "opt_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
         "stage_params": sum(p.numel() for p in pipe.module.parameters()),
         "state": state,
-        "regions": {n: (r.call_sites, r.subgraphs) for n, r in m.regions.items()},
+        "regions": [
+            {n: (r.call_sites, r.subgraphs) for n, r in m.regions.items()} for m in per_stage
+        ],
         "warnings": [
             str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
         ],
@@ -168,21 +177,24 @@ def _eager_reference(model: Net, replicas: int):
     return torch.tensor(losses), model.state_dict()
 
 
-def _check(runs: list[dict], replicas: int) -> None:
+def _check(runs: list[dict], replicas: int, interleaved: bool = False) -> None:
+    norm = nn.BatchNorm1d if replicas == 1 else nn.LayerNorm
     ref_losses, ref_state = _eager_reference(
-        _model(nn.BatchNorm1d if replicas == 1 else nn.LayerNorm), replicas
+        _model(norm, 2 * BLOCKS if interleaved else BLOCKS), replicas
     )
-    stages = [r["stage"] for r in runs]
-    assert stages == [0] * replicas + [1] * replicas, stages
+    mine = [(0, 2), (1, 3)] if interleaved else [(0,), (1,)]  # rank r: stages r (and r + 2)
+    stages = [r["stages"] for r in runs]
+    assert stages == [mine[0]] * replicas + [mine[1]] * replicas, stages
     for r in range(replicas):  # a replica's stages read the same batches
         assert runs[r]["rows"] == runs[replicas + r]["rows"]
         assert runs[r]["losses"] == [[]] * STEPS  # the first stage computes no loss
-        mine = ref_losses[:, MICRO * r : MICRO * (r + 1)]
-        torch.testing.assert_close(torch.tensor(runs[replicas + r]["losses"]), mine)
+        want = ref_losses[:, MICRO * r : MICRO * (r + 1)]
+        torch.testing.assert_close(torch.tensor(runs[replicas + r]["losses"]), want)
     for rank, result in enumerate(runs):
         for key, value in result["state"].items():  # parameters and BatchNorm buffers
             torch.testing.assert_close(value, ref_state[key], msg=f"rank {rank}: {key}")
-        assert result["regions"] == {"Block": (BLOCKS // 2, 1)}, (rank, result["regions"])
+        per_stage = [{"Block": (2, 1)}] * len(mine[0])  # each stage: two blocks, one subgraph
+        assert result["regions"] == per_stage, (rank, result["regions"])
         assert result["warnings"] == [], (rank, result["warnings"])
         assert result["opt_params"] == result["stage_params"]  # the stage's, nothing else
         assert "stage 0" in result["save_state"] and "checkpoint" in result["save_state"]
@@ -196,6 +208,12 @@ def test_two_stages_under_accelerate_train_as_the_whole_model():
 @pytest.mark.slow  # 4 ranks on 2 cores
 def test_stages_sharded_over_replicas_under_accelerate_train_as_the_whole_model():
     _check(run_distributed(_train, 4, timeout=300.0), replicas=2)
+
+
+@pytest.mark.slow  # 4 ranks on 2 cores
+def test_interleaved_stages_sharded_over_replicas_under_accelerate_train_as_the_whole_model():
+    # Interleaved1F1B: each process holds 2 stages of one replica, each sharded with FSDP2
+    _check(run_distributed(_train, 4, True, timeout=300.0), replicas=2, interleaved=True)
 
 
 def _refusals(rank: int, world_size: int) -> dict:

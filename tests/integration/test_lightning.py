@@ -343,6 +343,27 @@ def test_setup_validation_names_the_fix():
         RegionalCompile({"compile": {"backnd": "x"}})
 
 
+def test_a_pipelined_config_is_refused_with_the_accelerate_and_script_paths(tmp_path):
+    """Lightning's loop cannot drive a pipeline schedule (its automatic optimization calls
+    backward on training_step's loss; its samplers give every data-parallel process its
+    own batch, where a replica's stages need the same one): refused when the callback is
+    built, from a mapping or a YAML file, before any process starts, not when
+    configure_model reaches parallelize."""
+    path = tmp_path / "pp.yaml"
+    path.write_text("pipeline:\n  enabled: true\n  degree: 2\n")
+    for config in ({**AOT, "pipeline": {"enabled": True, "degree": 2}}, str(path)):
+        with pytest.raises(ConfigError, match="Lightning's loop cannot drive") as err:
+            RegionalCompile(config)
+        text = str(err.value)
+        assert "automatic optimization calls backward" in text
+        assert "must read the same batch" in text
+        fix = text.partition("Fix: ")[2]
+        assert "aotdist.callbacks.prepare_pipeline" in fix and "aotdist.pipeline(" in fix
+        assert "pipeline.enabled: false" in fix
+        assert len(text) < 1200  # one screen
+    assert RegionalCompile({**AOT, "pipeline": {"enabled": False}}).config.pipeline.degree == 0
+
+
 def test_no_regions_and_compiled_submodule_are_refused():
     class Flat(pl.LightningModule):
         def __init__(self):
