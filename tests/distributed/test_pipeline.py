@@ -16,6 +16,7 @@ alike) and compiles a second, no-gradient graph of the stage.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -391,8 +392,6 @@ def _interleaved(rank: int, world_size: int, schedule: str, micro: int) -> dict:
     (torch's looped placement). LayerNorm blocks: BatchNorm over the 2 rows of a
     micro-batch amplifies the rounding of the gradients' summation order (each
     micro-batch's backward adds its own; eager differentiates the mean) to 2e-4."""
-    import contextlib
-
     torch._dynamo.reset()
     config = {
         "compile": {"backend": "aot_eager"},
@@ -406,6 +405,17 @@ def _interleaved(rank: int, world_size: int, schedule: str, micro: int) -> dict:
     batches = _batches()
     microbatch = (batches[0][0].chunk(micro)[0],)
     pipe = aotdist.pipeline(_ln_model(8), microbatch=microbatch, loss_fn=_loss, config=config)
+    return {
+        **_train_stages(pipe, batches, lambda t: t.detach().clone()),
+        "units": pipe.units,
+        "first_last": (pipe.is_first, pipe.is_last),
+    }
+
+
+def _train_stages(pipe, batches, whole) -> dict:
+    """SGD over ``batches`` through ``pipe``'s schedule: each step's micro-batch losses,
+    every gradient and the state after (``whole``: a tensor made whole, e.g. a DTensor's
+    ``full_tensor``), each stage's regions and the region warnings."""
     opt = torch.optim.SGD(pipe.module.parameters(), lr=LR)
     losses, grads = [], []
     with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as tracked:
@@ -416,19 +426,15 @@ def _interleaved(rank: int, world_size: int, schedule: str, micro: int) -> dict:
             step_losses: list[torch.Tensor] = []
             pipe.step(x, target=y, losses=step_losses)
             grads.append(
-                {k: p.grad.clone() for part in pipe.modules for k, p in part.named_parameters()}
+                {k: whole(p.grad) for part in pipe.modules for k, p in part.named_parameters()}
             )
             opt.step()
             losses.append([float(v.detach()) for v in step_losses])
     return {
         "losses": losses,
         "grads": grads,
-        "units": pipe.units,
         "stages": pipe.stage_indices,
-        "first_last": (pipe.is_first, pipe.is_last),
-        "state": {
-            k: v.detach().clone() for part in pipe.modules for k, v in part.state_dict().items()
-        },
+        "state": {k: whole(v) for part in pipe.modules for k, v in part.state_dict().items()},
         "regions": [
             {n: (r.call_sites, r.subgraphs) for n, r in m.regions.items()} for m in per_stage
         ],
@@ -472,8 +478,6 @@ def _interleaved_fsdp(rank: int, world_size: int, mode: str) -> dict:
     blocks), each stage sharded over the 2 data-parallel ranks by FSDP2 in ``mode``: rank
     (pp, dp) holds stages pp and pp + 2 of its replica. Every step's full gradients (a
     collective over ``dp``: both ranks of a stage read them in the same order)."""
-    import contextlib
-
     from torch.distributed.device_mesh import init_device_mesh
 
     torch._dynamo.reset()
@@ -494,38 +498,7 @@ def _interleaved_fsdp(rank: int, world_size: int, mode: str) -> dict:
     microbatch = (batches[0][0].chunk(micro)[0],)
     model = _ln_model(8)
     pipe = aotdist.pipeline(model, microbatch=microbatch, loss_fn=_loss, config=config, mesh=mesh)
-    opt = torch.optim.SGD(pipe.module.parameters(), lr=LR)
-    losses, grads = [], []
-    with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as tracked:
-        warnings.simplefilter("always")
-        per_stage = [tracked.enter_context(metrics.track(part)) for part in pipe.modules]
-        for x, y in batches:
-            opt.zero_grad()
-            step_losses: list[torch.Tensor] = []
-            pipe.step(x, target=y, losses=step_losses)
-            grads.append(
-                {
-                    k: p.grad.full_tensor()
-                    for part in pipe.modules
-                    for k, p in part.named_parameters()
-                }
-            )
-            opt.step()
-            losses.append([float(v.detach()) for v in step_losses])
-    return {
-        "losses": losses,
-        "grads": grads,
-        "stages": pipe.stage_indices,
-        "state": {
-            k: v.full_tensor() for part in pipe.modules for k, v in part.state_dict().items()
-        },
-        "regions": [
-            {n: (r.call_sites, r.subgraphs) for n, r in m.regions.items()} for m in per_stage
-        ],
-        "warnings": [
-            str(w.message) for w in caught if issubclass(w.category, aotdist.RegionCompileWarning)
-        ],
-    }
+    return _train_stages(pipe, batches, lambda t: t.full_tensor())
 
 
 @pytest.mark.slow
