@@ -99,13 +99,28 @@ def fake_tensor_mode(values: Any | None = None) -> Any:
         raise unavailable("torch's FakeTensorMode")
     made = mode
     if values is not None:
+        hop = attr("torch._ops", "HigherOrderOperator") or ()
 
         class Valued(mode):
+            # a higher-order op (invoke_subgraph, checkpointing's run_and_save_rng_state) runs
+            # by FakeTensorMode's rule, registered for its exact type; its body's ops come here
+            supports_higher_order_operators = True
+            running: set = set()  # the higher-order ops inside their rule: redirected back
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 def fake(f, a, k):
                     return mode.__torch_dispatch__(self, f, types, a, k)
 
-                return values.dispatch(func, args, kwargs or {}, fake)
+                if not isinstance(func, hop):
+                    return values.dispatch(func, args, kwargs or {}, fake)
+                rule = getattr(func, "python_key_table", {}).get(mode)
+                if rule is None or func in self.running:
+                    return fake(func, args, kwargs or {})
+                self.running.add(func)
+                try:
+                    return rule(self, *args, **(kwargs or {}))
+                finally:
+                    self.running.discard(func)
 
         made = Valued
     with attr("torch._dynamo.config", "patch")(fake_tensor_cache_enabled=False):

@@ -86,7 +86,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.stages_per_rank is not None:
         config["pipeline"]["stages_per_rank"] = args.stages_per_rank
     stages = config["pipeline"]["degree"] if config["pipeline"]["enabled"] else 1
-    mesh = (args.world // max(stages, 1),) if args.mesh is None else args.mesh
+    # the data-parallel ranks: a stage's, each cp group sharing one sequence
+    ranks = args.world // max(stages, 1) // max(args.cp, 1)
+    mesh = (max(ranks, 1),) if args.mesh is None else args.mesh
     if args.batch is None:  # one sequence per micro-batch
         args.batch = config["pipeline"]["microbatches"] if stages > 1 else 1
     if args.fsdp_mode is not None:
@@ -120,17 +122,21 @@ def _run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         gpus_per_node=args.gpus_per_node,
         expert_imbalance=args.expert_imbalance,
+        cp=args.cp,
+        cp_rotate=args.cp_rotate,
     )
     print(result.to_json() if args.json else result.table())
     budget = int(args.gpu_memory * 2**30)
     if result.peak_bytes > budget:
-        more, ranks = 2 * result.mesh[-1], args.world // max(stages, 1)  # a stage's ranks
+        more = 2 * mesh[-1]  # the shard group doubled
         levers = [
             f"shard over more ranks (a shard group of {more}: --mesh "
             f"{max(ranks // more, 1)}x{more}, or --mesh {ranks} without HSDP)"
             if more <= ranks
             else "more ranks (--world)"
         ]
+        if args.cp > 1:
+            levers.append(f"a larger --cp ({2 * args.cp}, if it divides --world and --seq)")
         levers += [
             flag
             for flag, on in (
@@ -153,7 +159,7 @@ def _run(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     """Adds ``plan`` to the subcommands."""
     from aotdist.config.pipeline import PIPELINE_SCHEDULES
-    from aotdist.simulate import OPTIMIZER_STATES
+    from aotdist.simulate import OPTIMIZER_STATES, ROTATES
 
     p = cli.add_command(
         sub,
@@ -164,7 +170,8 @@ def register(sub) -> None:
         "process group, no weights) and prints per rank: parameter, gradient, "
         "optimizer and saved-activation bytes, a peak estimate, and per step "
         "the collectives by mesh dimension; with --expert-params, each rank's "
-        "experts and the all-to-alls, under balanced routing.",
+        "experts and the all-to-alls, under balanced routing; with --cp, "
+        "torch's ring-attention transfers.",
     )
     p.add_argument("--model", default="gpt", help="gpt, vit or module:factory")
     p.add_argument("--depth", type=int, default=4, help="blocks of a built-in model")
@@ -253,6 +260,23 @@ def register(sub) -> None:
         help="with --expert-params: plan the hottest rank, which receives F times the mean "
         "tokens (F/world of every rank's router choices go to its experts; 1 to --world, "
         "default 1: balanced); its all-to-all bytes and activations",
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="context parallelism: N ranks share each sequence (torch's context_parallel, "
+        "the mesh's last dimension; --mesh is then the data-parallel part, times N to "
+        "--world). Each rank is traced with --seq/N tokens, FSDP2 shards over dp_shard x "
+        "cp, and the plan adds torch's ring-attention transfers per SDPA call",
+    )
+    p.add_argument(
+        "--cp-rotate",
+        choices=ROTATES,
+        default="allgather",
+        help="with --cp: how ring attention passes keys and values (torch's "
+        "set_rotate_method): allgather (torch's default) or alltoall",
     )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (ac.enabled)")

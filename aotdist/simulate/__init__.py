@@ -10,7 +10,9 @@ FSDP2's padded units). The peak is an estimate: held state, saved activations, t
 gathered unit or bucket twice. A pipelined job is traced stage by stage through
 ``aotdist.pipeline`` (:mod:`.pipeline`); an expert-parallel one (``fsdp.expert_params``)
 adds each rank's experts and its all-to-alls under balanced routing (:mod:`.experts`,
-:mod:`.routing`). Method, checks against real runs and worked examples: docs/scale.md.
+:mod:`.routing`); a context-parallel one (``cp``) traces a rank's ``seq / cp`` tokens and
+adds torch's ring-attention transfers per SDPA call (:mod:`.context`). Method, checks
+against real runs and worked examples: docs/scale.md.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ from torch import nn
 from aotdist._compat.distributed import fake_tensor_mode
 from aotdist.bench.saved import SavedBytes
 from aotdist.errors import ConfigError
+from aotdist.simulate.context import (
+    ROTATES,
+    AttentionCalls,
+    _check_cp,
+    _cp_inputs,
+    _rename,
+    _ring_attention,
+    _sequence,
+)
 from aotdist.simulate.experts import _check_imbalance, _expert_parallel, _phase, _routing
 from aotdist.simulate.pipeline import _pipeline_plan, _stages_asked
 from aotdist.simulate.report import OPTIMIZER_STATES, Collective, PipelinePlan, Plan, StagePlan
@@ -36,7 +47,7 @@ from aotdist.simulate.trace import (
     _unit_collectives,
 )
 
-__all__ = ["OPTIMIZER_STATES", "Collective", "PipelinePlan", "Plan", "StagePlan", "plan"]
+__all__ = ["OPTIMIZER_STATES", "ROTATES", "Collective", "PipelinePlan", "Plan", "StagePlan", "plan"]
 
 
 def plan(
@@ -49,6 +60,8 @@ def plan(
     loss_fn: Callable | None = None,
     gpus_per_node: int = 8,
     expert_imbalance: float = 1.0,
+    cp: int = 1,
+    cp_rotate: str = "allgather",
 ) -> Plan:
     """Traces one training step of the job at ``world`` ranks and returns its :class:`Plan`.
 
@@ -56,7 +69,8 @@ def plan(
         build: ``build() -> (model, inputs)``, called under fake tensors (no memory).
         world: Ranks.
         mesh: ``(shard,)`` or ``(replicate, shard)`` (HSDP); default ``(world,)``, or
-            ``(world // pipeline.degree,)`` per stage when pipelined.
+            ``(world // pipeline.degree,)`` per stage when pipelined, ``(world // cp,)``
+            with context parallelism (the data-parallel dimensions; ``cp`` is the last).
         config: The aotdist config of the job (``fsdp`` is turned on; it compiles with
             ``aot_eager``: the same graphs, nothing lowered). With ``pipeline.enabled``
             and ``pipeline.degree``, the job is ``aotdist.pipeline``'s: ``pp`` is the
@@ -74,22 +88,35 @@ def plan(
         expert_imbalance: With ``fsdp.expert_params``: the hottest rank's tokens over the
             mean (1 to ``world``); the plan is that rank's (its all-to-all bytes and
             activations): ``F / world`` of every rank's router choices go to its experts.
+        cp: Context parallelism: ranks sharing each sequence (torch's ``context_parallel``,
+            the mesh ``(dp_replicate, dp_shard, cp)``). Each rank is traced with
+            ``seq / cp`` tokens (every input of two or more dimensions narrowed along
+            dimension 1); FSDP2 shards over ``dp_shard x cp`` (``dp_shard_cp``); the plan
+            adds, per SDPA call, the transfers of torch's ring attention
+            (:attr:`Plan.context_parallel`) and its largest working set to the peak.
+        cp_rotate: ``allgather`` (torch's default) or ``alltoall``
+            (``set_rotate_method``): how the keys and values go around the ring.
 
     Raises:
         ConfigError: A mesh that does not multiply to ``world``, an unknown optimizer, a
             process group already initialized in this process, a config that cannot run;
             expert parallelism whose step sends no all-to-all, reads a value on the host
             that balanced routing does not give, or is pipelined; an
-            ``expert_imbalance`` outside 1 to ``world``, or without expert parallelism.
+            ``expert_imbalance`` outside 1 to ``world``, or without expert parallelism;
+            a ``cp`` that does not divide ``world`` or the sequence in ``2 * cp`` chunks,
+            that is pipelined or expert-parallel, or a model whose step calls no SDPA kernel.
     """
     config = dict(config or {})
     stages = _stages_asked(config)
-    mesh = tuple(mesh or (world // stages,))
-    if world < 1 or stages * math.prod(mesh) != world or len(mesh) not in (1, 2):
+    _check_cp(config, world, cp, cp_rotate)
+    mesh = tuple(mesh or (world // stages // cp,))
+    if world < 1 or stages * cp * math.prod(mesh) != world or len(mesh) not in (1, 2):
         per = f" x {stages} pipeline stages" if stages > 1 else ""
+        per += f" x cp {cp}" if cp > 1 else ""
         raise ConfigError(
             f"plan: mesh {'x'.join(map(str, mesh))}{per} does not give {world} "
-            "ranks. Fix: --mesh SHARD or REPLICATExSHARD, multiplying (times --pp) to --world."
+            "ranks. Fix: --mesh SHARD or REPLICATExSHARD, multiplying (times --pp, times "
+            "--cp) to --world."
         )
     if optimizer not in OPTIMIZER_STATES:
         raise ConfigError(
@@ -110,39 +137,57 @@ def plan(
         return _pipeline_plan(
             build, world, mesh, dims, config, optimizer, loss_fn or _mean_of_first, gpus_per_node
         )
+    # context parallelism: cp is the mesh's last dimension; FSDP2 shards over dp_shard x cp
+    full = (*mesh, cp) if cp > 1 else mesh
+    simulated = (*mesh[:-1], mesh[-1] * cp)
     with _fake_world(world):
         from torch.distributed.device_mesh import init_device_mesh
 
         import aotdist
         from aotdist.backends.bucketing import graphs_observed
 
-        device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=dims)
+        device_mesh = init_device_mesh("cpu", simulated, mesh_dim_names=dims)
         groups = {device_mesh.get_group(d).group_name: d for d in dims}
         # expert parallelism: token counts read on the host, known under balanced routing
         routing = _routing(config, groups, world, gpus_per_node, expert_imbalance)
-        with fake_tensor_mode(routing):
+        attention = AttentionCalls() if cp > 1 else None
+        with fake_tensor_mode(routing or attention):
             model, inputs = build()
+            seq = _sequence(inputs)
+            if cp > 1:  # each rank's share of the sequence
+                inputs = _cp_inputs(inputs, cp)
             aotdist.parallelize(model, config=config, mesh=device_mesh)
             loss_of = loss_fn or _mean_of_first
             with graphs_observed() as graphs, aotdist.metrics.track(model) as m:
                 loss_of(model(*inputs)).backward()  # the compile, as the job's first step
             held = [*model.parameters(), *model.buffers()]
             # the steady step: what autograd saves once everything is compiled
-            with SavedBytes(exclude=held) as saved, _phase(routing, "forward"):
+            with SavedBytes(exclude=held) as saved, _phase(routing or attention, "forward"):
                 loss = loss_of(model(*inputs))
-            with _phase(routing, "backward"):
+            with _phase(routing or attention, "backward"):
                 loss.backward()
         info = aotdist.parallelize_info(model)
         mode = info.config.fsdp.mode
-        out = Plan(world=world, mesh=mesh, mesh_dims=dims, fsdp_mode=mode, optimizer=optimizer)
+        out = Plan(
+            world=world,
+            mesh=full,
+            mesh_dims=(*dims, "cp") if cp > 1 else dims,
+            fsdp_mode=mode,
+            optimizer=optimizer,
+        )
         _memory(out, model, optimizer)
-        span = {d: _spans_nodes(mesh, i, gpus_per_node) for i, d in enumerate(dims)}
+        span = {d: _spans_nodes(simulated, i, gpus_per_node) for i, d in enumerate(dims)}
         if mode == "graph":
             _graph_collectives(out, graphs, groups, span)
             _float8_scale_all_reduce(out, model, dims[-1], span)
         else:
             _unit_collectives(out, model, dims, span, info.config.fsdp)
         out.activation_bytes = saved.activation_bytes
+        if attention is not None:
+            out.cp, out.cp_rotate = cp, cp_rotate
+            network = _spans_nodes(full, len(full) - 1, gpus_per_node)
+            _ring_attention(out, attention, cp, cp_rotate, network, seq)
+            _rename(out, dims[-1])
         if routing is not None:
             spans = world > gpus_per_node
             _expert_parallel(out, model, routing, info.config.fsdp, span, spans, world)

@@ -47,8 +47,9 @@ def _routing(
 
 
 @contextlib.contextmanager
-def _phase(routing: BalancedRouting | None, phase: str) -> Iterator[None]:
-    """Within: the all-to-alls that run are counted as ``phase``'s."""
+def _phase(routing: Any, phase: str) -> Iterator[None]:
+    """Within: what ``routing`` counts (the all-to-alls; context parallelism's
+    :class:`~aotdist.simulate.context.AttentionCalls`: the SDPA calls) is ``phase``'s."""
     if routing is None:
         yield
         return

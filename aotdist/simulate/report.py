@@ -15,12 +15,16 @@ class Collective:
     """The collectives of one kind over one mesh dimension in a training step, per rank.
 
     Attributes:
-        kind: ``all_gather``, ``reduce_scatter`` or ``all_reduce``.
-        dim: The mesh dimension (``dp_shard``, ``dp_replicate``) or process group.
+        kind: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``, or
+            ``permute`` (context parallelism's ring: one peer's whole buffer).
+        dim: The mesh dimension (``dp_shard``, ``dp_replicate``, ``dp_shard_cp``, ``cp``)
+            or process group.
         count: How many per step.
-        bytes: Their unsharded bytes (a gather's output, a reduce-scatter's input).
+        bytes: Their unsharded bytes (a gather's output, a reduce-scatter's input); an
+            all-to-all's or a permute's: what this rank sends.
         network: Whether the dimension crosses nodes (``gpus_per_node``).
-        phase: ``forward`` or ``backward`` for an all-to-all; empty for FSDP's (per step).
+        phase: ``forward`` or ``backward`` for an all-to-all and context parallelism's
+            transfers; empty for FSDP's (per step).
     """
 
     kind: str
@@ -129,11 +133,19 @@ class Plan:
     expert_param_bytes: int = 0
     all_to_all: list[Collective] = field(default_factory=list)
     routing: str = ""
+    cp: int = 1
+    cp_rotate: str = ""
+    cp_calls: int = 0
+    cp_seq: int = 0
+    cp_buffer_bytes: int = 0
+    cp_note: str = ""
+    context_parallel: list[Collective] = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:
-        """Estimate: held state, saved activations, the largest unit gathered twice."""
-        return _peak(self)
+        """Estimate: held state, saved activations, the largest unit gathered twice (and
+        with context parallelism, ring attention's working set of one call)."""
+        return _peak(self) + self.cp_buffer_bytes
 
     def to_json(self) -> str:
         """The plan as JSON (tools read this)."""
@@ -157,7 +169,17 @@ class Plan:
             ),
             f"  gradients    {_mib(self.grad_bytes)}",
             f"  optimizer    {_mib(self.optimizer_bytes)}",
-            f"  activations  {_mib(self.activation_bytes)} saved for backward",
+            f"  activations  {_mib(self.activation_bytes)} saved for backward"
+            + (
+                f" (traced at {self.cp_seq // self.cp} of {self.cp_seq} tokens)"
+                if self.cp > 1
+                else ""
+            ),
+            *(
+                [f"  ring buffers {_mib(self.cp_buffer_bytes)} one SDPA call's (projected)"]
+                if self.cp > 1
+                else []
+            ),
             f"  peak (est.)  {_mib(self.peak_bytes)}",
             "  collectives per step:",
         ]
@@ -172,6 +194,20 @@ class Plan:
             where = "network" if c.network else "within a node"
             lines.append(
                 f"    {c.phase:<15}{c.dim:<14}{c.count:>5} x  {_mib(c.bytes)} sent ({where})"
+            )
+        if self.cp > 1:
+            lines.append(
+                f"  ring attention per step, cp {self.cp}, rotate {self.cp_rotate}, "
+                f"{self.cp_calls} SDPA calls (torch's ring functions, checked on gloo):"
+            )
+            if self.cp_note:
+                lines.append(f"    note: {self.cp_note}")
+        for c in self.context_parallel:
+            where = "network" if c.network else "within a node"
+            what = "gathered" if c.kind == "all_gather" else "sent"
+            lines.append(
+                f"    {c.phase:<9}{c.kind:<11}{c.dim:<9}{c.count:>6} x  {_mib(c.bytes)} "
+                f"{what} ({where})"
             )
         for name, r in self.regions.items():
             lines.append(
