@@ -6,9 +6,13 @@ depth), while what it can decide there is small: each region's saved activations
 outputs of its call, already chosen by the region's own partition. When that graph is not
 lowered by Inductor (``aot_eager``, or Inductor with ``compile.outer: fx``), recomputing
 its glue buys no fusion, so :func:`region_partition` saves what the backward needs
-(``default_partition``, about 3 ms per call site). Any graph with a recompute policy
-(checkpointing, graph-mode FSDP's gathers, aotdist's index-derived masks) and every region
-body keep the min-cut partitioner. Details and figures: docs/internals.md.
+(``default_partition``, about 3 ms per call site). aotdist's own tags on what the graph
+computes from integer inputs (:func:`aotdist.backends.recompute.tag_index_derived`: a
+causal mask, a loss's ignore mask) stay recomputed there, as min-cut recomputed them:
+``default_partition`` recomputes tagged ops in the backward. Any graph with another
+recompute policy (checkpointing, graph-mode FSDP's gathers), tags beside an impure op
+(which ``default_partition`` refuses) and every region body keep the min-cut partitioner.
+Details and figures: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -18,19 +22,82 @@ from typing import Any
 import torch
 
 from aotdist import _compat
+from aotdist.backends.recompute import INDEX_DERIVED
 from aotdist.version import __version__
+
+# The decision's revision, in the partitioner's cache key beside aotdist's version: a
+# cached partition made under another rule is not reused.
+_RULE = "2"
 
 
 def saves_what_backward_needs(joint: torch.fx.GraphModule) -> bool:
-    """Whether ``joint`` is partitioned by ``default_partition``: it calls a region and no
-    node carries a recompute policy (``meta["recompute"]``)."""
+    """Whether ``joint`` is partitioned by ``default_partition``: it calls a region, no node
+    carries a recompute policy (``meta["recompute"]``) but aotdist's on index-derived ops,
+    and where one does, no op is impure (``default_partition`` refuses recompute tags
+    beside one)."""
     invoke = torch.ops.higher_order.invoke_subgraph
-    calls = False
+    calls = tagged = False
     for node in joint.graph.nodes:
         if "recompute" in node.meta:
-            return False
+            if not _index_derived(node):
+                return False
+            tagged = True
         calls = calls or (node.op == "call_function" and node.target is invoke)
-    return calls
+    return calls and not (tagged and _has_impure_op(joint))
+
+
+def recompute_pointwise_glue(joint: torch.fx.GraphModule) -> list[str]:
+    """Tags ``PREFER_RECOMPUTE`` each forward pointwise op of a graph around regions (not
+    random, not tagged already), so that ``default_partition`` recomputes it in the
+    backward from what is saved anyway, as min-cut did: a final norm's output is not saved
+    beside its input. Nothing is tagged in a graph with an impure op.
+
+    Returns:
+        The names of the nodes tagged.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if _has_impure_op(joint):
+        return []
+    tangents: set[torch.fx.Node] = set()
+    tagged = []
+    for node in joint.graph.nodes:
+        if node.op == "placeholder":
+            if node.name.startswith("tangents"):
+                tangents.add(node)
+            continue
+        if any(i in tangents for i in node.all_input_nodes):
+            tangents.add(node)  # the backward's
+            continue
+        tags = getattr(node.target, "tags", ())
+        if (
+            node.op == "call_function"
+            and torch.Tag.pointwise in tags
+            and torch.Tag.nondeterministic_seeded not in tags
+            and "recompute" not in node.meta
+        ):
+            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            node.meta[INDEX_DERIVED] = True  # aotdist's policy, not a user's
+            tagged.append(node.name)
+    return tagged
+
+
+def _has_impure_op(joint: torch.fx.GraphModule) -> bool:
+    """An op that writes or has side effects, random ops apart (``default_partition``'s
+    test: it refuses recompute tags in a graph holding one)."""
+    return any(
+        n.op == "call_function" and n.is_impure(impure_random=False) for n in joint.graph.nodes
+    )
+
+
+def _index_derived(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s recompute policy is aotdist's own PREFER_RECOMPUTE on an op
+    computed from integer inputs alone (not a user's checkpoint policy)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return bool(node.meta.get(INDEX_DERIVED)) and (
+        node.meta["recompute"] is CheckpointPolicy.PREFER_RECOMPUTE
+    )
 
 
 def region_partition(
@@ -43,9 +110,11 @@ def region_partition(
     **kwargs: Any,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """A partition function with min-cut's signature: ``default_partition`` for a graph
-    around regions (:func:`saves_what_backward_needs`), min-cut for any other."""
+    around regions (:func:`saves_what_backward_needs`; its pointwise glue recomputed,
+    :func:`recompute_pointwise_glue`), min-cut for any other."""
     default, min_cut = _compat.partitioners()
     if saves_what_backward_needs(joint):
+        recompute_pointwise_glue(joint)
         return default(
             joint,
             joint_inputs,
@@ -75,7 +144,7 @@ def inductor_partitioner():
         (base,),
         {
             "__call__": lambda self, *args, **kwargs: region_partition(*args, **kwargs),
-            "uuid": lambda self: f"aotdist.region_partition.{__version__}",
+            "uuid": lambda self: f"aotdist.region_partition.{__version__}.{_RULE}",
             "__doc__": ":func:`aotdist.backends.partition.region_partition`.",
         },
     )

@@ -27,6 +27,9 @@ from aotdist import _compat
 from aotdist._compat.ops import aten_to_copy
 
 _aten = torch.ops.aten
+# set beside the PREFER_RECOMPUTE tag of tag_index_derived: the policy is aotdist's, not a
+# user's (aotdist.backends.partition lets such a graph around regions skip min-cut)
+INDEX_DERIVED = "aotdist_index_derived"
 _CHEAP = {
     _aten.full.default,
     _aten.scalar_tensor.default,
@@ -86,6 +89,7 @@ def tag_index_derived(graph: torch.fx.Graph) -> list[str]:
         derived.add(node)
         if "recompute" not in node.meta:  # a user's checkpoint policy wins
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            node.meta[INDEX_DERIVED] = True
             tagged.append(node.name)
     return tagged
 

@@ -1,5 +1,6 @@
 """Which partitioner splits a graph: the graph around regions saves what its backward
-needs (``default_partition``), while region bodies and graphs with a recompute policy
+needs (``default_partition``; its pointwise glue and aotdist's index-derived ops
+recomputed), while region bodies and graphs with a user's recompute policy
 (checkpointing, graph-mode FSDP's gathers) keep min-cut; either way training equals eager."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 import aotdist
 from aotdist import _compat, metrics
-from aotdist.backends import partition
+from aotdist.backends import partition, recompute
 from aotdist.testing import TinyGPT, TinyResNet, example_inputs
 from aotdist.testing.models import GPTBlock
 from aotdist.testing.parity import assert_training_parity
@@ -39,10 +40,68 @@ def test_only_a_graph_calling_regions_without_a_recompute_policy_saves_what_back
         assert not partition.saves_what_backward_needs(_graph(calls_region=True, tag=tag))
 
 
+def _around_region(*, policy: CheckpointPolicy, aotdists: bool, impure: bool = False):
+    """A graph around a region whose input op carries ``policy``, set by aotdist's
+    index-derived pass (``aotdists``) or by a user; ``impure``: it also writes an input."""
+    g = torch.fx.Graph()
+    x = g.placeholder("primals_1")
+    y = g.call_function(torch.ops.aten.relu.default, (x,))
+    y.meta["recompute"] = policy
+    if aotdists:
+        y.meta[recompute.INDEX_DERIVED] = True
+    if impure:
+        g.call_function(torch.ops.aten.copy_.default, (x, y))
+    z = g.call_function(torch.ops.higher_order.invoke_subgraph, (None, "id", y))
+    g.output((z,))
+    return torch.fx.GraphModule(nn.Module(), g)
+
+
+def test_aotdists_own_recompute_tags_keep_the_graph_around_regions_off_min_cut():
+    prefer, must = CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE
+    assert partition.saves_what_backward_needs(_around_region(policy=prefer, aotdists=True))
+    # a user's policy, or a policy other than aotdist's, needs min-cut
+    assert not partition.saves_what_backward_needs(_around_region(policy=prefer, aotdists=False))
+    assert not partition.saves_what_backward_needs(_around_region(policy=must, aotdists=True))
+    # default_partition refuses recompute tags beside an impure op
+    impure = _around_region(policy=prefer, aotdists=True, impure=True)
+    assert not partition.saves_what_backward_needs(impure)
+
+
+def _joint_with_glue(*, impure: bool = False) -> torch.fx.GraphModule:
+    """Forward: a norm-like statistic, pointwise glue and a random mask; backward: a
+    pointwise op of the tangent."""
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x = g.placeholder("primals_1")
+    tangent = g.placeholder("tangents_1")
+    mean = g.call_function(aten.mean.dim, (x, [-1], True))
+    centred = g.call_function(aten.sub.Tensor, (x, mean))
+    noise = g.call_function(aten.rand_like.default, (x,))
+    kept = g.call_function(aten.mul.Tensor, (centred, noise))
+    user = g.call_function(aten.relu.default, (kept,))
+    user.meta["recompute"] = CheckpointPolicy.MUST_SAVE  # a user's policy stays
+    if impure:
+        g.call_function(aten.copy_.default, (x, centred))
+    grad = g.call_function(aten.mul.Tensor, (tangent, centred))
+    g.output((user, grad))
+    return torch.fx.GraphModule(nn.Module(), g)
+
+
+def test_the_glue_s_forward_pointwise_ops_are_recomputed_unless_random_or_impure():
+    joint = _joint_with_glue()
+    # not the reduction, the random op, a user's tag or the backward's op
+    assert partition.recompute_pointwise_glue(joint) == ["sub_tensor", "mul_tensor"]
+    nodes = {n.name: n for n in joint.graph.nodes}
+    assert nodes["sub_tensor"].meta["recompute"] is CheckpointPolicy.PREFER_RECOMPUTE
+    assert nodes["relu_default"].meta["recompute"] is CheckpointPolicy.MUST_SAVE
+    assert "recompute" not in nodes["mul_tensor_1"].meta
+    assert partition.recompute_pointwise_glue(_joint_with_glue(impure=True)) == []
+
+
 def test_the_inductor_partitioner_is_a_custom_partitioner_named_by_version():
     fn = partition.inductor_partitioner()
     assert isinstance(fn, _compat.custom_partitioner_base())
-    assert fn.uuid() == f"aotdist.region_partition.{aotdist.__version__}"
+    assert fn.uuid() == f"aotdist.region_partition.{aotdist.__version__}.{partition._RULE}"
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aotdist.backends import recompute
 from aotdist.backends.recompute import is_recompute_pass, recompute_pass, tag_index_derived
 
 
@@ -156,11 +157,25 @@ class MaskedStack(nn.Module):
 
 @pytest.mark.inductor
 @pytest.mark.timeout(300)
-def test_a_boolean_mask_is_saved_once_not_as_a_float_bias_per_layer():
+def test_a_boolean_mask_is_saved_once_not_as_a_float_bias_per_layer(monkeypatch):
     """SDPA turns the boolean mask into a float bias in every layer. Without the pass each
     region call saved its own bias for backward (4 here, 4x the mask's bytes each); with
-    it the one boolean mask is saved and gradients equal eager."""
+    it the one boolean mask is saved and gradients equal eager. The pass's tags on the
+    graph around the regions leave that graph to ``default_partition`` (min-cut there
+    cost about 23 ms per region call site)."""
     import aotdist
+    from aotdist.backends import partition
+
+    decisions = []
+    original = partition.saves_what_backward_needs
+
+    def spy(joint):
+        decisions.append(
+            (original(joint), any(recompute.INDEX_DERIVED in n.meta for n in joint.graph.nodes))
+        )
+        return decisions[-1][0]
+
+    monkeypatch.setattr(partition, "saves_what_backward_needs", spy)
 
     torch.manual_seed(0)
     eager, model = MaskedStack(4), MaskedStack(4)
@@ -189,6 +204,7 @@ def test_a_boolean_mask_is_saved_once_not_as_a_float_bias_per_layer():
     torch.testing.assert_close(out, eager(x, keep))
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert (True, True) in decisions, decisions  # the tagged graph around the regions
 
 
 def test_a_users_joint_pass_runs_first_and_keeps_its_slot_where_it_cannot_be_chained():
