@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from aotdist import _compat
-from aotdist.backends.recompute import INDEX_DERIVED
+from aotdist.backends.recompute import AOTDIST_POLICY
 from aotdist.version import __version__
 
 # The decision's revision, in the partitioner's cache key beside aotdist's version: a
@@ -39,7 +39,7 @@ def saves_what_backward_needs(joint: torch.fx.GraphModule) -> bool:
     calls = tagged = False
     for node in joint.graph.nodes:
         if "recompute" in node.meta:
-            if not _index_derived(node):
+            if not _aotdists(node):
                 return False
             tagged = True
         calls = calls or (node.op == "call_function" and node.target is invoke)
@@ -77,7 +77,7 @@ def recompute_pointwise_glue(joint: torch.fx.GraphModule) -> list[str]:
             and "recompute" not in node.meta
         ):
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-            node.meta[INDEX_DERIVED] = True  # aotdist's policy, not a user's
+            node.meta[AOTDIST_POLICY] = True
             tagged.append(node.name)
     return tagged
 
@@ -90,12 +90,12 @@ def _has_impure_op(joint: torch.fx.GraphModule) -> bool:
     )
 
 
-def _index_derived(node: torch.fx.Node) -> bool:
-    """Whether ``node``'s recompute policy is aotdist's own PREFER_RECOMPUTE on an op
-    computed from integer inputs alone (not a user's checkpoint policy)."""
+def _aotdists(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s recompute policy is aotdist's own PREFER_RECOMPUTE (an
+    index-derived op, or glue tagged here), not a user's checkpoint policy."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return bool(node.meta.get(INDEX_DERIVED)) and (
+    return bool(node.meta.get(AOTDIST_POLICY)) and (
         node.meta["recompute"] is CheckpointPolicy.PREFER_RECOMPUTE
     )
 

@@ -27,9 +27,10 @@ from aotdist import _compat
 from aotdist._compat.ops import aten_to_copy
 
 _aten = torch.ops.aten
-# set beside the PREFER_RECOMPUTE tag of tag_index_derived: the policy is aotdist's, not a
-# user's (aotdist.backends.partition lets such a graph around regions skip min-cut)
-INDEX_DERIVED = "aotdist_index_derived"
+# set beside a PREFER_RECOMPUTE tag aotdist adds (here, and on the glue around regions in
+# aotdist.backends.partition): the policy is aotdist's, not a user's, so such a graph
+# around regions keeps default_partition
+AOTDIST_POLICY = "aotdist_recompute_policy"
 _CHEAP = {
     _aten.full.default,
     _aten.scalar_tensor.default,
@@ -89,7 +90,7 @@ def tag_index_derived(graph: torch.fx.Graph) -> list[str]:
         derived.add(node)
         if "recompute" not in node.meta:  # a user's checkpoint policy wins
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-            node.meta[INDEX_DERIVED] = True
+            node.meta[AOTDIST_POLICY] = True
             tagged.append(node.name)
     return tagged
 

@@ -48,7 +48,7 @@ def _around_region(*, policy: CheckpointPolicy, aotdists: bool, impure: bool = F
     y = g.call_function(torch.ops.aten.relu.default, (x,))
     y.meta["recompute"] = policy
     if aotdists:
-        y.meta[recompute.INDEX_DERIVED] = True
+        y.meta[recompute.AOTDIST_POLICY] = True
     if impure:
         g.call_function(torch.ops.aten.copy_.default, (x, y))
     z = g.call_function(torch.ops.higher_order.invoke_subgraph, (None, "id", y))

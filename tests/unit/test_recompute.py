@@ -171,7 +171,7 @@ def test_a_boolean_mask_is_saved_once_not_as_a_float_bias_per_layer(monkeypatch)
 
     def spy(joint):
         decisions.append(
-            (original(joint), any(recompute.INDEX_DERIVED in n.meta for n in joint.graph.nodes))
+            (original(joint), any(recompute.AOTDIST_POLICY in n.meta for n in joint.graph.nodes))
         )
         return decisions[-1][0]
 
