@@ -30,7 +30,7 @@ from aotdist.simulate.context import (
     AttentionCalls,
     _check_cp,
     _cp_inputs,
-    _rename,
+    _name_flattened_shard_dim,
     _ring_attention,
     _sequence,
 )
@@ -187,7 +187,7 @@ def plan(
             out.cp, out.cp_rotate = cp, cp_rotate
             network = _spans_nodes(full, len(full) - 1, gpus_per_node)
             _ring_attention(out, attention, cp, cp_rotate, network, seq)
-            _rename(out, dims[-1])
+            _name_flattened_shard_dim(out, dims[-1])
         if routing is not None:
             spans = world > gpus_per_node
             _expert_parallel(out, model, routing, info.config.fsdp, span, spans, world)

@@ -161,7 +161,7 @@ def _ring_attention(
     out.cp_seq = seq or 0
 
 
-def _rename(out: Plan, shard: str) -> None:
+def _name_flattened_shard_dim(out: Plan, shard: str) -> None:
     """FSDP2's collectives run over ``dp_shard x cp`` flattened: torchtitan's name."""
     for c in out.collectives:
         if c.dim == shard:
