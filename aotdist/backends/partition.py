@@ -135,17 +135,26 @@ def inductor_partitioner():
     """:func:`region_partition` as Inductor's ``custom_partitioner_fn`` (a
     ``CustomPartitionerFn`` whose uuid names this version of aotdist).
 
+    The class is built once and bound to this module as ``RegionPartition``: Inductor's
+    FX graph cache pickles its config into each graph's key, and a class pickle cannot
+    find by its module and name fails that pickle, which bypasses the cache for every
+    graph (kernels lowered again on every warm start).
+
     Raises:
         TorchFeatureUnavailable: This torch has no ``CustomPartitionerFn``.
     """
-    base = _compat.custom_partitioner_base()
-    cls = type(
-        "RegionPartition",
-        (base,),
-        {
-            "__call__": lambda self, *args, **kwargs: region_partition(*args, **kwargs),
-            "uuid": lambda self: f"aotdist.region_partition.{__version__}.{_RULE}",
-            "__doc__": ":func:`aotdist.backends.partition.region_partition`.",
-        },
-    )
+    cls = globals().get("RegionPartition")
+    if cls is None:
+        cls = type(
+            "RegionPartition",
+            (_compat.custom_partitioner_base(),),
+            {
+                "__call__": lambda self, *args, **kwargs: region_partition(*args, **kwargs),
+                "uuid": lambda self: f"aotdist.region_partition.{__version__}.{_RULE}",
+                "__doc__": ":func:`aotdist.backends.partition.region_partition`.",
+                "__module__": __name__,  # else the metaclass's module: abc
+                "__qualname__": "RegionPartition",
+            },
+        )
+        globals()["RegionPartition"] = cls
     return cls()

@@ -104,6 +104,42 @@ def test_the_inductor_partitioner_is_a_custom_partitioner_named_by_version():
     assert fn.uuid() == f"aotdist.region_partition.{aotdist.__version__}.{partition._RULE}"
 
 
+def test_the_inductor_partitioner_pickles_by_reference_for_inductor_s_cache_key():
+    """Inductor pickles its config, this option included, into each FX graph's cache key:
+    a class pickle cannot find by module and name makes every graph bypass that cache."""
+    import pickle
+
+    fn = partition.inductor_partitioner()
+    assert type(partition.inductor_partitioner()) is type(fn)  # one class, built once
+    back = pickle.loads(pickle.dumps(fn))
+    assert type(back) is type(fn) and back.uuid() == fn.uuid()
+
+
+@pytest.mark.inductor
+def test_a_second_inductor_compile_of_the_regions_loads_every_graph_from_inductor_s_cache(
+    tmp_path, monkeypatch
+):
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = TinyGPT(depth=2)
+    (x,), _ = example_inputs(model)
+    seen = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = aotdist.compile_regions(copy.deepcopy(model), backend="inductor")
+        compiled(x).float().sum().backward()
+        seen.append(dict(counters["inductor"]))
+    first, second = seen
+    assert first.get("fxgraph_cache_bypass", 0) == 0, first
+    assert first.get("fxgraph_cache_miss", 0) > 0, first
+    assert second.get("fxgraph_cache_bypass", 0) == 0, second
+    assert second.get("fxgraph_cache_miss", 0) == 0, second
+    assert second.get("fxgraph_cache_hit", 0) == first["fxgraph_cache_miss"], second
+
+
 @pytest.fixture
 def decisions(monkeypatch):
     """Every partition decision of aotdist's partitioner: True for default_partition."""
