@@ -52,6 +52,7 @@ from aotdist._compat.codes import (
     maybe_mark_dynamic,
     region_options,
     reuse_refusals,
+    reuses_by_comparing_bodies,
     unique_code_function,
 )
 from aotdist._compat.compiler import (
@@ -125,6 +126,7 @@ __all__ = [
     "unique_code_function",
     "is_region_code",
     "reuse_refusals",
+    "reuses_by_comparing_bodies",
     "region_options",
     "maybe_mark_dynamic",
     "dynamo_error_types",

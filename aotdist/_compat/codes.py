@@ -147,6 +147,20 @@ class _Refusals(logging.Handler):
             pass
 
 
+@checked_on("2.11", "2.14")
+def reuses_by_comparing_bodies() -> bool:
+    """Whether Dynamo reuses a region's subgraph only where the traced bodies compare equal
+    node by node (torch 2.11's ``are_same_graph_modules``), not by guarding its inputs
+    (torch 2.14's ``torch._dynamo.variables.invoke_subgraph``). The older check compares
+    the symbolic-integer inputs of nested bodies (an ``autograd.Function``'s forward and
+    backward) by identity: a host value traced anew at each call site never matches."""
+    try:
+        import torch._dynamo.variables.invoke_subgraph  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
 @checked_on("2.11", "2.14", note="2.14.1; on 2.11 a no-op (no such log)")
 @contextlib.contextmanager
 def reuse_refusals(sink: dict[str, str]) -> Iterator[None]:

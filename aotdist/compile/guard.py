@@ -29,7 +29,7 @@ from aotdist._compat.messages import (
 from aotdist.compile.collector import older_objects_frozen
 from aotdist.compile.isolate import Trials
 from aotdist.compile.marking import apply_region_class, unmark_region
-from aotdist.compile.state import STATE_ATTR, CompiledCall, RegionState
+from aotdist.compile.state import HOST_SCALARS, STATE_ATTR, CompiledCall, RegionState
 from aotdist.compile.subgraph_reuse import report_reuse
 from aotdist.compile.verify import first_step_check
 from aotdist.errors import OrderingError, RegionCaptureError, RegionCompileWarning
@@ -299,9 +299,6 @@ def _fix(
     )
 
 
-_SCALARS = "capture_scalar_outputs"
-
-
 def reads_a_host_scalar(reason: str) -> bool:
     """Whether a region failed because it reads a tensor's value on the host (``.item()``,
     ``.tolist()``: an MoE's token counts, the split sizes of its all-to-all)."""
@@ -310,7 +307,7 @@ def reads_a_host_scalar(reason: str) -> bool:
 
 def captures_scalars(state: RegionState) -> bool:
     """Whether this model's compile traces host scalars as symbolic values."""
-    return _SCALARS in state.applied.fixes.values()
+    return HOST_SCALARS in state.applied.fixes.values()
 
 
 def captured_scalars(state: RegionState) -> contextlib.AbstractContextManager:
@@ -332,12 +329,12 @@ def trace_host_scalars(model: nn.Module, names: list[str], why: str) -> None:
     if state is None or not names:
         return
     for name in names:
-        state.applied.fixes[name] = _SCALARS
+        state.applied.fixes[name] = HOST_SCALARS
     _log.info("aotdist: %s trace their host scalars as symbolic values (%s)", names, why)
 
 
 def _capture_scalars(state: RegionState, name: str, reason: str) -> None:
-    state.applied.fixes[name] = _SCALARS
+    state.applied.fixes[name] = HOST_SCALARS
     state.log.scalars[name] = reason  # announced once the call compiles (announce_fixed)
 
 
@@ -348,7 +345,7 @@ def announce_fixed(state: RegionState) -> None:
     records = getattr(state.backend, "records", None) or []
     for name, reason in list(state.log.scalars.items()):
         del state.log.scalars[name]
-        if state.applied.fixes.get(name) != _SCALARS:
+        if state.applied.fixes.get(name) != HOST_SCALARS:
             continue  # demoted after all: its own warning says why
         if not any(name in rec.subgraphs for rec in records):
             del state.applied.fixes[name]
@@ -382,7 +379,7 @@ def _demote(model: nn.Module, state: RegionState, name: str, reason: str) -> Non
     unmark_region(model, state, name)
     if state.applied.checkpoint:  # inline, but still checkpointed
         apply_region_class(model, state, name, nested=False)
-    if state.applied.fixes.get(name) == _SCALARS:  # captured, and still not one subgraph
+    if state.applied.fixes.get(name) == HOST_SCALARS:  # captured, and still not one subgraph
         del state.applied.fixes[name]
         reason = f"{reason} (with its host values traced as symbolic scalars too)"
     state.applied.demoted[name] = reason

@@ -23,6 +23,8 @@ from aotdist.regions import RegionPlan
 
 STATE_ATTR = "_aotdist_state"
 INFO_ATTR = "_aotdist_parallelized"  # aotdist.parallelize's ParallelizeInfo
+# metrics.fixes of a region whose host values (.tolist(), .item()) are traced symbolically
+HOST_SCALARS = "capture_scalar_outputs"
 
 
 @dataclass

@@ -15,7 +15,7 @@ from torch import nn
 
 from aotdist import _compat
 from aotdist._compat.modules import forward_hooks
-from aotdist.compile.state import RegionState
+from aotdist.compile.state import HOST_SCALARS, RegionState
 from aotdist.errors import RegionCompileWarning
 from aotdist.log import rank_zero_warn
 
@@ -108,6 +108,23 @@ def report_reuse(
                 "input VT types' is an argument it cannot compare between calls instead, "
                 "such as a dict subclass made in the forward (Gemma 4's "
                 "shared_kv_states): make it outside the compiled call and pass it in"
+            )
+        elif (
+            state.applied.fixes.get(region.name) == HOST_SCALARS
+            and _compat.reuses_by_comparing_bodies()
+        ):
+            cause = (
+                "it reads values on the host (.tolist(), .item()), traced as new symbolic "
+                "values at each call site, and this torch reuses a subgraph only where the "
+                "traced bodies compare equal, comparing the symbolic inputs of a nested "
+                "body (an autograd.Function's forward and backward, such as an all-to-all "
+                "taking the split sizes) by identity: no two call sites match. torch's "
+                "gap, closed in torch 2.14, whose reuse check guards the region's inputs "
+                "instead; each call site's subgraph trains correctly"
+            )
+            fix = (
+                "torch 2.14 or newer compiles the region once; on this torch, nothing "
+                "to change for correctness (compile time grows with the call sites)"
             )
         else:
             cause = (

@@ -234,12 +234,6 @@ class FSDPConfig(Section):
                 f"fsdp.mode: unknown mode {self.mode!r}{did_you_mean(self.mode, FSDP_MODES)}"
                 f"; use one of {list(FSDP_MODES)}"
             )
-        elif self.mode == "graph" and self.expert_params:
-            out.append(
-                "fsdp.expert_params: graph-mode FSDP shards every parameter in its graph and "
-                "has no per-rank parameters yet. Fix: fsdp.mode: hooks (FSDP2's own "
-                "ignored_params), or drop fsdp.expert_params"
-            )
         elif self.mode == "graph" and not self.enabled:
             out.append(
                 "fsdp.mode: graph shards the model, but fsdp.enabled is false. Fix: set "

@@ -36,6 +36,7 @@ from aotdist.fsdp.gather import (
     _recompute_context,
     _unpack_gathered,
 )
+from aotdist.fsdp.hooks import average_expert_grads, expert_params
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan, find_regions
 
@@ -80,12 +81,16 @@ def graph_plan(model: nn.Module, plan: RegionPlan, config: AOTDistConfig) -> Reg
     marking swaps on demotion; it is left unmarked instead: compiled inline in the one
     graph, collectives included, with a warning naming it.
     """
+    experts = {id(p) for p in expert_params(model, config.fsdp.expert_params).values()}
     owning = sorted(
         {
             r.module_type.__name__
             for r in plan
             for f in r.fqns
-            if any(p is not None for p in _compat.param_slots(model.get_submodule(f)).values())
+            if any(  # an expert parameter is not gathered: the region reads it as it is
+                p is not None and id(p) not in experts
+                for p in _compat.param_slots(model.get_submodule(f)).values()
+            )
         }
     )
     if not owning:
@@ -155,6 +160,9 @@ def shard_graph(
         if config.float8.enabled and config.float8.fsdp_all_gather
         else {}
     )
+    experts = expert_params(model, fc.expert_params)  # each rank's own: left as they are
+    average_expert_grads(experts, mesh.size())
+    kept = {id(p) for p in experts.values()}
     done, new_params = [], {}
     for fqn, mod in list(model.named_modules()):
         specs = []
@@ -162,7 +170,7 @@ def shard_graph(
             fqn == c or fqn.startswith(c + ".") for c in checkpointed
         )
         for name, p in list(_compat.param_slots(mod).items()):
-            if p is None:
+            if p is None or id(p) in kept:
                 continue
             spec = GatherSpec(
                 shape=tuple(p.shape),

@@ -171,9 +171,7 @@ def shard(model: nn.Module, plan: RegionPlan, config: FSDPConfig, mesh) -> list[
     experts = expert_params(model, config.expert_params)
     if experts:
         kwargs["ignored_params"] = set(experts.values())
-        ranks = mesh.size() if mesh is not None else dist.get_world_size()
-        for p in experts.values():  # scales each backward's contribution: accumulation-safe
-            p.register_hook(lambda grad, ranks=ranks: grad / ranks)
+        average_expert_grads(experts, mesh.size() if mesh is not None else dist.get_world_size())
     done = []
     # Deepest first: a region nested in another (Siglip's MLP in its encoder layer) must be
     # a unit before its parent, whose fully_shard would otherwise take its parameters as
@@ -207,6 +205,21 @@ def expert_params(model: nn.Module, patterns: tuple[str, ...]) -> dict[str, nn.P
             )
         found.update(hits)
     return found
+
+
+def average_expert_grads(experts: dict[str, nn.Parameter], ranks: int) -> None:
+    """Divides each expert's gradient by ``ranks``: the all-to-all's backward sums it over
+    every rank's tokens, and FSDP's average over the rest of the model is this one. A
+    hook on each backward's contribution, so gradient accumulation stays right."""
+    for p in experts.values():
+        p.register_hook(lambda grad, ranks=ranks: grad / ranks)
+
+
+def held_expert_regions(model: nn.Module, plan: RegionPlan, config: FSDPConfig) -> list[str]:
+    """The regions holding a parameter of ``fsdp.expert_params``: an expert-parallel block,
+    whose all-to-all split sizes are read on the host (``.tolist()``)."""
+    held = expert_params(model, config.expert_params)
+    return [r.name for r in plan if any(n.startswith(f + ".") for f in r.fqns for n in held)]
 
 
 def fsdp_params(model: nn.Module) -> dict[str, dict]:

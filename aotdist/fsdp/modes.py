@@ -29,7 +29,13 @@ from aotdist.fsdp.graph import (
     shard_graph,
     sharded_call,
 )
-from aotdist.fsdp.hooks import check_not_sharded, expert_params, fsdp_mesh, fsdp_modules, shard
+from aotdist.fsdp.hooks import (
+    check_not_sharded,
+    fsdp_mesh,
+    fsdp_modules,
+    held_expert_regions,
+    shard,
+)
 from aotdist.log import rank_zero_warn
 from aotdist.regions import RegionPlan
 
@@ -140,8 +146,7 @@ class HooksSharding(Sharding):
         self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig
     ) -> list[str]:
         # an expert-parallel block runs in its own frame, where a .tolist() breaks the graph
-        held = expert_params(model, config.fsdp.expert_params)
-        return [r.name for r in plan if any(n.startswith(f + ".") for f in r.fqns for n in held)]
+        return held_expert_regions(model, plan, config.fsdp)
 
 
 class GraphSharding(Sharding):
@@ -179,6 +184,12 @@ class GraphSharding(Sharding):
             overlap=config.fsdp.overlap,
             device_type=mesh.device_type,
         )
+
+    def host_scalar_regions(
+        self, model: nn.Module, plan: RegionPlan, config: AOTDistConfig
+    ) -> list[str]:
+        # else the one graph's first trace fails at the block's .tolist(), and is redone
+        return held_expert_regions(model, plan, config.fsdp)
 
     def finish(self, model: nn.Module, config: AOTDistConfig) -> None:
         sharded_call(model, config)  # outermost, eager: local shards for each forward

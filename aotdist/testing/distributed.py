@@ -1,5 +1,7 @@
 """Process groups in the test's own process: one gloo rank, or a fake world of several
-(the multi-process runner is :mod:`aotdist.launch`'s, on :mod:`aotdist.testing`'s face)."""
+(the multi-process runner is :mod:`aotdist.launch`'s, on :mod:`aotdist.testing`'s face);
+and the collectives of compiled graphs, counted as they run (what a plan is checked
+against)."""
 
 import contextlib
 from collections.abc import Iterator
@@ -36,3 +38,42 @@ def _world(backend: str, store, world_size: int) -> Iterator[None]:
     finally:
         if dist.is_initialized():  # else the code under test ended it (Accelerate's end_training)
             dist.destroy_process_group()
+
+
+def count_collectives_as_run(gm, names: dict[str, str], counted: dict) -> None:
+    """Makes every functional collective in ``gm`` and its subgraphs count itself (kind,
+    mesh dimension, unsharded bytes) into ``counted`` each time the graph runs it."""
+    import torch
+
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            name = str(node.target) if node.op == "call_function" else ""
+            kind = next(
+                (
+                    k
+                    for k in ("all_gather", "reduce_scatter", "all_reduce")
+                    if f"_c10d_functional.{k}" in name
+                ),
+                None,
+            )
+            if kind is not None:
+                node.target = counting_collective(node.target, kind, names, counted)
+        module.recompile()
+
+
+def counting_collective(op, kind: str, names: dict[str, str], counted: dict):
+    """``op`` (a functional collective of ``kind``) counting each call into ``counted``:
+    ``(kind, mesh dimension) -> (count, bytes)``, the bytes unsharded (a gather's output,
+    a reduce-scatter's input); ``names`` maps a group's name to its mesh dimension."""
+
+    def run(*args, **kwargs):
+        result = op(*args, **kwargs)
+        unsharded = args[0] if kind == "reduce_scatter" else result
+        key = (kind, names[args[-1]])
+        n, b = counted.get(key, (0, 0))
+        counted[key] = (n + 1, b + unsharded.numel() * unsharded.element_size())
+        return result
+
+    return run

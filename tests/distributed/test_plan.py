@@ -11,6 +11,7 @@ import contextlib
 import pytest
 
 from aotdist.testing import build_model, example_inputs, run_distributed
+from aotdist.testing.distributed import count_collectives_as_run, counting_collective
 
 DEPTH = 3
 
@@ -77,29 +78,6 @@ class _Counted:
         self.mode = Mode()
 
 
-def _count_as_run(gm, names: dict[str, str], counted: dict) -> None:
-    """Makes every functional collective in ``gm`` and its subgraphs count itself (kind,
-    mesh dimension, unsharded bytes) into ``counted`` each time the graph runs it."""
-    import torch
-
-    for module in gm.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
-        for node in module.graph.nodes:
-            name = str(node.target) if node.op == "call_function" else ""
-            kind = next(
-                (
-                    k
-                    for k in ("all_gather", "reduce_scatter", "all_reduce")
-                    if f"_c10d_functional.{k}" in name
-                ),
-                None,
-            )
-            if kind is not None:
-                node.target = _counting(node.target, kind, names, counted)
-        module.recompile()
-
-
 @contextlib.contextmanager
 def _eager_scales_counted(names: dict[str, str], counted: dict):
     """Graph mode with float8 all-gather: the functional collectives of the eager scale
@@ -121,7 +99,7 @@ def _eager_scales_counted(names: dict[str, str], counted: dict):
             )
             if kind is None:
                 return func(*args, **(kwargs or {}))
-            return _counting(func, kind, names, counted)(*args, **(kwargs or {}))
+            return counting_collective(func, kind, names, counted)(*args, **(kwargs or {}))
 
     refresh = graph_fsdp.refresh_float8_scales
 
@@ -134,18 +112,6 @@ def _eager_scales_counted(names: dict[str, str], counted: dict):
         yield
     finally:
         graph_fsdp.refresh_float8_scales = refresh
-
-
-def _counting(op, kind: str, names: dict[str, str], counted: dict):
-    def run(*args, **kwargs):
-        result = op(*args, **kwargs)
-        unsharded = args[0] if kind == "reduce_scatter" else result
-        key = (kind, names[args[-1]])
-        n, b = counted.get(key, (0, 0))
-        counted[key] = (n + 1, b + unsharded.numel() * unsharded.element_size())
-        return result
-
-    return run
 
 
 CASES = {  # id: (ranks, mesh, fsdp config, ac[, more config])
@@ -207,7 +173,7 @@ def _real(rank: int, world_size: int, case: str) -> dict:
     counted: dict = {}  # graph mode: the compiled graphs' collectives, counted as they run
 
     def count(gm):
-        _count_as_run(gm, names, counted)
+        count_collectives_as_run(gm, names, counted)
 
     with graphs_observed(count):
         model(x).float().mean().backward()  # the compile
@@ -425,7 +391,7 @@ def _real_pipeline(rank: int, world_size: int, case: str) -> dict:
 
     names = {mesh.get_group(d).group_name: d for d in ("pp", "dp_shard")}
     counted: dict = {}  # graph mode: the compiled graphs' collectives, counted as they run
-    with graphs_observed(lambda gm: _count_as_run(gm, names, counted)):
+    with graphs_observed(lambda gm: count_collectives_as_run(gm, names, counted)):
         step()  # the compile
     counted.clear()
     with SavedBytes(exclude=[*pipe.module.parameters(), *pipe.module.buffers()]) as saved:

@@ -56,12 +56,14 @@ class _Counted:
                         nbytes = sent.numel() * sent.element_size()
                     else:
                         nbytes = max(t.numel() * t.element_size() for t in tensors)
-                    group = next(
-                        dist.ProcessGroup.unbox(a) if isinstance(a, torch.ScriptObject) else a
-                        for a in leaves
-                        if isinstance(a, (torch.ScriptObject, dist.ProcessGroup, str))
-                    )
-                    name = group if isinstance(group, str) else group.group_name
+                    if space == "_c10d_functional":  # (..., group_name): the last string
+                        name = [a for a in leaves if isinstance(a, str)][-1]
+                    else:
+                        name = next(
+                            dist.ProcessGroup.unbox(a) if isinstance(a, torch.ScriptObject) else a
+                            for a in leaves
+                            if isinstance(a, (torch.ScriptObject, dist.ProcessGroup))
+                        ).group_name
                     phase = outer.phase if kind == "all_to_all" else ""
                     key = (kind, names[name], phase)
                     n, b = counted.get(key, (0, 0))
@@ -71,37 +73,45 @@ class _Counted:
         self.mode = Mode()
 
 
-def _real(rank: int, world_size: int, imbalance: float = 1.0) -> dict:
+def _real(rank: int, world_size: int, imbalance: float = 1.0, mode: str = "hooks") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import aotdist
+    from aotdist.backends.bucketing import graphs_observed
     from aotdist.bench.saved import SavedBytes
     from aotdist.simulate import Plan, _memory
+    from aotdist.testing.distributed import count_collectives_as_run
 
     config = {**CONFIG, "compile": {"backend": "aot_eager"}}
-    config["fsdp"] = {**config["fsdp"], "enabled": True}
+    config["fsdp"] = {**config["fsdp"], "enabled": True, "mode": mode}
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     model, (x,) = _build(imbalance)
     aotdist.parallelize(model, config=config, mesh=mesh)
     out = Plan(
-        world=world_size, mesh=(2,), mesh_dims=("dp_shard",), fsdp_mode="hooks", optimizer="adamw"
+        world=world_size, mesh=(2,), mesh_dims=("dp_shard",), fsdp_mode=mode, optimizer="adamw"
     )
     _memory(out, model, "adamw")
-    model(x).float().mean().backward()  # the compile
+    names = {mesh.get_group("dp_shard").group_name: "dp_shard"}
+    names[torch.distributed.group.WORLD.group_name] = "dp_shard"
+    in_graphs: dict = {}  # graph mode: FSDP's collectives, counted as the graphs run them
+    with graphs_observed(lambda gm: count_collectives_as_run(gm, names, in_graphs)):
+        model(x).float().mean().backward()  # the compile
+    in_graphs.clear()  # the steady step's
     with SavedBytes(exclude=[*model.parameters(), *model.buffers()]) as saved:
         loss = model(x).float().mean()
     loss.backward()
     # counted as they run, in an eager step of the same sharding (a dispatch mode around
-    # a compiled step would make Dynamo skip it)
+    # a compiled step would make Dynamo skip it): hooks mode's, and every all-to-all
     eager, _ = _build(imbalance)
     aotdist.parallelize(eager, config={**config, "compile": {"enabled": False}}, mesh=mesh)
-    names = {mesh.get_group("dp_shard").group_name: "dp_shard"}
-    names[torch.distributed.group.WORLD.group_name] = "dp_shard"
     counter = _Counted(names)
     with counter.mode:
         loss = eager(x).float().mean()
         counter.phase = "backward"
         loss.backward()
+    if mode == "graph":  # FSDP's from the compiled graphs, the all-to-alls from the eager
+        counter.counted = {k: v for k, v in counter.counted.items() if k[0] == "all_to_all"}
+        counter.counted |= {(kind, dim, ""): nb for (kind, dim), nb in in_graphs.items()}
     experts = sum(
         p.numel() * p.element_size()
         for n, p in model.named_parameters()
@@ -116,11 +126,14 @@ def _real(rank: int, world_size: int, imbalance: float = 1.0) -> dict:
 
 
 @pytest.mark.slow
-def test_the_expert_parallel_plan_is_what_the_ranks_run():
+@pytest.mark.parametrize("mode", ["hooks", "graph"])
+def test_the_expert_parallel_plan_is_what_the_ranks_run(mode):
+    """FSDP2's hooks and graph-mode FSDP (its collectives counted in the compiled graphs)."""
     from aotdist.simulate import plan
 
-    simulated = plan(_build, world=2, mesh=(2,), config=CONFIG)
-    real = run_distributed(_real, 2, timeout=300)
+    config = {"fsdp": {**CONFIG["fsdp"], "mode": mode}}
+    simulated = plan(_build, world=2, mesh=(2,), config=config)
+    real = run_distributed(_real, 2, 1.0, mode, timeout=300)
     planned = sorted(
         (c.kind, c.dim, c.phase, c.count, c.bytes)
         for c in (*simulated.collectives, *simulated.all_to_all)

@@ -4,11 +4,12 @@ sharded over 2 gloo ranks (4 each) and tokens exchanged by torchtitan's
 ``AllToAllTokenDispatcher`` (its split sizes read on the host), the rest replicated.
 
 Under ``compile_regions`` (the test averages the replicated gradients) and under
-``aotdist.parallelize`` with FSDP2 over the rest (``fsdp.expert_params``). Compared over
-3 SGD steps with the same ranks run eagerly and with one process holding every expert
-(torchtitan's experts compute in bfloat16, and a rank's tokens share each grouped matmul
-with other rows: equal within bfloat16's rounding). Each block is one subgraph reused by
-its 3 call sites. torchtitan's model code needs torch 2.12 or newer.
+``aotdist.parallelize`` with FSDP over the rest (``fsdp.expert_params``; FSDP2's hooks
+and graph-mode FSDP). Compared over 3 SGD steps with the same ranks run eagerly and with
+one process holding every expert (torchtitan's experts compute in bfloat16, and a rank's
+tokens share each grouped matmul with other rows: equal within bfloat16's rounding). Each
+block is one subgraph reused by its 3 call sites. torchtitan's model code needs torch 2.12
+or newer.
 """
 
 from __future__ import annotations
@@ -69,12 +70,14 @@ FSDP_EP = {
     "compile": {"backend": "aot_eager"},
     "fsdp": {"enabled": True, "expert_params": ["layers.*.moe.routed_experts.inner_experts.*"]},
 }
+GRAPH_EP = {**FSDP_EP, "fsdp": {**FSDP_EP["fsdp"], "mode": "graph"}}
 
 
 def _train(rank: int, world_size: int, compiled: bool | str) -> dict:
     """``compiled``: ``False`` eager, ``True`` ``compile_regions``, ``"fsdp"``
     ``aotdist.parallelize`` with FSDP2 over the rest and the experts per rank
-    (``fsdp.expert_params``): no gradient arithmetic of the test's."""
+    (``fsdp.expert_params``), ``"graph"`` the same with graph-mode FSDP: no gradient
+    arithmetic of the test's."""
     import torch.distributed as dist
     from torchtitan.distributed import utils as titan_utils
 
@@ -84,8 +87,8 @@ def _train(rank: int, world_size: int, compiled: bool | str) -> dict:
     torch._dynamo.reset()
     model = _model()
     _shard_experts(model, rank, world_size)
-    if compiled == "fsdp":
-        aotdist.parallelize(model, config=FSDP_EP)
+    if compiled in ("fsdp", "graph"):
+        aotdist.parallelize(model, config=FSDP_EP if compiled == "fsdp" else GRAPH_EP)
     elif compiled:
         aotdist.compile_regions(model, backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -96,7 +99,7 @@ def _train(rank: int, world_size: int, compiled: bool | str) -> dict:
             opt.zero_grad()
             loss = _loss(model, _batch(rank, step))
             loss.backward()
-            for name, p in model.named_parameters() if compiled != "fsdp" else ():
+            for name, p in model.named_parameters() if compiled in (False, True) else ():
                 if name.rpartition(".")[2] in EXPERTS:  # every rank's tokens: the sum
                     p.grad /= world_size
                 else:  # replicated: averaged, as data parallelism does
@@ -118,7 +121,7 @@ def _train(rank: int, world_size: int, compiled: bool | str) -> dict:
 
 
 def _both(rank: int, world_size: int) -> dict:
-    return {how: _train(rank, world_size, how) for how in (False, True, "fsdp")}
+    return {how: _train(rank, world_size, how) for how in (False, True, "fsdp", "graph")}
 
 
 def _unsharded() -> tuple[list[list[float]], dict]:
@@ -152,20 +155,24 @@ def unsharded():
     return _unsharded()
 
 
-@pytest.mark.parametrize("how", [True, "fsdp"], ids=["compile_regions", "parallelize_fsdp"])
+@pytest.mark.parametrize(
+    "how", [True, "fsdp", "graph"], ids=["compile_regions", "parallelize_fsdp", "graph_fsdp"]
+)
 def test_torchtitan_s_moe_block_is_one_reused_subgraph_under_expert_parallelism(runs, how):
     for rank, run in enumerate(runs):
         result = run[how]
         assert result["regions"] == {"Qwen3TransformerBlock": (3, 1)}, (rank, result)
         demoted = [w for w in result["warnings"] if "cannot be a reusable subgraph" in w]
         assert demoted == [], demoted  # torch's PendingUnbackedSymbolNotFound, before the fix
-        if how == "fsdp":  # FSDP2 shards the rest; each rank keeps its experts whole
+        if how is not True:  # FSDP shards the rest; each rank keeps its experts whole
             inner = "moe.routed_experts.inner_experts"
             experts = [f"layers.{i}.{inner}.{w}" for i in range(3) for w in EXPERTS]
             assert result["plain"] == sorted(experts), result["plain"]
 
 
-@pytest.mark.parametrize("how", [True, "fsdp"], ids=["compile_regions", "parallelize_fsdp"])
+@pytest.mark.parametrize(
+    "how", [True, "fsdp", "graph"], ids=["compile_regions", "parallelize_fsdp", "graph_fsdp"]
+)
 def test_torchtitan_s_sharded_experts_train_as_the_same_ranks_eagerly(runs, how):
     for rank, run in enumerate(runs):
         eager, compiled = run[False], run[how]
@@ -174,7 +181,9 @@ def test_torchtitan_s_sharded_experts_train_as_the_same_ranks_eagerly(runs, how)
             torch.testing.assert_close(value, eager["params"][key], msg=f"rank {rank}: {key}")
 
 
-@pytest.mark.parametrize("how", [True, "fsdp"], ids=["compile_regions", "parallelize_fsdp"])
+@pytest.mark.parametrize(
+    "how", [True, "fsdp", "graph"], ids=["compile_regions", "parallelize_fsdp", "graph_fsdp"]
+)
 def test_torchtitan_s_sharded_experts_train_as_one_process_holding_them_all(runs, unsharded, how):
     losses, params = unsharded
     bf16 = {"rtol": 1e-4, "atol": 2e-4}  # the experts' bfloat16 grouped matmuls
