@@ -119,8 +119,8 @@ def report_reuse(
                 "traced bodies compare equal, comparing the symbolic inputs of a nested "
                 "body (an autograd.Function's forward and backward, such as an all-to-all "
                 "taking the split sizes) by identity: no two call sites match. torch's "
-                "gap, closed in torch 2.14, whose reuse check guards the region's inputs "
-                "instead; each call site's subgraph trains correctly"
+                "gap: torch 2.14's reuse check guards the region's inputs instead; each "
+                "call site's subgraph trains correctly"
             )
             fix = (
                 "torch 2.14 or newer compiles the region once; on this torch, nothing "
