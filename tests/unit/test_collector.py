@@ -46,7 +46,9 @@ def test_a_process_that_froze_its_own_objects_or_stopped_the_collector_keeps_it(
     frozen = gc.get_freeze_count()
     with older_objects_frozen():
         pass
-    assert gc.get_freeze_count() == frozen  # not handed back to the collector
+    # not handed back to the collector (gc.unfreeze empties the permanent generation);
+    # a frozen object may still die by refcount meanwhile, another thread's included
+    assert frozen // 2 < gc.get_freeze_count() <= frozen
     gc.unfreeze()
     gc.disable()
     with older_objects_frozen():
