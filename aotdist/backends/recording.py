@@ -209,12 +209,16 @@ class RecordingBackend:
         keep_graphs: bool = False,
         region_frame: str | None = None,
         outer: str | None = None,
+        recompute_reductions: bool = True,
     ):
         self.inner = _compat.lookup_backend(inner) if isinstance(inner, str) else inner
         # "fx": Inductor compiles region bodies only (aotdist.backends.regional)
         self.outer = outer if backend_name(self.inner) == "inductor" else None
         self.plan = plan
         self.region_frame = region_frame  # every graph is this region's frame (a re-trace)
+        # False for outer="eager" (a short run): its regions save their norm statistics,
+        # per-block compile's partition, for the shorter backward compile (docs/internals.md)
+        self.recompute_reductions = recompute_reductions
         self.keep_graphs = keep_graphs
         self.dry_run = False
         self._model_id = id(model) if model is not None else 0
@@ -252,12 +256,13 @@ class RecordingBackend:
         start = time.perf_counter()
         # Regions recompute norm statistics rather than save them (docs/internals.md).
         regions = bool(record.call_sites) or record.standalone is not None
+        recompute = regions and self.recompute_reductions
         try:
             # A passed CPU vector-ISA load check is remembered across processes (torch
             # 2.11 would start a Python per ISA in every process, warm starts included);
             # Triton kernels from a cache entry find their autotuning under this cache dir.
             with (
-                _compat.recomputable_reductions() if regions else contextlib.nullcontext(),
+                _compat.recomputable_reductions() if recompute else contextlib.nullcontext(),
                 _compat.flat_nested_subgraph_refs() if regions else contextlib.nullcontext(),
                 _compat.remembered_isa_loads(),
                 _compat.rerooted_autotune_lookups(),

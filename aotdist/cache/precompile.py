@@ -332,7 +332,12 @@ def _add_frame_eval(
 
 def _save_frame(model: nn.Module, state, name: str, example) -> tuple[bytes, dict]:
     """One call of region ``name``'s frame traced again and saved: (data, its records)."""
-    recorder = RecordingBackend(state.backend.inner, plan=state.plan, region_frame=name)
+    recorder = RecordingBackend(
+        state.backend.inner,
+        plan=state.plan,
+        region_frame=name,
+        recompute_reductions=state.backend.recompute_reductions,  # the live frame's partition
+    )
     start = time.perf_counter()
     args, kwargs = example.inputs()
     with pickled_with_region_depth(model), example.stand_in_parameters():

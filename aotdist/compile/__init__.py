@@ -281,7 +281,11 @@ def _prepare(
             stacklevel=3,
         )
     state.backend = RecordingBackend(
-        inner, model=model, plan=state.plan, outer=resolve_outer(outer, backend, mode, options)
+        inner,
+        model=model,
+        plan=state.plan,
+        outer=resolve_outer(outer, backend, mode, options),
+        recompute_reductions=not eager_outer,  # the shortest compile (docs/internals.md)
     )
     frames = len(state.plan) > 0 and (eager_outer or _tensor_parallel_regions(model, state))
     state.settings = CompileSettings(

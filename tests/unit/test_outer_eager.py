@@ -87,3 +87,37 @@ def test_graph_mode_fsdp_is_refused_before_anything_changes(monkeypatch):
         aotdist.compile_regions(model, backend="aot_eager", outer="eager")
     assert STATE_ATTR not in vars(model)  # nothing marked: the user can compile again
     assert type(model.blocks[0]).__name__ == "GPTBlock"
+
+
+def _saved_activation_bytes(model, x) -> int:
+    from aotdist.bench.saved import SavedBytes
+
+    with SavedBytes(exclude=[*model.parameters(), *model.buffers()]) as saved:
+        loss = model(x).float().square().mean()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return saved.activation_bytes
+
+
+def test_a_short_run_partitions_its_regions_as_per_block_compile_does():
+    """``outer="eager"`` is the shortest compile: its region frames keep torch's default
+    partition (each norm's statistics saved, not recomputed in the backward, the fewer
+    backward kernels per-block compile generates), so they save what per-block compile
+    saves; the one-graph default recomputes them and saves less. Min-cut partitioning
+    (``aot_eager_decomp_partition``: Inductor's partitioner, no codegen)."""
+    backend = "aot_eager_decomp_partition"
+    model, batches = _gpt()
+    x = batches[0][0]
+    short, default, per_block = (copy.deepcopy(model) for _ in range(3))
+    reference = copy.deepcopy(model)
+    aotdist.compile_regions(short, backend=backend, outer="eager")
+    aotdist.compile_regions(default, backend=backend)
+    for block in per_block.blocks:
+        block.compile(backend=backend)
+    assert_training_parity(short, reference, batches[:2])
+    saved = {
+        name: _saved_activation_bytes(m, x)
+        for name, m in (("short", short), ("default", default), ("per_block", per_block))
+    }
+    assert torch._functorch.config.ban_recompute_reductions  # torch's default, restored
+    assert saved["short"] == saved["per_block"] > saved["default"], saved
