@@ -199,6 +199,7 @@ class RecordingBackend:
     """
 
     dry_run = False  # set per instance by aotdist.compile.isolate for its trials
+    recompute_reductions = True  # a backend unpickled from before the option had it on
 
     def __init__(
         self,
