@@ -94,6 +94,40 @@ def _isa_line(results: list[dict]) -> str:
     )
 
 
+# setuptools before 67 imports pkg_resources when imported, which scans every installed
+# distribution; torch's C++ builder imports setuptools in each process that builds or loads
+# Inductor's CPU kernels (0.29-0.31 s against 0.05-0.06 s on the Xeon the README names)
+PKG_RESOURCES_SETUPTOOLS_BELOW = 67
+
+
+def installed_setuptools() -> str | None:
+    """The version of setuptools in this environment (the bench's runs share it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("setuptools")
+    except PackageNotFoundError:
+        return None
+
+
+def _setuptools_line(settings: dict) -> str:
+    """A line for the report when the environment's setuptools adds its import to every run
+    (torch 2.11 allows any setuptools below 82; Python 3.11's venv bundles 65.5)."""
+    found = settings.get("setuptools")
+    try:
+        major = int(str(found).split(".")[0])
+    except ValueError:
+        return ""
+    if major >= PKG_RESOURCES_SETUPTOOLS_BELOW:
+        return ""
+    return (
+        f"setuptools {found}: every run imports pkg_resources when torch's C++ builder first "
+        "loads (about 0.25 s more per process, in the ISA probes and warm restarts of every "
+        "strategy alike; cold compiles are timed apart). Fix: pip install -U "
+        "'setuptools<82' (torch 2.14 requires 77 or newer)."
+    )
+
+
 BUSY_SHARE = 0.10  # others' share of the CPU over the whole run from which it was busy
 BUSY_RUN_SHARE = 0.25  # ... and during one measurement
 
@@ -155,6 +189,7 @@ def _markdown(report: dict) -> str:
         "",
         _load_line(settings, report.get("runs")),
         "",
+        *([line, ""] if (line := _setuptools_line(settings)) else []),
         f"Settings: backend {settings['backend']}{_mode_text(settings)}, "
         f"device {settings['device']}, "
         f"float8 {settings['float8']}{_mesh_text(settings)}, cold step + "
@@ -524,6 +559,7 @@ def write_report(
         "targets": evaluate_targets(results, {**ratios, **tts["crossovers"]}),
     }
     report["settings"].setdefault("duration_s", 0.0)
+    report["settings"].setdefault("setuptools", installed_setuptools())
     for key, default in (
         ("backend", "?"),
         ("device", "?"),

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from aotdist.bench import MAIN_JOB, MAIN_SETTINGS, QUICK_SETTINGS, Case, interleave, plan_cases
-from aotdist.bench.report import compute_ratios, evaluate_targets, write_report
+from aotdist.bench.report import (
+    compute_ratios,
+    evaluate_targets,
+    installed_setuptools,
+    write_report,
+)
 from aotdist.bench.saved import SavedBytes
 from aotdist.bench.stats import summarize_cells, verdict
 from aotdist.bench.strategies import STRATEGIES, get_strategy, register_strategy
@@ -325,6 +330,22 @@ def test_report_contents(tmp_path):
     own = {**settings, "load_end": {"loadavg": [1.13, 1.2, 1.8], "cpus": 2}}
     write_report(runs, tmp_path / "own", settings=own)
     assert "The machine was busy" not in (tmp_path / "own" / "bench.md").read_text()
+
+
+def test_the_report_names_a_setuptools_that_slows_every_run(tmp_path):
+    """setuptools before 67 imports pkg_resources in each run's C++ builder (a warm
+    restart's share): the report says so, with the fix; a newer one is not mentioned, and
+    the environment's own version is recorded when the caller gives none."""
+    runs = [_cell_fields(r) for r in _three_repeats()]
+    base = {"backend": "inductor", "device": "cpu", "steps": 20, "warmup": 3, "repeats": 3}
+    write_report(runs, tmp_path / "old", settings={**base, "setuptools": "65.5.0"})
+    md = (tmp_path / "old" / "bench.md").read_text()
+    assert "setuptools 65.5.0: every run imports pkg_resources" in md
+    assert "pip install -U 'setuptools<82'" in md
+    write_report(runs, tmp_path / "new", settings={**base, "setuptools": "84.2.1"})
+    assert "pkg_resources" not in (tmp_path / "new" / "bench.md").read_text()
+    report = write_report(runs, tmp_path / "here", settings=base)
+    assert report["settings"]["setuptools"] == installed_setuptools()
 
 
 def test_saved_bytes_of_a_linear_relu_chain():
