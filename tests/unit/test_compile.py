@@ -20,6 +20,7 @@ from aotdist.testing import AliasingNet, TinyGPT, TinyResNet, TinyViT, example_i
 from aotdist.testing.distributed import fake_world
 from aotdist.testing.models import CountingBlock, GPTBlock, ReadAfterUpdateBlock
 from aotdist.testing.parity import assert_parity, assert_training_parity
+from aotdist.testing.training import saved_activation_bytes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -775,16 +776,6 @@ def test_reuse_pass_replays_a_view_of_an_input_on_the_outer_argument():
     assert the_pass.reports[-1].replayed == ["getitem_1"]
 
 
-def _saved_activation_bytes(run, model, x) -> int:
-    from aotdist.bench.saved import SavedBytes
-
-    with SavedBytes(exclude=[*model.parameters(), *model.buffers()]) as saved:
-        loss = run(x).float().square().mean()
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    return saved.activation_bytes
-
-
 @pytest.mark.parametrize("recompute", [True, False], ids=["aotdist", "torch-default"])
 def test_regions_save_no_more_for_backward_than_a_whole_model_compile(recompute, monkeypatch):
     """Min-cut partitioning (aot_eager_decomp_partition: Inductor's partitioner, no
@@ -804,8 +795,8 @@ def test_regions_save_no_more_for_backward_than_a_whole_model_compile(recompute,
     compiled_full = torch.compile(full, backend=backend)
     assert_parity(model, reference, (x,))
     model.zero_grad(set_to_none=True)
-    ours = _saved_activation_bytes(model, model, x)
-    theirs = _saved_activation_bytes(compiled_full, full, x)
+    ours = saved_activation_bytes(model, x)
+    theirs = saved_activation_bytes(full, x, compiled_full)
     assert torch._functorch.config.ban_recompute_reductions  # restored after the compile
     if recompute:
         assert ours <= theirs, (ours, theirs)

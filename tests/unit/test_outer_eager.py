@@ -16,6 +16,7 @@ from aotdist.errors import ConfigError, RegionCompileWarning
 from aotdist.metrics import track
 from aotdist.testing import assert_training_parity
 from aotdist.testing.models import TinyResNet, build_model, example_inputs
+from aotdist.testing.training import saved_activation_bytes
 
 
 def _gpt():
@@ -89,16 +90,6 @@ def test_graph_mode_fsdp_is_refused_before_anything_changes(monkeypatch):
     assert type(model.blocks[0]).__name__ == "GPTBlock"
 
 
-def _saved_activation_bytes(model, x) -> int:
-    from aotdist.bench.saved import SavedBytes
-
-    with SavedBytes(exclude=[*model.parameters(), *model.buffers()]) as saved:
-        loss = model(x).float().square().mean()
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    return saved.activation_bytes
-
-
 def test_a_short_run_partitions_its_regions_as_per_block_compile_does():
     """``outer="eager"`` is the shortest compile: its region frames keep torch's default
     partition (each norm's statistics saved, not recomputed in the backward, the fewer
@@ -116,7 +107,7 @@ def test_a_short_run_partitions_its_regions_as_per_block_compile_does():
         block.compile(backend=backend)
     assert_training_parity(short, reference, batches[:2])
     saved = {
-        name: _saved_activation_bytes(m, x)
+        name: saved_activation_bytes(m, x)
         for name, m in (("short", short), ("default", default), ("per_block", per_block))
     }
     assert torch._functorch.config.ban_recompute_reductions  # torch's default, restored
