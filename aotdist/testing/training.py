@@ -1,6 +1,6 @@
-"""Training helpers shared by the tests: per-rank batches, the language-model loss, one
-data-parallel training step, the single-process eager reference, a log recorder, and the
-activation bytes one step saves for backward."""
+"""Training helpers shared by the multi-rank tests: per-rank batches, the language-model
+loss, one data-parallel training step, the single-process eager reference, and a log
+recorder."""
 
 from __future__ import annotations
 
@@ -168,18 +168,3 @@ def record_logs(
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old)
-
-
-def saved_activation_bytes(
-    model: nn.Module, x: torch.Tensor, call: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> int:
-    """The activation bytes one forward of ``call`` (default: ``model``) on ``x`` saves for
-    backward, ``model``'s parameters and buffers apart (the bench's
-    :class:`~aotdist.bench.saved.SavedBytes`); runs the backward, then clears the grads."""
-    from aotdist.bench.saved import SavedBytes
-
-    with SavedBytes(exclude=[*model.parameters(), *model.buffers()]) as saved:
-        loss = (model if call is None else call)(x).float().square().mean()
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    return saved.activation_bytes

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from saved_bytes import saved_activation_bytes
 from torch import nn
 
 import aotdist
@@ -20,7 +21,6 @@ from aotdist.testing import AliasingNet, TinyGPT, TinyResNet, TinyViT, example_i
 from aotdist.testing.distributed import fake_world
 from aotdist.testing.models import CountingBlock, GPTBlock, ReadAfterUpdateBlock
 from aotdist.testing.parity import assert_parity, assert_training_parity
-from aotdist.testing.training import saved_activation_bytes
 
 pytestmark = pytest.mark.timeout(300)
 

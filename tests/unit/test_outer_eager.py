@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from saved_bytes import saved_activation_bytes
 
 import aotdist
 from aotdist.compile.state import STATE_ATTR, CompileMode
@@ -16,7 +17,6 @@ from aotdist.errors import ConfigError, RegionCompileWarning
 from aotdist.metrics import track
 from aotdist.testing import assert_training_parity
 from aotdist.testing.models import TinyResNet, build_model, example_inputs
-from aotdist.testing.training import saved_activation_bytes
 
 
 def _gpt():
