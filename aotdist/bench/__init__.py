@@ -43,7 +43,8 @@ from aotdist.bench.cells import (
     plan_cases,
 )
 from aotdist.bench.forkserver import ForkServer, fork_available, spawned
-from aotdist.bench.report import load_snapshot, write_report
+from aotdist.bench.machine import load_snapshot
+from aotdist.bench.report import write_report
 from aotdist.bench.runner import PHASE_PREFIX, RESULT_PREFIX
 from aotdist.bench.stats import PEERS, fresh_start_s, restart_s
 from aotdist.errors import BenchError, ConfigError, MissingDependencyError

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from aotdist.bench.busy import OthersMeter, _ours
-from aotdist.bench.report import _load_line
+from aotdist.bench.machine import load_line
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
@@ -40,9 +40,9 @@ def test_the_report_says_busy_from_others_share_and_names_the_disturbed_runs():
         {"strategy": "aotdist", "model": "gpt", "depth": 8, "nproc": 1, "others_cpu_share": 0.01},
         {"strategy": "full", "model": "gpt", "depth": 8, "nproc": 1, "repeat": 1},
     ]
-    quiet = _load_line(settings, runs)
+    quiet = load_line(settings, runs)
     assert "Other processes used 2% of the CPU time" in quiet and "busy" not in quiet
     runs[1]["others_cpu_share"] = 0.4
-    line = _load_line(settings, runs)
+    line = load_line(settings, runs)
     assert "The machine was busy" in line and "full gpt depth 8 repeat 2 (40%)" in line
-    assert "The machine was busy" in _load_line({**settings, "others_cpu_share": 0.2}, [])
+    assert "The machine was busy" in load_line({**settings, "others_cpu_share": 0.2}, [])

@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from aotdist.bench import MAIN_JOB, MAIN_SETTINGS, QUICK_SETTINGS, Case, interleave, plan_cases
-from aotdist.bench.report import (
-    compute_ratios,
-    evaluate_targets,
-    installed_setuptools,
-    write_report,
-)
+from aotdist.bench.machine import installed_setuptools
+from aotdist.bench.report import compute_ratios, evaluate_targets, write_report
 from aotdist.bench.saved import SavedBytes
 from aotdist.bench.stats import summarize_cells, verdict
 from aotdist.bench.strategies import STRATEGIES, get_strategy, register_strategy
