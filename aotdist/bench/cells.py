@@ -93,14 +93,16 @@ MAIN_SETTINGS = JobSettings(steps=20, warmup=3, repeats=2)
 # `aotdist bench --full` (plan_cases(full=True)): the whole matrix the targets name (GPT
 # and Llama at depths 8, 32 and 64 against every peer, the ModuleDict model at 8 and 32,
 # warm restarts at depth 8 of both, diffusers' Flux at 8 against compile_repeated_blocks
-# too); with 2 repeats about an hour on a quiet 2-core CPU.
+# too), each with what a short and a long run compile (aotdist+frames, aotdist+lowered),
+# so that every T(N) target reads the choice a run of that length gets.
+_ALL_RUNS = (*ALL_STRATEGIES, _LONG, _SHORT)
 FULL_JOB = (
-    SubBench("gpt", (8,), strategies=("eager", *_WARM), warm=_WARM),
-    SubBench("gpt", (32, 64), strategies=ALL_STRATEGIES),
-    SubBench("llama", (8,), strategies=("eager", *_WARM), warm=_WARM),
-    SubBench("llama", (32, 64), strategies=ALL_STRATEGIES),
-    SubBench("dictgpt", (8, 32), strategies=_PEERS_AND_AOTDIST[1:]),
-    SubBench("flux", (8,), strategies=(*_PEERS_AND_AOTDIST, "repeated_blocks")),
+    SubBench("gpt", (8,), strategies=("eager", *_WARM, _LONG, _SHORT), warm=_WARM),
+    SubBench("gpt", (32, 64), strategies=_ALL_RUNS),
+    SubBench("llama", (8,), strategies=("eager", *_WARM, _LONG, _SHORT), warm=_WARM),
+    SubBench("llama", (32, 64), strategies=_ALL_RUNS),
+    SubBench("dictgpt", (8, 32), strategies=(*_PEERS_AND_AOTDIST[1:], _LONG, _SHORT)),
+    SubBench("flux", (8,), strategies=(*_PEERS_AND_AOTDIST, "repeated_blocks", _SHORT)),
 )
 
 # `aotdist bench --quick`: one depth, one run per compiling strategy, few steps (about 2

@@ -1,4 +1,4 @@
-"""What ``aotdist bench`` runs: the main and quick jobs, explicit grids, and the
+"""What ``aotdist bench`` runs: the main, full and quick jobs, explicit grids, and the
 round-robin order of repeats."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from aotdist.bench import MAIN_JOB, MAIN_SETTINGS, QUICK_SETTINGS, Case, interleave, plan_cases
+from aotdist.bench.cells import FULL_JOB
 from aotdist.errors import ConfigError
 
 
@@ -41,6 +42,26 @@ def test_default_plan_is_the_main_job():
     assert MAIN_SETTINGS.repeats >= 2  # every figure with a spread
     only = plan_cases(strategies=["aotdist"])
     assert {c.strategy for c in only} == {"aotdist"} and len(only) == 5
+
+
+def test_full_plan_reads_every_target_cell_with_each_run_length():
+    """--full: GPT and Llama at 8, 32 and 64 and the ModuleDict model, each against every
+    peer and with what a short run (frames) and a long run (lowered) compile."""
+    cases = plan_cases(full=True)
+    assert len(cases) == sum(len(sb.depths) * len(sb.strategies) for sb in FULL_JOB)
+    runs = {}
+    for c in cases:
+        runs.setdefault((c.model, c.depth), set()).add(c.strategy)
+    targets = [(m, d) for m in ("gpt", "llama") for d in (8, 32, 64)] + [("dictgpt", 8)]
+    for cell in targets:
+        assert {"aotdist", "aotdist+frames", "aotdist+lowered", "accelerate", "per_block"} <= (
+            runs[cell]
+        ), cell
+        # the long run's compile is judged against whole-model compile's step
+        assert cell[0] == "dictgpt" or "full" in runs[cell], cell
+    warm = {(c.model, c.depth) for c in cases if c.warm}
+    assert warm == {("gpt", 8), ("llama", 8)}
+    assert len(set(cases)) == len(cases)  # no cell twice
 
 
 def test_quick_plan_is_one_depth_one_repeat():
