@@ -159,8 +159,8 @@ def _markdown(report: dict) -> str:
         "|---|---|---|---|",
     ]
     lines += [
-        f"| {k}{' (paired)' if v.get('source') == 'paired' else ''} | {v['value']:.2f}x "
-        f"[{v['min']:.2f}-{v['max']:.2f}] | {v['repeats']} | "
+        f"| {k}{' (paired)' if v.get('source') == 'paired' else ''} | {_value(v)} | "
+        f"{v['repeats']} | "
         f"{v['numerator']:.4g} / {v['denominator']:.4g} |"
         for k, v in report["ratios"].items()
         if v.get("source") != "time to steps"
@@ -188,8 +188,11 @@ def _markdown(report: dict) -> str:
 
 
 def _value(r: dict) -> str:
-    """``median [min-max]`` of a ratio (``0.95x [0.90-1.10]``) or of a step count
-    (``849 [700-never] steps``; ``None`` is never)."""
+    """``median [min-max]`` of a ratio (``0.95x [0.90-1.10]``), of milliseconds
+    (``65 ms [63 to 67]``: signed, a strategy's tracing may shrink with depth) or of a
+    step count (``849 [700-never] steps``; ``None`` is never)."""
+    if r.get("unit") == "ms":  # round() gives ints: no "-0"
+        return f"{round(r['value'])} ms [{round(r['min'])} to {round(r['max'])}]"
     if r.get("unit") != "steps":
         return f"{r['value']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]"
 
