@@ -98,6 +98,20 @@ def test_bench_writes_report_with_measured_ratios(tmp_path):
     assert [r["denominator"] for r in t100["per_repeat"]] == pytest.approx(
         [cold["full"] + 100 * rounds["full"][r["round"]] for r in t100["per_repeat"]]
     )
+    # Tracing per extra block: ms of Dynamo + AOTAutograd added over the blocks added.
+    tracing = {k: ratios.pop(k) for k in list(ratios) if ": tracing ms per extra block " in k}
+    assert "gpt: tracing ms per extra block aotdist depth2/depth1" in tracing
+
+    def traced(r):
+        return r["compile_split_s"]["dynamo"] + r["compile_split_s"]["aot_autograd"]
+
+    for key, ratio in tracing.items():
+        strategy, depths = key.split(" per extra block ")[1].split(" depth", 1)
+        hi, lo = (int(d) for d in depths.replace("depth", "").split("/"))
+        nproc = 2 if key.startswith("gpt fsdp2x2") else 1
+        top, low = results[(strategy, hi, nproc)], results[(strategy, lo, nproc)]
+        assert ratio["unit"] == "ms" and ratio["denominator"] == hi - lo
+        assert ratio["numerator"] == pytest.approx(1000 * (traced(top) - traced(low)))
     for ratio in ratios.values():
         assert ratio.get("source") != "paired"
         assert ratio["numerator"] in measured and ratio["denominator"] in measured
