@@ -260,17 +260,19 @@ def summarize_cells(runs: list[dict]) -> list[dict]:
     return out
 
 
-def _ratios_one_repeat(rows: list[dict]) -> dict[str, tuple[float, float]]:
+def _ratios_one_repeat(rows: list[dict]) -> dict[str, tuple[float, float, str | None]]:
     """``name -> (numerator, denominator)`` from the runs of one repeat."""
-    found: dict[str, tuple[float, float]] = {}
+    found: dict[str, tuple[float, float, str | None]] = {}
     for group, members in _groups(rows).items():
         idx = {(r["strategy"], r["depth"]): r for r in members}
         depths = sorted({r["depth"] for r in members})
         strategies = sorted({r["strategy"] for r in members})
 
-        def put(key: str, num: float | None, den: float | None, group=group):
+        def put(key: str, num: float | None, den: float | None, group=group, unit=None):
+            """A ratio of two measurements; ``unit``: what the value is where it is not a
+            quotient of like quantities (the report prints it instead of ``x``)."""
             if num is not None and den is not None and den > 0:
-                found[f"{group}: {key}"] = (num, den)
+                found[f"{group}: {key}"] = (num, den, unit)
 
         for d in depths:
             a = idx.get(("aotdist", d))
@@ -340,12 +342,9 @@ def _ratios_one_repeat(rows: list[dict]) -> dict[str, tuple[float, float]]:
                             f"tracing ms per extra block {s} depth{hi}/depth{mine[0]}",
                             1000 * (t_hi - t_lo),
                             hi - mine[0],
+                            unit="ms",
                         )
     return found
-
-
-# Ratios whose value is not a quotient of like quantities: the unit the report prints.
-_UNITS = {"tracing ms per extra block": "ms"}
 
 
 def _tracing_s(result: dict) -> float | None:
@@ -412,16 +411,17 @@ def compute_ratios(runs: list[dict], paired: list[dict] | None = None) -> dict:
     for r in runs:
         by_repeat.setdefault(r.get("repeat", 0), []).append(r)
     per_name: dict[str, list[dict]] = {}
+    units: dict[str, str] = {}
     for rep in sorted(by_repeat):
-        for name, (num, den) in _ratios_one_repeat(by_repeat[rep]).items():
+        for name, (num, den, unit) in _ratios_one_repeat(by_repeat[rep]).items():
             per_name.setdefault(name, []).append(
                 {"repeat": rep, "numerator": num, "denominator": den, "value": num / den}
             )
+            if unit:
+                units[name] = unit
     ratios = {name: {**_summary(rows), "per_repeat": rows} for name, rows in per_name.items()}
-    for name, ratio in ratios.items():
-        for marker, unit in _UNITS.items():
-            if f": {marker} " in name:
-                ratio["unit"] = unit
+    for name, unit in units.items():
+        ratios[name]["unit"] = unit
     ratios.update(_paired_step_ratios(paired or []))
     return ratios
 
